@@ -1,0 +1,46 @@
+# The developer and CI interface. Every target creates .venv and installs into it when needed.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+CONFIG  ?= configs/tiny_cpu.toml
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast test-gpu lint fmt bench bench-gpu clean venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+# The training loop is not joined yet: the demo validates the default config, builds the tiny
+# model and samples a reply from it (untrained, so the reply is noise).
+demo: $(STAMP)
+	$(BIN)/molt-hpc config $(CONFIG) > /dev/null
+	$(BIN)/molt-hpc sample $(CONFIG) --prompt "Reverse: abc"
+
+test: $(STAMP)
+	$(BIN)/pytest -m "not gpu" $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/pytest -m "not gpu and not slow and not slurm" -x $(PYTEST_ARGS)
+
+test-gpu: $(STAMP)
+	$(BIN)/pytest -m gpu $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+fmt: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: $(STAMP)
+	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,80 @@
+"""The `molt-hpc` command: click routes subcommands to library functions.
+
+Commands never re-declare config fields as flags: a config is a TOML file plus repeatable
+`--set dotted.key=value` overrides. Heavy modules (torch, transformers) are imported inside the
+commands so `molt-hpc --help` stays fast. User errors (`ValueError`, `ConfigError`) print one
+line and exit 2; set MOLT_DEBUG=1 to see their traceback.
+"""
+
+import os
+import sys
+
+import click
+
+SET_HELP = "Override a config key, e.g. --set algorithm.kl_coef=0.01 (repeatable)."
+DEFAULT_CONFIG = "configs/tiny_cpu.toml"
+
+
+class _Group(click.Group):
+    """Turns user errors into one line on stderr and exit code 2."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except ValueError as err:  # ConfigError included: a message for the user, not a bug report
+            if os.environ.get("MOLT_DEBUG"):
+                raise
+            click.echo(f"error: {err}", err=True)
+            sys.exit(2)
+
+
+def _load(config: str | None, overrides: tuple[str, ...]):
+    from molt_hpc.config import load_config
+
+    return load_config(config, overrides)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="molt-hpc")
+def main() -> None:
+    """molt-hpc: reinforcement learning for LLMs on Slurm clusters, without Ray."""
+
+
+@main.command("config")
+@click.argument("config", required=False)
+@click.option("--set", "overrides", multiple=True, help=SET_HELP)
+@click.option("--docs", is_flag=True, help="Write each field's description above it.")
+def config_cmd(config: str | None, overrides: tuple[str, ...], docs: bool) -> None:
+    """Print the resolved config (CONFIG, or the embedded defaults) as TOML."""
+    from molt_hpc.config import to_toml
+
+    click.echo(to_toml(_load(config, overrides), docs=docs), nl=False)
+
+
+@main.group("model")
+def model_group() -> None:
+    """Model sources."""
+
+
+@model_group.command("build-tiny")
+@click.argument("out_dir")
+@click.option("--config", "config", default=None, help="Take model.tiny from this config file.")
+@click.option("--set", "overrides", multiple=True, help=SET_HELP)
+def build_tiny_cmd(out_dir: str, config: str | None, overrides: tuple[str, ...]) -> None:
+    """Write the offline tiny model (tokenizer + random-init weights, HF layout) to OUT_DIR."""
+    from molt_hpc.models import build_tiny
+
+    cfg = _load(config, overrides)
+    path = build_tiny(out_dir, cfg.model.tiny)
+    click.echo(f"wrote {path}")
+
+
+@main.command("sample")
+@click.argument("config", required=False)
+@click.option("--set", "overrides", multiple=True, help=SET_HELP)
+@click.option("--prompt", default="hello", help="User message to sample a reply to.")
+def sample_cmd(config: str | None, overrides: tuple[str, ...], prompt: str) -> None:
+    """Load the configured model and sample one reply (a quick check that a model loads)."""
+    from molt_hpc.sample import sample_reply
+
+    click.echo(sample_reply(_load(config, overrides), prompt))

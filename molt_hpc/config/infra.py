@@ -1,0 +1,131 @@
+"""Config sections for the run itself and its plumbing: run, buffer, refit, slurm, logging."""
+
+import datetime
+from typing import Literal
+
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
+
+from molt_hpc.config.base import Section
+
+def slurm_time_seconds(text: str) -> int:
+    """Seconds in a Slurm time limit: `MM`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM` or `D-HH:MM:SS`."""
+    days_text, has_days, clock = text.strip().rpartition("-")
+    fields = clock.split(":")
+    if not all(f.isdigit() for f in [*fields, *([days_text] if has_days else [])]) or len(fields) > 3:
+        raise ValueError(f"{text!r} is not a Slurm time limit; write D-HH:MM:SS, HH:MM:SS or minutes")
+    nums = [int(f) for f in fields]
+    if has_days:  # D-HH[:MM[:SS]]
+        nums += [0] * (3 - len(nums))
+        return int(days_text) * 86400 + nums[0] * 3600 + nums[1] * 60 + nums[2]
+    if len(nums) == 1:
+        return nums[0] * 60
+    if len(nums) == 2:
+        return nums[0] * 60 + nums[1]
+    return nums[0] * 3600 + nums[1] * 60 + nums[2]
+
+
+class RunConfig(Section):
+    """The run: its name, where it lives, how long it trains."""
+
+    name: str = Field("tiny-cpu", pattern=r"^[A-Za-z0-9._-]+$")
+    """Run name; the run directory is `<root>/<name>`."""
+    root: str = "runs"
+    """Directory holding run directories (on the shared filesystem for Slurm runs)."""
+    steps: PositiveInt = 60
+    """Training steps (optimizer updates of the policy) before the run ends."""
+    seed: int = 0
+    """Seed of everything random: data order, sampling, initialisation."""
+    sync: bool = False
+    """Synchronous mode: rollouts wait for each refit (staleness 0); for debugging and comparison."""
+
+
+class BufferConfig(Section):
+    """The replay buffer: the spool of finished groups between the engine pool and the actor pool."""
+
+    backend: Literal["fs", "shm"] = "fs"
+    """`fs`: a directory in the run directory (shared filesystem); `shm`: /dev/shm (both pools on one node)."""
+    capacity: PositiveInt = 32
+    """Unconsumed groups held at most; producers block beyond it (backpressure, never dropping)."""
+    max_staleness: NonNegativeInt = 2
+    """Groups made by a policy more than this many versions old are moved aside, not trained."""
+    put_timeout_s: PositiveFloat = 3600.0
+    """A producer blocked this long raises a clear error (the consumer is gone or stuck)."""
+    lease_timeout_s: PositiveFloat = 600.0
+    """A claim older than this returns to the pool (a consumer died without acking)."""
+
+
+class RefitConfig(Section):
+    """The weight refit from the actor pool to the engines."""
+
+    interval: PositiveInt = 1
+    """Refit the engines every this many training steps."""
+    bucket_mb: PositiveInt = 256
+    """Size of one flat broadcast bucket, in MiB."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Communicator of the refit group: NCCL between GPUs, gloo on CPU; `auto` follows the devices."""
+    timeout_s: PositiveFloat = 600.0
+    """Rendezvous and transfer timeout."""
+
+
+class SlurmGroupConfig(Section):
+    """Resources of one het group of the Slurm job."""
+
+    nodes: NonNegativeInt = 1
+    """Nodes of this group (0 is an error: every group needs a node)."""
+    gpus_per_node: NonNegativeInt = 0
+    """GPUs requested per node (`--gpus-per-node`)."""
+    cpus_per_task: PositiveInt = 2
+    """CPUs per task."""
+    mem: str | None = None
+    """Memory per node (`--mem`, e.g. `200G`); unset leaves the partition default."""
+    partition: str | None = None
+    """Partition (queue)."""
+    account: str | None = None
+    """Account to charge."""
+    qos: str | None = None
+    """Quality of service."""
+    constraint: str | None = None
+    """Node feature constraint (`--constraint`)."""
+    extra_sbatch: list[str] = Field(default_factory=list)
+    """Extra `#SBATCH` options, each written as `--key=value`."""
+
+
+class SlurmConfig(Section):
+    """The heterogeneous Slurm job: het group 0 is the actor pool, het group 1 the engine pool."""
+
+    actor: SlurmGroupConfig = Field(default_factory=SlurmGroupConfig)
+    """Het group 0: the actor pool."""
+    engines: SlurmGroupConfig = Field(default_factory=SlurmGroupConfig)
+    """Het group 1: the engine pool."""
+    time: str = "01:00:00"
+    """Time limit of the job (D-HH:MM:SS)."""
+    job_name: str = "molt-hpc"
+    """Slurm job name."""
+    signal_lead_s: PositiveInt = 120
+    """The job asks for a warning signal this many seconds before its time limit, to checkpoint and requeue."""
+    requeue: bool = True
+    """Requeue after a preemption or time-limit warning (resuming from the checkpoint and buffer)."""
+    max_engine_restarts: NonNegativeInt = 3
+    """Times a dead engine-pool step is relaunched inside the same allocation."""
+    setup: list[str] = Field(default_factory=list)
+    """Shell lines run before the job steps (e.g. `module load cuda`, `source .venv/bin/activate`)."""
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _check_time(cls, value: object) -> object:
+        if isinstance(value, datetime.time):  # an unquoted `time = 01:00:00` in TOML
+            value = value.isoformat()
+        if isinstance(value, str):
+            slurm_time_seconds(value)
+        return value
+
+
+class LoggingConfig(Section):
+    """Logs, metrics and progress display."""
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level of every process."""
+    progress: Literal["auto", "bar", "lines"] = "auto"
+    """`bar`: a progress bar; `lines`: one fixed-format line per step; `auto`: a bar on a terminal."""
+    all_ranks: bool = False
+    """Let every trainer rank log (by default only rank 0 does)."""

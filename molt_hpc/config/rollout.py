@@ -1,0 +1,80 @@
+"""Config sections for the engine-pool side: rollout orchestration, inference engines, the router."""
+
+from typing import Literal
+
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
+
+from molt_hpc.config.base import Section
+
+
+class RolloutConfig(Section):
+    """Steps 2-3 of the RL loop: the orchestrator, the agent and its sampling."""
+
+    agent: str = "envs/reverse.py"
+    """The agent: a file path (`envs/math.py`) or an importable module (`my_pkg.my_env`) that
+    declares one `Env` subclass or one `ChatAgent` subclass."""
+    n_samples: PositiveInt = 8
+    """Samples per prompt: the group size of GRPO-style advantages."""
+    groups_in_flight: PositiveInt = 8
+    """Groups kept in flight through the router at once."""
+    temperature: PositiveFloat = 1.0
+    """Sampling temperature (engine log-probs are taken after it, so ratios stay exact)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    top_k: NonNegativeInt = 0
+    """Top-k sampling; 0 disables it."""
+    max_new_tokens: PositiveInt = 16
+    """Cap on the tokens generated in one turn."""
+    max_total_tokens: PositiveInt = 128
+    """Cap on a whole trajectory (prompt + every turn); each turn gets what is left."""
+    max_turns: PositiveInt = 1
+    """Most model turns of a multi-turn episode."""
+    env_timeout_s: PositiveFloat = 30.0
+    """A single `Env.step` that takes longer fails its sample."""
+    on_env_error: Literal["drop_group", "retry"] = "drop_group"
+    """A failed sample (env raised or timed out) drops its group, or is retried from its start."""
+    max_retries: NonNegativeInt = 2
+    """Retries of a failed sample before its group is dropped."""
+    request_timeout_s: PositiveFloat = 120.0
+    """HTTP timeout of one generate call."""
+
+
+class EnginesConfig(Section):
+    """The inference engines of the engine pool."""
+
+    kind: Literal["builtin", "vllm"] = "builtin"
+    """`builtin`: the PyTorch + transformers engine that runs anywhere (CPU included);
+    `vllm`: `vllm serve` processes (GPU clusters; needs the `gpu` extra)."""
+    count: PositiveInt = 1
+    """Engines in local mode; on Slurm, engines per engine-pool node."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Engine device; `auto` picks CUDA when available."""
+    max_batch: PositiveInt = 64
+    """Most sequences one engine decodes together."""
+    max_model_len: PositiveInt = 512
+    """Longest sequence (prompt + completion) an engine accepts."""
+    tensor_parallel: PositiveInt = 1
+    """GPUs per engine (vLLM tensor parallelism)."""
+    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
+    """Fraction of GPU memory a vLLM engine may take."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (a train/inference consistency guard; slower decode)."""
+    prefix_caching: bool = True
+    """Reuse the KV cache of shared prefixes (vLLM)."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Extra command-line arguments for `vllm serve`."""
+    threads: NonNegativeInt = 0
+    """torch CPU threads per engine process; 0 keeps torch's default."""
+
+
+class RouterConfig(Section):
+    """The HTTP router in front of the engines (consistent hashing on the session id)."""
+
+    balance_factor: float = Field(1.25, ge=1.0)
+    """Bounded loads: an engine takes at most ceil(c · average) in-flight sessions; overflow walks the ring."""
+    virtual_nodes: PositiveInt = 160
+    """Points per engine on the hash ring."""
+    health_interval_s: PositiveFloat = 2.0
+    """Seconds between health checks of each engine."""
+    connect_retries: PositiveInt = 3
+    """Engines tried for one request when connections fail."""

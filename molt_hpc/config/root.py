@@ -1,0 +1,124 @@
+"""The root of the config tree and the rules that span sections.
+
+Derived values are properties; validators only check, they never rewrite fields.
+"""
+
+from pydantic import Field, model_validator
+
+from molt_hpc.config.base import Section
+from molt_hpc.config.infra import (
+    BufferConfig,
+    LoggingConfig,
+    RefitConfig,
+    RunConfig,
+    SlurmConfig,
+    slurm_time_seconds,
+)
+from molt_hpc.config.model import DataConfig, ModelConfig
+from molt_hpc.config.rollout import EnginesConfig, RolloutConfig, RouterConfig
+from molt_hpc.config.train import ActorConfig, AlgorithmConfig, CheckpointConfig
+
+GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")
+
+
+class MoltConfig(Section):
+    """A whole run. Its defaults are the embedded tiny CPU recipe (`configs/tiny_cpu.toml`)."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    """The run: name, directory, steps, seed."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """The prompt dataset."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Rollout orchestration and sampling."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """Advantages and losses."""
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    """The trainer."""
+    engines: EnginesConfig = Field(default_factory=EnginesConfig)
+    """The inference engines."""
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    """The session-affine router."""
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    """The replay buffer."""
+    refit: RefitConfig = Field(default_factory=RefitConfig)
+    """The weight refit."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoints and resume."""
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    """The heterogeneous Slurm job."""
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    """Logs and metrics."""
+
+    @model_validator(mode="after")
+    def _cross_section_rules(self) -> "MoltConfig":
+        alg, ro, act = self.algorithm, self.rollout, self.actor
+        if alg.advantage in GROUP_ADVANTAGES and ro.n_samples < 2:
+            raise ValueError(
+                f"rollout.n_samples = {ro.n_samples} but algorithm.advantage = {alg.advantage!r} "
+                "compares samples within a group: set rollout.n_samples >= 2"
+            )
+        if ro.max_new_tokens > ro.max_total_tokens:
+            raise ValueError(
+                f"rollout.max_new_tokens ({ro.max_new_tokens}) exceeds rollout.max_total_tokens "
+                f"({ro.max_total_tokens}): raise max_total_tokens or lower max_new_tokens"
+            )
+        if ro.max_total_tokens > self.engines.max_model_len:
+            raise ValueError(
+                f"rollout.max_total_tokens ({ro.max_total_tokens}) exceeds engines.max_model_len "
+                f"({self.engines.max_model_len}): raise engines.max_model_len"
+            )
+        if act.mini_batches > act.groups_per_step:
+            raise ValueError(
+                f"actor.mini_batches ({act.mini_batches}) exceeds actor.groups_per_step "
+                f"({act.groups_per_step}): a mini-batch needs at least one group"
+            )
+        if self.data.max_prompt_tokens >= ro.max_total_tokens:
+            raise ValueError(
+                f"data.max_prompt_tokens ({self.data.max_prompt_tokens}) leaves no room to generate "
+                f"within rollout.max_total_tokens ({ro.max_total_tokens})"
+            )
+        self._check_tiny_model()
+        self._check_slurm()
+        return self
+
+    def _check_tiny_model(self) -> None:
+        tiny = self.model.tiny
+        if tiny.hidden_size % tiny.num_heads:
+            raise ValueError(
+                f"model.tiny.num_heads ({tiny.num_heads}) must divide model.tiny.hidden_size ({tiny.hidden_size})"
+            )
+        if tiny.num_heads % tiny.num_kv_heads:
+            raise ValueError(
+                f"model.tiny.num_kv_heads ({tiny.num_kv_heads}) must divide model.tiny.num_heads ({tiny.num_heads})"
+            )
+
+    def _check_slurm(self) -> None:
+        sl, act = self.slurm, self.actor
+        for name, group in (("actor", sl.actor), ("engines", sl.engines)):
+            if group.nodes == 0:
+                raise ValueError(f"slurm.{name}.nodes is 0: every het group needs at least one node")
+        gpus = sl.actor.nodes * sl.actor.gpus_per_node
+        inner = act.cp * act.ep
+        if gpus and gpus % inner:
+            raise ValueError(
+                f"the actor pool has {gpus} GPUs (slurm.actor.nodes × gpus_per_node) which does not "
+                f"divide into actor.cp × actor.ep = {inner}: change one so the GPUs divide evenly"
+            )
+        if sl.actor.gpus_per_node and inner > sl.actor.gpus_per_node:
+            raise ValueError(
+                f"actor.cp × actor.ep = {inner} exceeds slurm.actor.gpus_per_node = "
+                f"{sl.actor.gpus_per_node}: context and expert parallelism stay inside a node"
+            )
+        engine_gpus = sl.engines.gpus_per_node
+        if engine_gpus and engine_gpus % self.engines.tensor_parallel:
+            raise ValueError(
+                f"slurm.engines.gpus_per_node ({engine_gpus}) is not a multiple of "
+                f"engines.tensor_parallel ({self.engines.tensor_parallel})"
+            )
+        if sl.signal_lead_s >= slurm_time_seconds(sl.time):
+            raise ValueError(
+                f"slurm.signal_lead_s ({sl.signal_lead_s}) is not shorter than slurm.time ({sl.time}): "
+                "the warning would come before the job starts; lower the lead or raise the time limit"
+            )

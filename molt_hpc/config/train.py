@@ -1,0 +1,133 @@
+"""Config sections for the trainer side: the RL algorithm, the actor pool and checkpoints."""
+
+from typing import Literal
+
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+
+from molt_hpc.config.base import Section
+
+AdvantageKind = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"]
+PolicyLossKind = Literal["ppo", "gspo", "cispo"]
+
+
+class AlgorithmConfig(Section):
+    """Steps 4-7 of the RL loop: advantages, policy loss, KL, entropy, value loss."""
+
+    advantage: AdvantageKind = "grpo"
+    """Advantage estimator. `grpo`: group mean/std; `dr_grpo`: group mean, no std, no length
+    normalisation; `rloo`: leave-one-out baseline; `reinforce_pp`: token returns with KL penalty,
+    batch-normalised; `gae`: generalised advantage estimation with a critic."""
+    policy_loss: PolicyLossKind = "ppo"
+    """Policy loss: PPO-clip on the token ratio, GSPO (sequence-level ratio) or CISPO (clipped IS
+    weight times the log-prob, gradient through every token)."""
+    eps_low: float = Field(0.2, gt=0.0, lt=1.0)
+    """Lower clip: the ratio is clipped at 1 - eps_low."""
+    eps_high: PositiveFloat = 0.28
+    """Upper clip: the ratio is clipped at 1 + eps_high (clip-higher when above eps_low)."""
+    dual_clip: float | None = Field(None, gt=1.0)
+    """Dual-clip bound c > 1 for negative advantages (the loss is at most c·|A|, 3.0 is usual);
+    unset disables it."""
+    is_correction: Literal["none", "truncate", "mask"] = "truncate"
+    """Off-policy correction against the engine's log-probs: truncate the IS weight at
+    `is_threshold`, mask tokens (or sequences) whose weight exceeds it, or none."""
+    is_level: Literal["token", "sequence"] = "token"
+    """Whether the IS weight of `is_correction` is taken per token or per sequence (geometric mean)."""
+    is_threshold: float = Field(2.0, gt=1.0)
+    """Threshold of the truncated / masked IS weight."""
+    kl_coef: NonNegativeFloat = 0.0
+    """Weight of the KL to the reference model; 0 disables the reference model entirely."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator: k1 = log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r (r = p_ref / p)."""
+    kl_in_reward: bool = False
+    """Put the KL penalty into the reward (REINFORCE++ style) instead of the loss."""
+    entropy_coef: NonNegativeFloat = 0.0
+    """Weight of the entropy bonus."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """Discount for GAE and REINFORCE++ returns."""
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    """GAE lambda."""
+    value_clip: PositiveFloat = 0.2
+    """Clip range of the value loss around the old values."""
+    value_coef: PositiveFloat = 0.5
+    """Weight of the value loss (GAE only)."""
+    adv_eps: PositiveFloat = 1e-6
+    """Added to the group std before dividing (GRPO)."""
+    dynamic_sampling: bool = True
+    """Drop groups whose rewards are all equal (they carry no GRPO signal)."""
+    overlong_buffer: NonNegativeInt = 0
+    """Soft over-long penalty: responses within this many tokens of the length cap are penalised
+    linearly, up to `overlong_penalty`; 0 disables it."""
+    overlong_penalty: NonNegativeFloat = 1.0
+    """Largest over-long penalty subtracted from the reward."""
+    moe_aux_coef: NonNegativeFloat = 0.0
+    """Weight of the MoE load-balancing loss (MoE models only)."""
+    moe_z_coef: NonNegativeFloat = 0.0
+    """Weight of the MoE router z-loss (MoE models only)."""
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage == "gae"
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.kl_coef > 0.0
+
+
+class ActorConfig(Section):
+    """The actor pool: the FSDP2 trainer of the policy (and reference, critic)."""
+
+    ranks: PositiveInt = 1
+    """Trainer processes in local mode (torchrun --nproc-per-node); on Slurm the actor het group's
+    nodes × GPUs decide it."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Trainer device; `auto` picks CUDA when available."""
+    groups_per_step: PositiveInt = 8
+    """Groups (prompts × rollout.n_samples samples) consumed per training step, across all ranks."""
+    micro_batch_size: PositiveInt = 16
+    """Sequences per forward/backward on one rank."""
+    ppo_epochs: PositiveInt = 1
+    """Passes over each step's batch."""
+    mini_batches: PositiveInt = 1
+    """Optimizer steps per epoch (the batch is cut into this many mini-batches)."""
+    lr: PositiveFloat = 1e-3
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """Floor of the decayed learning rate, as a fraction of `lr`."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up, over `run.steps`."""
+    warmup_steps: NonNegativeInt = 0
+    """Linear warm-up steps."""
+    weight_decay: NonNegativeFloat = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: PositiveFloat = 1.0
+    """Clip of the global gradient norm."""
+    critic_lr: PositiveFloat = 1e-3
+    """Learning rate of the critic (GAE only)."""
+    critic_epochs: PositiveInt = 1
+    """Value-update passes per step (may exceed ppo_epochs)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in the backward pass."""
+    logprob_chunk: PositiveInt = 1024
+    """Tokens per chunk when computing log-probs and entropy, so fp32 [B, T, V] is never materialised."""
+    freeze_router: bool = True
+    """Do not train MoE router (gate) weights (a train/inference consistency guard)."""
+    cp: PositiveInt = 1
+    """Context-parallel degree (inside a node)."""
+    ep: PositiveInt = 1
+    """Expert-parallel degree (inside a node, MoE only)."""
+
+
+class CheckpointConfig(Section):
+    """Checkpoints: HF-layout safetensors + optimizer + run state, published atomically."""
+
+    interval: NonNegativeInt = 50
+    """Save every this many steps (0: only at the end and on request)."""
+    keep_last: PositiveInt = 2
+    """Whole checkpoints kept; older ones are deleted after a newer one is published."""
+    save_optimizer: bool = True
+    """Save optimizer and scheduler state (needed for an exact resume)."""
+    resume: Literal["auto", "never", "required"] = "auto"
+    """`auto`: resume when the run directory has a `latest` checkpoint; `never`: refuse a run
+    directory that has one; `required`: fail unless one exists."""

@@ -1,0 +1,114 @@
+"""Logging for every process: one setup call, a role prefix, and the `metrics.jsonl` writer.
+
+Each process calls `setup_logging("actor r0")` (or `engine 1`, `router`, ...) once; its lines read
+`12:00:01 [actor r0] message`. Machine-readable records go to `metrics.jsonl`, one JSON object per
+line, appended and flushed so a crash loses at most the line being written.
+"""
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+LOGGER_NAME = "molt_hpc"
+
+
+def setup_logging(
+    role: str, level: str = "INFO", file: str | Path | None = None, quiet: bool = False
+) -> logging.Logger:
+    """Configure the process's logger with a `[role]` prefix, to stderr and optionally a file.
+
+    `quiet` raises the stderr threshold to WARNING (non-zero trainer ranks) while the file, if
+    any, still gets everything at `level`.
+    """
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.handlers.clear()
+    logger.setLevel(level)
+    logger.propagate = False
+    fmt = logging.Formatter(f"%(asctime)s [{role}] %(message)s", datefmt="%H:%M:%S")
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(fmt)
+    stream.setLevel("WARNING" if quiet else level)
+    logger.addHandler(stream)
+    if file is not None:
+        Path(file).parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(file)
+        handler.setFormatter(fmt)
+        logger.addHandler(handler)
+    return logger
+
+
+def get_logger() -> logging.Logger:
+    return logging.getLogger(LOGGER_NAME)
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe scalars: tensors and numpy numbers become floats, NaN/inf become null."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+class MetricsWriter:
+    """Appends one JSON object per call to a `metrics.jsonl`, stamped with time and source."""
+
+    def __init__(self, path: str | Path, source: str):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.source = source
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - held for the process's life
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = {"time": round(time.time(), 3), "source": self.source, **_clean(record)}
+        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: str | Path, source: str | None = None) -> list[dict[str, Any]]:
+    """Every record of a `metrics.jsonl` (optionally one source's); a torn last line is skipped."""
+    records = []
+    p = Path(path)
+    if not p.exists():
+        return records
+    for line in p.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if source is None or rec.get("source") == source:
+            records.append(rec)
+    return records
+
+
+def step_line(step: int, metrics: dict[str, Any]) -> str:
+    """The fixed-format per-step log line: `step 12 | reward 0.410 | kl 0.0030 | ...`."""
+    parts = [f"step {step}"]
+    for key, fmt in (
+        ("reward", ".3f"),
+        ("kl", ".4f"),
+        ("entropy", ".3f"),
+        ("grad_norm", ".3f"),
+        ("refit_s", ".2f"),
+        ("tokens_per_s", ".0f"),
+        ("buffer_pending", "d"),
+    ):
+        if metrics.get(key) is not None:
+            parts.append(f"{key.replace('_per_s', '/s')} {format(metrics[key], fmt)}")
+    return " | ".join(parts)
+
+
+def interactive() -> bool:
+    return sys.stderr.isatty() and os.environ.get("CI") is None

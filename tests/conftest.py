@@ -1,0 +1,33 @@
+"""Shared fixtures: the repository root, a built tiny model, subprocess helpers."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def molt(*args: str, cwd: Path = ROOT, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the installed `molt-hpc` command and capture its output."""
+    return subprocess.run(
+        [str(BIN / "molt-hpc"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The default tiny model, built once per test session."""
+    from molt_hpc.config import MoltConfig
+    from molt_hpc.models import build_tiny
+
+    out = tmp_path_factory.mktemp("tiny-model")
+    return build_tiny(out, MoltConfig().model.tiny)
