@@ -69,7 +69,7 @@ def test_resolve_builds_once_and_rejects_bad_paths(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
     with pytest.raises(ValueError, match="does not exist"):
         resolve_model(cfg.model_copy(update={"path": str(tmp_path / "nope")}), tmp_path)
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match=r"no config\.json"):
         resolve_model(cfg.model_copy(update={"path": str(tmp_path)}), tmp_path)
     with pytest.raises(ValueError, match="the only builtin model"):
         resolve_model(cfg.model_copy(update={"path": "builtin:huge"}), tmp_path)

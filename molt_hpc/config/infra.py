@@ -7,6 +7,7 @@ from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_va
 
 from molt_hpc.config.base import Section
 
+
 def slurm_time_seconds(text: str) -> int:
     """Seconds in a Slurm time limit: `MM`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM` or `D-HH:MM:SS`."""
     days_text, has_days, clock = text.strip().rpartition("-")

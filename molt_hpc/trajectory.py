@@ -1,0 +1,86 @@
+"""The data that flows from rollout to training: one `Trajectory` per sample, one `Group` per prompt.
+
+Token in, trace out: `tokens` is exactly what the engine saw plus what it produced, never
+re-tokenised. `action_ranges` are the spans the model produced; everything else (prompt, env
+feedback) is context that never trains. The replay buffer stores and hands over whole `Group`s,
+because GRPO-style advantages compare the samples of one prompt.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Trajectory:
+    """One sample: a prompt and every turn that followed it."""
+
+    tokens: list[int]
+    """Prompt + all turns, as token ids."""
+    prompt_len: int
+    """Length of the first prompt (the prefix before the first action)."""
+    action_ranges: list[tuple[int, int]]
+    """Half-open [start, end) spans of `tokens` that the model produced, in order, non-overlapping."""
+    action_logprobs: list[float]
+    """Engine log-prob of every action token, in order (len == total action tokens)."""
+    versions: list[int]
+    """Policy version that produced every action token (len == total action tokens)."""
+    reward: float = 0.0
+    """Scalar reward of the whole trajectory."""
+    score: float | None = None
+    """What is reported as the task score (defaults to the reward)."""
+    finish_reason: str = "stop"
+    """Why the last turn ended: `stop` (EOS/stop token), `length` (a length cap), `abort`."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Environment metrics (JSON-able scalars)."""
+    group_id: str = ""
+    """Id shared by all samples of one prompt."""
+    rollout_id: str = ""
+    """Unique id of this sample (also its router session id)."""
+    routed_experts: list[list[list[int]]] | None = None
+    """MoE only: experts each token was routed to, [tokens, layers, top_k], for router replay."""
+
+    def __post_init__(self) -> None:
+        n_action = sum(end - start for start, end in self.action_ranges)
+        assert len(self.action_logprobs) == n_action, "one log-prob per action token"
+        assert len(self.versions) == n_action, "one policy version per action token"
+        last = self.prompt_len
+        for start, end in self.action_ranges:
+            assert last <= start < end <= len(self.tokens), f"bad action range {(start, end)}"
+            last = end
+
+    @property
+    def num_action_tokens(self) -> int:
+        return len(self.action_logprobs)
+
+    @property
+    def response_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass
+class Group:
+    """All samples of one prompt: the unit of the replay buffer and of group advantages."""
+
+    group_id: str
+    """Unique id of the group."""
+    prompt_id: str
+    """Id of the dataset row (stable across epochs)."""
+    samples: list[Trajectory]
+    """The samples, each with this group's `group_id`."""
+    data_position: dict[str, int] = field(default_factory=dict)
+    """Where the prompt came from in the dataset cursor: {"epoch", "index"}."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Free-form JSON-able metadata (label, filter decisions, timings)."""
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy version that produced any token of the group (what staleness is judged on)."""
+        return min((min(s.versions) for s in self.samples if s.versions), default=0)
+
+    @property
+    def max_version(self) -> int:
+        return max((max(s.versions) for s in self.samples if s.versions), default=0)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
