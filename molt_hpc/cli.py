@@ -78,3 +78,38 @@ def sample_cmd(config: str | None, overrides: tuple[str, ...], prompt: str) -> N
     from molt_hpc.sample import sample_reply
 
     click.echo(sample_reply(_load(config, overrides), prompt))
+
+
+@main.command("run")
+@click.argument("config", required=False)
+@click.option("--set", "overrides", multiple=True, help=SET_HELP)
+@click.option("--resume", "resume_dir", default=None, help="Continue the run in this run directory.")
+def run_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: str | None) -> None:
+    """Run the whole RL loop on this machine (CONFIG, or the embedded tiny CPU default)."""
+    from molt_hpc.launch.local import resume_config, run_local
+    from molt_hpc.log import setup_logging
+
+    if resume_dir and config:
+        raise click.UsageError("give either CONFIG or --resume RUN_DIR (a resumed run keeps its own config)")
+    cfg = resume_config(resume_dir, overrides) if resume_dir else _load(config, overrides)
+    setup_logging("launcher", cfg.logging.level)
+    sys.exit(run_local(cfg))
+
+
+@main.command("status")
+@click.argument("run_dir")
+def status_cmd(run_dir: str) -> None:
+    """Where a run is: step, reward trend, throughput, buffer, last checkpoint, processes, Slurm state."""
+    from molt_hpc.status import status_lines
+
+    click.echo("\n".join(status_lines(run_dir)))
+
+
+@main.command("plot")
+@click.argument("run_dir")
+@click.option("-o", "--out", default=None, help="PNG path (default RUN_DIR/plots/metrics.png).")
+def plot_cmd(run_dir: str, out: str | None) -> None:
+    """Plot reward, KL and throughput against step and time."""
+    from molt_hpc.plot import plot_run
+
+    click.echo(str(plot_run(run_dir, out)))

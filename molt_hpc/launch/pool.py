@@ -1,0 +1,99 @@
+"""The engine pool of one node: its engines and, on the pool's first node, the router and orchestrator.
+
+Run as `jobs/engine.py RUN_DIR --role pool` by both launchers (a local subprocess, or one
+`srun --het-group=1` task per node). A dead engine is restarted in place (the router takes it
+out of the ring meanwhile, the trainer re-forms the refit group when it re-registers); a dead
+router or orchestrator ends the pool with an error, which ends the run.
+"""
+
+import os
+import signal
+import time
+
+from molt_hpc.config import MoltConfig
+from molt_hpc.launch.procs import Child, job_command, stop_all
+from molt_hpc.log import get_logger
+from molt_hpc.rundir import RunDir
+
+
+def engine_env(cfg: MoltConfig, local_index: int) -> dict[str, str]:
+    """Threads and GPUs of one engine process: GPUs are split evenly across the node's engines."""
+    env = {"OMP_NUM_THREADS": str(cfg.engines.threads or 1)}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        gpus = visible.split(",")
+        tp = cfg.engines.tensor_parallel
+        mine = gpus[local_index * tp : (local_index + 1) * tp]
+        if len(mine) < tp:
+            raise ValueError(
+                f"engine {local_index} needs {tp} GPUs but the node has {len(gpus)} for {cfg.engines.count} "
+                "engines: lower engines.count or engines.tensor_parallel"
+            )
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+    return env
+
+
+def pool_children(cfg: MoltConfig, run: RunDir, node_rank: int) -> tuple[list[Child], list[Child]]:
+    """(engines, services) this node runs; services are the router and orchestrator on node 0."""
+    engines = []
+    for local in range(cfg.engines.count):
+        index = node_rank * cfg.engines.count + local
+        cmd = job_command("engine.py", str(run.path), "--role", "engine", "--index", str(index))
+        engines.append(Child(f"engine {index}", cmd, run.logs / f"engine-{index}.log", engine_env(cfg, local)))
+    services = []
+    if node_rank == 0:
+        single = {"OMP_NUM_THREADS": "1"}
+        services.append(
+            Child(
+                "router", job_command("engine.py", str(run.path), "--role", "router"), run.logs / "router.log", single
+            )
+        )
+        services.append(
+            Child("orchestrator", job_command("rollout.py", str(run.path)), run.logs / "rollout.log", single)
+        )
+    return engines, services
+
+
+def run_pool(cfg: MoltConfig, run: RunDir, node_rank: int, max_restarts: int) -> int:
+    """Start and supervise this node's pool until SIGTERM (exit 0) or a fatal child death (exit 1)."""
+    log = get_logger()
+    engines, services = pool_children(cfg, run, node_rank)
+    children = engines + services
+    stopping = False
+
+    def on_term(signum, _frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    for child in children:
+        child.start()
+        log.info("started %s (pid %d, log %s)", child.name, child.pid, child.log)
+    try:
+        while not stopping:
+            time.sleep(0.5)
+            for child in engines:
+                code = child.poll()
+                if code is None:
+                    continue
+                if child.restarts >= max_restarts:
+                    log.error(
+                        "%s died (exit %s) after %d restarts; giving up\n%s",
+                        child.name,
+                        code,
+                        child.restarts,
+                        child.tail(),
+                    )
+                    return 1
+                child.restarts += 1
+                log.warning("%s died (exit %s); restarting it (%d/%d)", child.name, code, child.restarts, max_restarts)
+                child.start()
+            for child in services:
+                code = child.poll()
+                if code is not None:
+                    log.error("%s exited (code %s); stopping the pool\n%s", child.name, code, child.tail())
+                    return 1 if code else 0
+        return 0
+    finally:
+        stop_all(children)

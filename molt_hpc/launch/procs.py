@@ -1,0 +1,93 @@
+"""Child processes of a launcher: start with a log file, poll, stop gently then firmly, read the tail.
+
+Every child gets its own process group so a stop reaches its whole tree (torchrun's workers, a
+pool's engines) and a Ctrl-C in the terminal reaches only the launcher, which decides what to do.
+"""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def job_command(script: str, *args: str) -> list[str]:
+    """`python jobs/<script> ARGS` with this interpreter."""
+    return [sys.executable, str(REPO / "jobs" / script), *args]
+
+
+@dataclass
+class Child:
+    """One supervised child process and the log it writes."""
+
+    name: str
+    cmd: list[str]
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+
+    def start(self) -> "Child":
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                cwd=os.getcwd(),
+                start_new_session=True,
+            )
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def poll(self) -> int | None:
+        """Exit code, or None while running."""
+        assert self.proc is not None, f"{self.name} was never started"
+        return self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # exited between the poll and the kill
+                os.killpg(self.proc.pid, sig)
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM the child's group, wait up to `grace_s`, then SIGKILL it."""
+        if self.proc is None:
+            return None
+        self.signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            return self.proc.wait()
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log written)"
+
+
+def stop_all(children: list["Child"], grace_s: float = 10.0) -> None:
+    """Stop children in reverse start order, all within about `grace_s` in total."""
+    for child in reversed(children):
+        child.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in reversed(children):
+        if child.proc is None:
+            continue
+        try:
+            child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.signal(signal.SIGKILL)
+            child.proc.wait()

@@ -1,0 +1,93 @@
+"""`molt-hpc status RUN_DIR`: where a run is — step, reward trend, throughput, buffer, checkpoint,
+processes, and the Slurm job state when it runs on Slurm. Reads only files of the run directory.
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+
+from molt_hpc.log import read_metrics
+from molt_hpc.plot import reward_summary
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _ago(t: float) -> str:
+    s = max(0.0, time.time() - t)
+    return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago"
+
+
+def status_lines(run_dir: str | Path) -> list[str]:
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.toml").is_file():
+        raise ValueError(f"{run_dir} is not a run directory (no config.toml)")
+    from molt_hpc.config import load_config
+
+    cfg = load_config(run_dir / "config.toml")
+    lines = [f"run: {run_dir}"]
+    actor = read_metrics(run_dir / "metrics.jsonl", source="actor")
+    if actor:
+        last = actor[-1]
+        lines.append(
+            f"step: {last['step']}/{cfg.run.steps} (policy version {last.get('version', '?')}), "
+            f"last step {_ago(last['time'])}"
+        )
+        lines.append(reward_summary(actor))
+        if last.get("tokens_per_s") is not None:
+            lines.append(f"trainer: {last['tokens_per_s']:.0f} tokens/s")
+    else:
+        lines.append(f"step: 0/{cfg.run.steps} (no training step recorded yet)")
+    rollout = read_metrics(run_dir / "metrics.jsonl", source="rollout")
+    if rollout and rollout[-1].get("samples_per_s") is not None:
+        lines.append(f"rollout: {rollout[-1]['samples_per_s']:.1f} samples/s")
+    lines.append(_buffer_line(cfg, run_dir))
+    lines.append(_checkpoint_line(run_dir))
+    lines.extend(_process_lines(run_dir))
+    slurm = _slurm_line(run_dir)
+    if slurm:
+        lines.append(slurm)
+    return lines
+
+
+def _buffer_line(cfg, run_dir: Path) -> str:
+    from molt_hpc.buffer import buffer_counts
+
+    counts = buffer_counts(cfg.buffer, run_dir)
+    return "buffer: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+
+
+def _checkpoint_line(run_dir: Path) -> str:
+    from molt_hpc.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    if latest is None:
+        return "last checkpoint: none yet"
+    return f"last checkpoint: {latest.name} ({_ago(latest.stat().st_mtime)})"
+
+
+def _process_lines(run_dir: Path) -> list[str]:
+    path = run_dir / "processes.json"
+    if not path.exists():
+        return ["processes: none recorded"]
+    procs = json.loads(path.read_text())
+    done = (run_dir / "control" / "done").exists()
+    parts = [f"{name} (pid {pid}) {'alive' if _alive(pid) else 'exited'}" for name, pid in procs.items()]
+    return [("processes: " if not done else "finished; processes: ") + ", ".join(parts)]
+
+
+def _slurm_line(run_dir: Path) -> str | None:
+    try:
+        from molt_hpc.launch.slurm import slurm_job_state
+    except ImportError:  # the Slurm launcher is optional on machines without submitit's Slurm side
+        return None
+    state = slurm_job_state(run_dir)
+    return f"slurm: {state}" if state else None
