@@ -1,0 +1,131 @@
+"""Async client of the engine HTTP protocol (the built-in engine, `vllm serve`, or the router in front).
+
+Every call carries the run's token. A non-2xx answer raises `EngineHTTPError` with the status and
+the server's message, so callers can retry 5xx and connection errors and fail fast on 4xx.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+GENERATE_PATH = "/inference/v1/generate"
+SESSION_HEADER = "X-Session-ID"
+
+
+class EngineHTTPError(RuntimeError):
+    """An engine (or the router) answered with an error status."""
+
+    def __init__(self, status: int, message: str, url: str):
+        super().__init__(f"{url}: HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+        self.url = url
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """One completion: the sampled tokens with their processed log-probs and policy versions."""
+
+    token_ids: list[int]
+    """Sampled token ids (a stop token, when one ended the request, is included)."""
+    logprobs: list[float]
+    """Log-prob of each sampled token after temperature/top-k/top-p processing."""
+    finish_reason: str
+    """`stop` (EOS or a stop token), `length` (max_tokens or max_model_len), `abort`."""
+    weight_versions: list[int]
+    """Weight version that produced each token (differs within a request that straddled a refit)."""
+    weight_version: int
+    """The engine's weight version when the request ended."""
+
+
+def auth_headers(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def _request(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    *,
+    token: str,
+    json: Any = None,
+    params: dict[str, str] | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
+    all_headers = {**auth_headers(token), **(headers or {})}
+    client_timeout = aiohttp.ClientTimeout(total=timeout) if timeout else None
+    kwargs: dict[str, Any] = {"json": json, "params": params, "headers": all_headers}
+    if client_timeout is not None:
+        kwargs["timeout"] = client_timeout
+    async with session.request(method, url, **kwargs) as resp:
+        if resp.status >= 300:
+            text = await resp.text()
+            try:
+                message = (await resp.json(content_type=None)).get("error", text)
+            except ValueError:  # not JSON (a proxy's HTML page): keep the raw text
+                message = text
+            raise EngineHTTPError(resp.status, str(message), url)
+        return await resp.json(content_type=None)
+
+
+async def generate(
+    session: aiohttp.ClientSession,
+    url: str,
+    token_ids: list[int],
+    sampling_params: dict[str, Any],
+    *,
+    token: str,
+    session_id: str | None = None,
+    timeout: float | None = None,
+) -> GenerateResult:
+    """Generate one completion of `token_ids` at `url` (an engine or the router's base URL).
+
+    `session_id` goes in the `X-Session-ID` header: the router sends every call of one session to
+    the same engine (its KV cache). `sampling_params` uses vLLM's field names (`temperature`,
+    `top_p`, `top_k`, `max_tokens`, `stop_token_ids`, `seed`, `ignore_eos`, ...).
+    """
+    headers = {SESSION_HEADER: session_id} if session_id else None
+    body = {"token_ids": list(token_ids), "sampling_params": sampling_params}
+    data = await _request(
+        session, "POST", url.rstrip("/") + GENERATE_PATH, token=token, json=body, headers=headers, timeout=timeout
+    )
+    return parse_generate_response(data)
+
+
+def parse_generate_response(data: dict[str, Any]) -> GenerateResult:
+    """A `GenerateResult` from the JSON of `/inference/v1/generate` (first choice)."""
+    choice = data["choices"][0]
+    content = (choice.get("logprobs") or {}).get("content") or []
+    token_ids = list(choice["token_ids"])
+    version = int(data.get("weight_version", 0))
+    versions = choice.get("weight_versions")
+    return GenerateResult(
+        token_ids=token_ids,
+        logprobs=[float(entry["logprob"]) for entry in content],
+        finish_reason=choice["finish_reason"],
+        weight_versions=[int(v) for v in versions] if versions is not None else [version] * len(token_ids),
+        weight_version=version,
+    )
+
+
+async def health(session: aiohttp.ClientSession, url: str, *, token: str, timeout: float = 5.0) -> dict[str, Any]:
+    """The engine's `/health` answer (`{"status": "ok", "weight_version": v, ...}`)."""
+    return await _request(session, "GET", url.rstrip("/") + "/health", token=token, timeout=timeout)
+
+
+async def pause(
+    session: aiohttp.ClientSession, url: str, *, token: str, mode: str = "keep", timeout: float | None = None
+) -> dict[str, Any]:
+    """Pause generation: `abort` in-flight requests, `wait` for them to finish, or `keep` them frozen."""
+    return await _request(
+        session, "POST", url.rstrip("/") + "/pause", token=token, params={"mode": mode}, timeout=timeout
+    )
+
+
+async def resume(
+    session: aiohttp.ClientSession, url: str, *, token: str, timeout: float | None = None
+) -> dict[str, Any]:
+    """Resume generation after `pause` (frozen requests continue, held ones start)."""
+    return await _request(session, "POST", url.rstrip("/") + "/resume", token=token, timeout=timeout)
