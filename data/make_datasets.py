@@ -1,0 +1,83 @@
+"""Write the small shipped datasets, deterministically: `python data/make_datasets.py [OUT_DIR]`.
+
+- `reverse_train.jsonl` / `reverse_eval.jsonl`: reverse a string of 2-4 letters drawn uniformly
+  from `REVERSE_ALPHABET` (length uniform too); the eval strings are distinct and never appear in
+  the training file.
+- `math_train.jsonl`: synthetic integer arithmetic (`+ - *`, and `/` with exact fraction labels),
+  answers expected in `<answer>…</answer>`.
+
+Every row has a stable `id`. Re-running writes byte-identical files.
+"""
+
+import itertools
+import json
+import random
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+REVERSE_ALPHABET = "abcd"
+REVERSE_LENGTHS = (2, 3, 4)
+REVERSE_TRAIN_ROWS = 1024
+REVERSE_EVAL_PER_LENGTH = {2: 4, 3: 12, 4: 16}
+MATH_ROWS = 300
+SEED = 20240601
+
+
+def reverse_rows(rng: random.Random) -> tuple[list[dict], list[dict]]:
+    eval_strings: list[str] = []
+    for length, count in REVERSE_EVAL_PER_LENGTH.items():
+        every = ["".join(p) for p in itertools.product(REVERSE_ALPHABET, repeat=length)]
+        eval_strings += rng.sample(every, count)
+    held_out = set(eval_strings)
+    train_strings: list[str] = []
+    while len(train_strings) < REVERSE_TRAIN_ROWS:
+        length = rng.choice(REVERSE_LENGTHS)
+        text = "".join(rng.choice(REVERSE_ALPHABET) for _ in range(length))
+        if text not in held_out:  # keep evaluation a test of the skill, not of memory
+            train_strings.append(text)
+
+    def row(kind: str, i: int, text: str) -> dict:
+        return {"id": f"reverse-{kind}-{i:05d}", "prompt": f"Reverse: {text}", "label": text[::-1]}
+
+    return [row("train", i, s) for i, s in enumerate(train_strings)], [
+        row("eval", i, s) for i, s in enumerate(eval_strings)
+    ]
+
+
+def math_rows(rng: random.Random) -> list[dict]:
+    rows = []
+    for i in range(MATH_ROWS):
+        a, b, c = rng.randint(1, 20), rng.randint(1, 20), rng.randint(1, 9)
+        kind = rng.choice(["add", "sub", "mul", "mix", "div"])
+        if kind == "add":
+            text, value = f"{a} + {b}", Fraction(a + b)
+        elif kind == "sub":
+            text, value = f"{a} - {b}", Fraction(a - b)
+        elif kind == "mul":
+            text, value = f"{a} * {c}", Fraction(a * c)
+        elif kind == "mix":
+            text, value = f"{a} + {b} * {c}", Fraction(a + b * c)
+        else:
+            text, value = f"{a} / {c}", Fraction(a, c)
+        label = str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+        prompt = f"Compute {text}. Put the final answer in <answer></answer>."
+        rows.append({"id": f"math-train-{i:05d}", "prompt": prompt, "label": label})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r, separators=(", ", ": ")) + "\n" for r in rows))
+
+
+def main(out_dir: Path) -> None:
+    rng = random.Random(SEED)
+    train, evaluation = reverse_rows(rng)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out_dir / "reverse_train.jsonl", train)
+    write_jsonl(out_dir / "reverse_eval.jsonl", evaluation)
+    write_jsonl(out_dir / "math_train.jsonl", math_rows(random.Random(SEED + 1)))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent)

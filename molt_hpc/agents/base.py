@@ -1,0 +1,106 @@
+"""The user-facing agent API: `Env` (the framework owns the loop), `ChatAgent` (the user owns it).
+
+Env mode: one `Env` instance per episode (it may keep per-episode state on `self`).
+`reset(state)` may return the first observation (text or chat messages) to use instead of the
+dataset's prompt; `step(state)` scores `state.action_text` and returns a `Result`. The runner in
+`molt_hpc.agents.step_runner` drives it, token in, trace out.
+
+Chat mode: a `ChatAgent` gets a `ChatContext` (an OpenAI-compatible endpoint with its session
+already bound) and returns its reward (a float or a `Result`). See `molt_hpc.agents.chat_runner`.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Result:
+    """What one `Env.step` returns."""
+
+    reward: float = 0.0
+    """Reward of this step; the trajectory's reward is the sum over its steps."""
+    observation: str | dict[str, Any] | None = None
+    """Next turn's input: text (sent as a user turn) or a chat message `{"role": "tool", "content": ...}`;
+    ignored when the episode ends."""
+    terminated: bool = True
+    """The episode reached its end (an answer was given)."""
+    truncated: bool = False
+    """The episode was cut short by the environment (e.g. its own turn budget)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Metrics of this step (JSON-able scalars); merged over the steps of an episode."""
+    score: float | None = None
+    """Task score to report (defaults to the reward)."""
+    sampling_params: dict[str, Any] | None = None
+    """Sampling-param overrides for the next turn only (e.g. `{"max_tokens": 8, "temperature": 0.7}`)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reward, int | float) or isinstance(self.reward, bool):
+            raise ValueError(f"Result.reward must be a number, got {type(self.reward).__name__}")
+        self.reward = float(self.reward)
+
+
+@dataclass
+class State:
+    """What an environment sees: the dataset row, the turn so far and the conversation."""
+
+    prompt: str | list[dict[str, Any]]
+    """The row's prompt (text or chat messages), as in the dataset."""
+    label: Any
+    """The row's label."""
+    row: dict[str, Any] = field(default_factory=dict)
+    """Every other field of the row (`tools`, ids, images, ...)."""
+    action_text: str = ""
+    """The model's latest action, decoded with special tokens skipped."""
+    action_ids: list[int] = field(default_factory=list)
+    """The latest action's token ids (as the engine returned them)."""
+    finish_reason: str = ""
+    """Why the latest action ended: `stop` (EOS / stop token) or `length` (a token cap)."""
+    turn: int = 0
+    """Index of the latest action (0 for the first)."""
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """Turns so far as chat messages: `{"role": "assistant", "content": action}` and the observations."""
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    """Sampling params the latest action was generated with."""
+
+
+class Env:
+    """Base class of an environment; subclass it and override `step` (and `reset` if needed)."""
+
+    def reset(self, state: State) -> str | list[dict[str, Any]] | None:
+        """The first observation; None keeps the dataset's prompt (already tokenised)."""
+        return None
+
+    def step(self, state: State) -> Result:
+        """Score `state.action_text`; return the reward and, for multi-turn, the next observation."""
+        raise NotImplementedError
+
+
+@dataclass
+class ChatContext:
+    """What a `ChatAgent` gets: the row, and an OpenAI-compatible endpoint bound to its session."""
+
+    prompt: str | list[dict[str, Any]]
+    """The row's prompt (text or chat messages)."""
+    label: Any
+    """The row's label."""
+    row: dict[str, Any]
+    """Every other field of the row."""
+    base_url: str
+    """OpenAI-compatible base URL (ends in `/v1`); the session id is part of the path, so any
+    OpenAI client keeps every call of this episode on one engine."""
+    api_key: str
+    """Key to send as `Authorization: Bearer <api_key>` (the run's token)."""
+    session_id: str
+    """This episode's session id."""
+    model: str
+    """Model name to pass in requests (informational)."""
+    client: Any = None
+    """A ready `ChatClient` (`await ctx.client.chat(messages, **params) -> str`)."""
+
+
+class ChatAgent:
+    """Base class of a chat-mode agent; subclass it and override the coroutine `run`."""
+
+    async def run(self, ctx: ChatContext) -> float | Result:
+        """Play one episode through `ctx` and return its reward (or a `Result` with reward, info, score)."""
+        raise NotImplementedError
