@@ -66,6 +66,9 @@ class RefitConfig(Section):
     """Communicator of the refit group: NCCL between GPUs, gloo on CPU; `auto` follows the devices."""
     timeout_s: PositiveFloat = 600.0
     """Rendezvous and transfer timeout."""
+    host: str = "auto"
+    """Address the engines use to reach trainer rank 0's TCPStore; `auto`: this node's hostname
+    (127.0.0.1 when the hostname does not resolve)."""
 
 
 class SlurmGroupConfig(Section):

@@ -1,0 +1,14 @@
+"""The weight refit: trainer rank 0 pushes full weights to every engine as flat broadcast buckets.
+
+    buckets.py   tensor metadata and the deterministic bucket plan both ends compute; pack/unpack
+    group.py     the dedicated refit communicator (gloo on CPU, NCCL on GPUs) on a prefixed TCPStore
+    sender.py    `RefitSender`: the trainer side (hosts the store, drives the engines' HTTP routes)
+    receiver.py  `RefitReceiver`: the engine side (joins the group, receives buckets, loads by name)
+
+The protocol follows vLLM's native weight-transfer API (init → start → update → finish, packed
+buckets, one rank offset per engine), so a `vllm serve` engine can take the same refit.
+"""
+
+from molt_hpc.refit.sender import RefitSender, RefitStats
+
+__all__ = ["RefitSender", "RefitStats"]

@@ -1,0 +1,126 @@
+"""Tensor metadata and the bucket plan: how named tensors are laid out in flat uint8 broadcast buffers.
+
+Both ends compute the same plan from the same inputs (names, dtypes, shapes in order, bucket size),
+so only the metadata travels over HTTP and only bytes travel over the communicator. Each tensor
+starts at a 16-byte aligned offset so the receiver can view the bytes as the tensor's dtype.
+"""
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ALIGN = 16
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` → `"bfloat16"` (vLLM's `dtype_names`)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}; use torch dtype names like 'float32' or 'bfloat16'")
+    return dtype
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Name, dtype and shape of one tensor of a refit."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> "TensorMeta":
+        return cls(name, dtype_name(tensor.dtype), tuple(tensor.shape))
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * dtype_from_name(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Tensors that travel in one broadcast, with their byte offsets in the flat buffer."""
+
+    metas: tuple[TensorMeta, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def plan_buckets(metas: Sequence[TensorMeta], bucket_bytes: int) -> list[Bucket]:
+    """Cut `metas`, in order, into buckets of at most `bucket_bytes` (a larger tensor gets a bucket alone)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    buckets: list[Bucket] = []
+    cur: list[TensorMeta] = []
+    offsets: list[int] = []
+    size = 0
+    for meta in metas:
+        start = _aligned(size)
+        if cur and start + meta.nbytes > bucket_bytes:
+            buckets.append(Bucket(tuple(cur), tuple(offsets), size))
+            cur, offsets, start = [], [], 0
+        cur.append(meta)
+        offsets.append(start)
+        size = start + meta.nbytes
+    if cur:
+        buckets.append(Bucket(tuple(cur), tuple(offsets), size))
+    return buckets
+
+
+def pack_into(buffer: torch.Tensor, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Copy `tensors` (matching `bucket.metas`) into the uint8 `buffer`; returns the bucket's slice."""
+    assert buffer.dtype == torch.uint8 and buffer.numel() >= bucket.nbytes
+    for meta, offset, tensor in zip(bucket.metas, bucket.offsets, tensors, strict=True):
+        src = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        buffer[offset : offset + meta.nbytes].copy_(src, non_blocking=True)
+    return buffer[: bucket.nbytes]
+
+
+def unpack(buffer: torch.Tensor, bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
+    """Views of each tensor of `bucket` inside the received uint8 `buffer` (no copies)."""
+    for meta, offset in zip(bucket.metas, bucket.offsets, strict=True):
+        raw = buffer[offset : offset + meta.nbytes]
+        yield meta.name, raw.view(dtype_from_name(meta.dtype)).view(meta.shape)
+
+
+def update_info(metas: Sequence[TensorMeta], bucket_bytes: int, version: int) -> dict[str, Any]:
+    """The `/update_weights` body's `update_info` (vLLM's field names, plus the bucket size)."""
+    return {
+        "names": [m.name for m in metas],
+        "dtype_names": [m.dtype for m in metas],
+        "shapes": [list(m.shape) for m in metas],
+        "packed": True,
+        "bucket_bytes": bucket_bytes,
+        "version": version,
+    }
+
+
+def metas_from_info(info: dict[str, Any]) -> list[TensorMeta]:
+    """Parse `update_info` back into metadata; a malformed one raises `ValueError` naming the field."""
+    names, dtypes, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+        raise ValueError("update_info needs the lists 'names', 'dtype_names' and 'shapes'")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(
+            f"update_info lists differ in length: {len(names)} names, {len(dtypes)} dtype_names, {len(shapes)} shapes"
+        )
+    metas = []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        if not isinstance(name, str) or not isinstance(shape, list) or not all(isinstance(d, int) for d in shape):
+            raise ValueError(f"update_info entry {name!r}: names are strings and shapes are lists of ints")
+        dtype_from_name(dtype)
+        metas.append(TensorMeta(name, dtype, tuple(shape)))
+    return metas

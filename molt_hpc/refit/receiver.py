@@ -1,0 +1,95 @@
+"""The engine side of the refit: join the trainer's group, receive flat buckets, load them by HF name.
+
+The engine's HTTP routes call these methods from a worker thread while its scheduler is paused, so
+loading into the live parameters cannot race a decode step. A refused update (unknown name, wrong
+shape) still drains every bucket of the broadcast, so the sender and the other engines stay in step.
+"""
+
+import time
+from typing import Any
+
+import torch
+
+from molt_hpc.log import get_logger
+from molt_hpc.refit.buckets import metas_from_info, plan_buckets, unpack
+from molt_hpc.refit.group import RefitGroup, buffer_device, connect_store, new_group
+
+INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size")
+
+
+class RefitReceiver:
+    """One engine's membership in the refit group."""
+
+    def __init__(self) -> None:
+        self.group: RefitGroup | None = None
+        self._buffer: torch.Tensor | None = None
+
+    def init(self, init_info: dict[str, Any]) -> dict[str, Any]:
+        """Join (or re-join under a new prefix) the group described by vLLM-style `init_info`."""
+        missing = [k for k in INIT_FIELDS if k not in init_info]
+        if missing:
+            raise ValueError(f"init_info lacks {', '.join(missing)}")
+        rank, world = init_info["rank_offset"], init_info["world_size"]
+        if not (isinstance(rank, int) and isinstance(world, int) and 0 < rank < world):
+            raise ValueError(f"init_info: need integers 0 < rank_offset < world_size, got {rank} and {world}")
+        timeout = float(init_info.get("timeout_s", 600.0))
+        backend = str(init_info.get("backend", "gloo"))
+        self.group = None  # leave the old group (its peers may be gone) before joining the new one
+        t0 = time.perf_counter()
+        store = connect_store(str(init_info["master_address"]), int(init_info["master_port"]), timeout)
+        prefix = str(init_info.get("group_name", "refit/"))
+        self.group = new_group(backend, store, prefix, rank, world, timeout)
+        get_logger().info(
+            "joined refit group %s as rank %d of %d (%.2fs)", prefix, rank, world, time.perf_counter() - t0
+        )
+        return {"rank": rank, "world_size": world}
+
+    def receive(self, update_info: dict[str, Any], params: dict[str, torch.Tensor]) -> int:
+        """Receive every bucket of one update and copy each tensor into `params[name]`; returns the count.
+
+        `params` maps HF names to the live tensors (tied weights may appear under two names).
+        """
+        if self.group is None:
+            raise ValueError("no refit group: call /init_weight_transfer_engine before /update_weights")
+        if not update_info.get("packed", False):
+            raise ValueError("only packed updates are supported: set update_info.packed = true")
+        metas = metas_from_info(update_info)
+        bucket_bytes = update_info.get("bucket_bytes")
+        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ValueError("update_info.bucket_bytes must be a positive integer (the sender's bucket size)")
+        plan = plan_buckets(metas, bucket_bytes)
+        problem = _check_targets(metas, params)
+        loaded = 0
+        for bucket in plan:
+            buf = self._recv_buffer(bucket.nbytes)
+            self.group.broadcast(buf, src=0).wait()
+            if problem is None:
+                with torch.no_grad():
+                    for name, tensor in unpack(buf, bucket):
+                        params[name].copy_(tensor)
+                        loaded += 1
+        if problem is not None:
+            raise ValueError(problem)
+        return loaded
+
+    def _recv_buffer(self, nbytes: int) -> torch.Tensor:
+        assert self.group is not None
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=buffer_device(self.group.backend))
+        return self._buffer[:nbytes]
+
+
+def _check_targets(metas, params: dict[str, torch.Tensor]) -> str | None:
+    """Why this update cannot be loaded (unknown names, shape mismatches), or None when it can."""
+    unknown = [m.name for m in metas if m.name not in params]
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (" ..." if len(unknown) > 5 else "")
+        return f"update names {len(unknown)} tensor(s) this model does not have: {shown}"
+    bad = [
+        f"{m.name} {list(m.shape)} vs {list(params[m.name].shape)}"
+        for m in metas
+        if m.shape != tuple(params[m.name].shape)
+    ]
+    if bad:
+        return "shape mismatch (sent vs model): " + "; ".join(bad[:5])
+    return None

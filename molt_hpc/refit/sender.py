@@ -1,0 +1,231 @@
+"""The trainer side of the refit: `RefitSender` on trainer rank 0.
+
+    sender = RefitSender(run_dir, cfg.refit, token)
+    sender.connect(engine_urls)                  # (re)form the group with these engines
+    sender.push(model.named_parameters(), version=step)
+
+`connect` hosts the TCPStore (once), publishes `rendezvous/refit_store.json`, tells each engine to
+join at rank `1 + i` and joins as rank 0 at the same time (the group forms only when all ranks are
+in). `push` pauses the engines at a step boundary, streams the weights as flat buckets while the
+engines' `/update_weights` calls are in flight, then has them load, bump the version and resume.
+Call `connect` again when the set of engines changes (an engine restarted): it forms a new group
+under a new prefix.
+"""
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from molt_hpc.config.infra import RefitConfig
+from molt_hpc.log import get_logger
+from molt_hpc.refit.buckets import TensorMeta, pack_into, plan_buckets, update_info
+from molt_hpc.refit.group import RefitGroup, buffer_device, host_store, new_group, resolve_backend
+from molt_hpc.rundir import RunDir, atomic_write
+
+STORE_FILE = "refit_store.json"
+
+
+@dataclass(frozen=True)
+class RefitStats:
+    """What one push moved and how long it took."""
+
+    version: int
+    seconds: float
+    bytes: int
+    buckets: int
+    engines: int
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+def advertised_host(setting: str) -> str:
+    """The address engines use to reach this node's TCPStore (`auto`: the hostname if it resolves)."""
+    if setting != "auto":
+        return setting
+    name = socket.gethostname()
+    try:
+        socket.gethostbyname(name)
+    except OSError:  # an unresolvable hostname: only loopback can work (local mode)
+        return "127.0.0.1"
+    return name
+
+
+def post_json(url: str, body: dict[str, Any], token: str, timeout_s: float) -> dict[str, Any]:
+    """POST `body` to `url` with the run's token; a non-2xx answer raises `RuntimeError` with its message."""
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        detail = err.read().decode(errors="replace")
+        raise RuntimeError(f"{url}: HTTP {err.code}: {detail}") from None
+
+
+class RefitSender:
+    """Pushes full weights from trainer rank 0 to every engine of the pool."""
+
+    def __init__(self, run_dir: str | Path, cfg: RefitConfig, token: str, device: str | torch.device = "cpu"):
+        self.run = RunDir(Path(run_dir))
+        self.cfg = cfg
+        self.token = token
+        self.backend = resolve_backend(cfg.backend, device)
+        self.host = advertised_host(cfg.host)
+        self.urls: list[str] = []
+        self._store = None
+        self._group: RefitGroup | None = None
+        self._generation = 0
+        self._buffers: list[torch.Tensor] = []
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="refit-http")
+
+    @property
+    def store_port(self) -> int:
+        assert self._store is not None, "connect() first"
+        return self._store.port
+
+    def connect(self, engine_urls: Sequence[str]) -> None:
+        """Form a new refit group with exactly `engine_urls` (engine i joins at rank 1 + i)."""
+        if not engine_urls:
+            raise ValueError("connect() needs at least one engine URL")
+        if self._store is None:
+            self._store = host_store(self.cfg.timeout_s)
+            atomic_write(self.run.rendezvous / STORE_FILE, json.dumps({"host": self.host, "port": self._store.port}))
+        self._group = None  # drop the old group before the engines drop theirs
+        self._generation += 1
+        prefix = f"refit/{self._generation}/"
+        world = 1 + len(engine_urls)
+        t0 = time.perf_counter()
+        calls = [
+            self._post(
+                url,
+                "/init_weight_transfer_engine",
+                {
+                    "init_info": {
+                        "master_address": self.host,
+                        "master_port": self._store.port,
+                        "rank_offset": 1 + i,
+                        "world_size": world,
+                        "group_name": prefix,
+                        "backend": self.backend,
+                        "timeout_s": self.cfg.timeout_s,
+                    }
+                },
+            )
+            for i, url in enumerate(engine_urls)
+        ]
+        group = new_group(self.backend, self._store, prefix, 0, world, self.cfg.timeout_s)
+        self._wait(calls, engine_urls, "init_weight_transfer_engine")
+        self._group, self.urls = group, list(engine_urls)
+        get_logger().info(
+            "refit group %d formed with %d engines in %.2fs", self._generation, len(self.urls), time.perf_counter() - t0
+        )
+
+    def push(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        metas: Sequence[TensorMeta] | None = None,
+    ) -> RefitStats:
+        """Send full tensors (HF names) to every engine and make `version` their weight version.
+
+        `named_tensors` may be a generator (e.g. gathering FSDP shards layer by layer); then pass
+        `metas` (names, dtypes, shapes in the same order) so the bucket plan is known up front.
+        """
+        if self._group is None:
+            raise ValueError("RefitSender.push() before connect(): form the refit group with the engine URLs first")
+        t0 = time.perf_counter()
+        items: Iterable[tuple[str, torch.Tensor]] = named_tensors
+        if metas is None:
+            items = list(named_tensors)
+            metas = [TensorMeta.of(name, t) for name, t in items]
+        bucket_bytes = self.cfg.bucket_mb << 20
+        plan = plan_buckets(metas, bucket_bytes)
+        self._broadcast_round("start_weight_update", {})
+        calls = [
+            self._post(url, "/update_weights", {"update_info": update_info(metas, bucket_bytes, version)})
+            for url in self.urls
+        ]
+        self._send_buckets(plan, iter(items), calls)
+        self._wait(calls, self.urls, "update_weights")
+        self._broadcast_round("finish_weight_update", {"version": version})
+        total = sum(b.nbytes for b in plan)
+        stats = RefitStats(version, time.perf_counter() - t0, total, len(plan), len(self.urls))
+        get_logger().info(
+            "refit v%d: %.1f MB in %d buckets to %d engines, %.2fs (%.2f GB/s)",
+            version,
+            total / 1e6,
+            len(plan),
+            len(self.urls),
+            stats.seconds,
+            stats.gb_per_s,
+        )
+        return stats
+
+    def close(self) -> None:
+        self._group = None
+        self._store = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _send_buckets(self, plan, items, calls: list[Future]) -> None:
+        """Pack bucket k+1 while bucket k is on the wire (two buffers, reused across pushes)."""
+        assert self._group is not None
+        size = max((b.nbytes for b in plan), default=0)
+        if not self._buffers or self._buffers[0].numel() < size:
+            dev = buffer_device(self.backend)
+            self._buffers = [torch.empty(size, dtype=torch.uint8, device=dev) for _ in range(2)]
+        pending: list = [None, None]
+        for k, bucket in enumerate(plan):
+            slot = k % 2
+            if pending[slot] is not None:
+                pending[slot].wait()
+            tensors = []
+            for meta in bucket.metas:
+                name, tensor = next(items)
+                got = TensorMeta.of(name, tensor)
+                if got != meta:
+                    raise ValueError(f"refit tensor {got} does not match its announced metadata {meta}")
+                tensors.append(tensor)
+            flat = pack_into(self._buffers[slot], bucket, tensors)
+            self._check_calls(calls)
+            pending[slot] = self._group.broadcast(flat)
+        for work in pending:
+            if work is not None:
+                work.wait()
+
+    def _check_calls(self, calls: list[Future]) -> None:
+        """An engine that refused the update early would leave the broadcast hanging: fail now instead."""
+        for url, call in zip(self.urls, calls, strict=True):
+            if call.done() and call.exception() is not None:
+                raise RuntimeError(f"engine {url} refused the weight update: {call.exception()}")
+
+    def _broadcast_round(self, route: str, body: dict[str, Any]) -> None:
+        self._wait([self._post(url, "/" + route, body) for url in self.urls], self.urls, route)
+
+    def _post(self, url: str, path: str, body: dict[str, Any]) -> Future:
+        return self._pool.submit(post_json, url.rstrip("/") + path, body, self.token, self.cfg.timeout_s)
+
+    def _wait(self, calls: list[Future], urls: Sequence[str], what: str) -> list[dict[str, Any]]:
+        results, errors = [], []
+        for url, call in zip(urls, calls, strict=True):
+            try:
+                results.append(call.result())
+            except (RuntimeError, OSError) as err:  # collect every engine's failure into one message
+                errors.append(f"{url}: {err}")
+        if errors:
+            raise RuntimeError(f"{what} failed on {len(errors)} engine(s): " + "; ".join(errors))
+        return results
