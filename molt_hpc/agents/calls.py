@@ -1,0 +1,60 @@
+"""Calling the user's code safely, and the two ways a sample can fail.
+
+`EnvError`: the user's environment raised, hung past `rollout.env_timeout_s`, or broke the API;
+the orchestrator drops or retries the sample per `rollout.on_env_error`. `EngineError`: the
+engines could not produce the turn (connection lost, 5xx, an `abort` finish); the sample is
+retried from its start. Synchronous user code runs in its own daemon thread so a hung call
+fails its sample without blocking the event loop or keeping the process alive at exit.
+"""
+
+import asyncio
+import inspect
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+class EnvError(RuntimeError):
+    """The environment failed one sample; `reason` is a short label for metrics."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class EngineError(RuntimeError):
+    """The engine pool failed one turn in a way that a retry from the start can fix."""
+
+
+def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if fut.done():  # the caller timed out and moved on
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
+
+
+async def call_user(fn: Callable[..., Any], *args: Any, timeout: float, what: str) -> Any:
+    """`fn(*args)` (sync in a daemon thread, or a coroutine), as an `EnvError` if it raises or times out."""
+    try:
+        if inspect.iscoroutinefunction(fn):
+            return await asyncio.wait_for(fn(*args), timeout)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def work() -> None:
+            try:
+                value, error = fn(*args), None
+            except BaseException as err:  # handed to the event loop, which raises it as an EnvError
+                value, error = None, err
+            loop.call_soon_threadsafe(_settle, fut, value, error)
+
+        threading.Thread(target=work, name=f"user-{what}", daemon=True).start()
+        return await asyncio.wait_for(fut, timeout)
+    except TimeoutError:
+        raise EnvError("timeout", f"{what} took longer than {timeout:g} s") from None
+    except (EnvError, EngineError, asyncio.CancelledError):
+        raise
+    except Exception as err:  # the user's bug fails only this sample; the message keeps the cause
+        raise EnvError("raised", f"{what} raised {type(err).__name__}: {err}") from err

@@ -1,0 +1,254 @@
+"""The prompt dataset (step 1 of the RL loop): rows, chat templating, length-balanced order, a cursor.
+
+Rows are JSON objects, one per line: `{"prompt": str | [chat messages], "label": ..., "tools": [...]?,
+"id": str?, ...}`; other keys (ids, images, metadata) ride along in `Prompt.extra`. Parquet would
+need pyarrow, which molt-hpc does not depend on: convert parquet files to JSONL first.
+
+Each epoch's order is a pure function of (seed, epoch): rows sorted by prompt length are cut into
+`data.length_buckets` buckets, shuffled within each bucket, and drawn cycling through the buckets,
+so every run of consecutive draws mixes short and long prompts alike. The `Cursor` is just
+(epoch, position) over that order; saving and restoring it means no prompt is skipped or repeated.
+"""
+
+import hashlib
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from molt_hpc.config.model import DataConfig
+from molt_hpc.log import get_logger
+
+ROLES = ("system", "user", "assistant", "tool")
+IMAGE_PART_TYPES = ("image", "image_url")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One dataset row, validated and tokenised."""
+
+    prompt_id: str
+    """Stable id: the row's `id`, else `<file name>:<line>`."""
+    row_index: int
+    """Index among the file's valid rows."""
+    prompt: str | list[dict[str, Any]]
+    """The prompt as written in the row (text or chat messages)."""
+    label: Any
+    """The row's label, passed to the environment."""
+    token_ids: list[int]
+    """The prompt after chat templating, tokenised once."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Every other key of the row (`tools`, `id`, images, metadata)."""
+
+
+def _message_problem(msg: Any) -> str | None:
+    if not isinstance(msg, dict) or msg.get("role") not in ROLES:
+        return f"each chat message must be an object with a role in {ROLES}"
+    content = msg.get("content")
+    if isinstance(content, str):
+        return None
+    if not isinstance(content, list) or not all(isinstance(p, dict) and "type" in p for p in content):
+        return "a message's content must be text or a list of typed parts"
+    if any(p["type"] in IMAGE_PART_TYPES for p in content):
+        return "image parts need a vision-language model, which molt-hpc does not support yet"
+    if any(p["type"] != "text" or not isinstance(p.get("text"), str) for p in content):
+        return "only text parts ({'type': 'text', 'text': ...}) are supported in message content"
+    return None
+
+
+def row_problem(row: Any, cfg: DataConfig) -> str | None:
+    """What is wrong with a parsed row, or None when it is usable (before the length check)."""
+    if not isinstance(row, dict):
+        return f"a row must be a JSON object, got {type(row).__name__}"
+    if cfg.prompt_key not in row:
+        return f"missing {cfg.prompt_key!r}"
+    if cfg.label_key not in row:
+        return f"missing {cfg.label_key!r}"
+    tools = row.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        return "'tools' must be a list of objects (tool schemas)"
+    prompt = row[cfg.prompt_key]
+    if isinstance(prompt, str):
+        return None if prompt.strip() else f"{cfg.prompt_key!r} is empty"
+    if not isinstance(prompt, list) or not prompt:
+        return f"{cfg.prompt_key!r} must be text or a non-empty list of chat messages, got {type(prompt).__name__}"
+    if not cfg.apply_chat_template:
+        return "chat-message prompts need data.apply_chat_template = true"
+    for msg in prompt:
+        if problem := _message_problem(msg):
+            return problem
+    return None
+
+
+def as_messages(prompt: str | list[dict[str, Any]], system_prompt: str | None) -> list[dict[str, Any]]:
+    """Chat messages of a prompt; `system_prompt` is prepended unless the prompt has its own system message."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt and messages[0].get("role") != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def render_prompt(
+    tokenizer: Any,
+    prompt: str | list[dict[str, Any]],
+    *,
+    apply_chat_template: bool = True,
+    system_prompt: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """Token ids of a prompt: through the tokenizer's chat template (with the generation prompt), or raw."""
+    if not apply_chat_template:
+        assert isinstance(prompt, str), "raw prompts are text"
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template: set data.apply_chat_template = false")
+    kwargs = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(
+        as_messages(prompt, system_prompt), add_generation_prompt=True, tokenize=False, **kwargs
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class PromptDataset:
+    """The validated, tokenised rows of one JSONL file."""
+
+    def __init__(self, prompts: list[Prompt], path: str, bad_rows: Counter | None = None):
+        if not prompts:
+            raise ValueError(f"{path}: no usable rows; check data.path and data.prompt_key / data.label_key")
+        self.prompts = prompts
+        self.path = path
+        self.bad_rows = bad_rows or Counter()
+        """Skipped rows by reason (`on_bad_row = "skip"`)."""
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, index: int) -> Prompt:
+        return self.prompts[index]
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the row set, so a cursor is never restored onto a different dataset."""
+        return hashlib.sha256("\n".join(p.prompt_id for p in self.prompts).encode()).hexdigest()[:16]
+
+    @classmethod
+    def load(cls, cfg: DataConfig, tokenizer: Any, path: str | None = None, limit: int | None = None):
+        """Read and check `path` (default `cfg.path`); bad rows raise or are skipped per `cfg.on_bad_row`."""
+        path = path or cfg.path
+        if Path(path).suffix == ".parquet":
+            raise ValueError(f"{path}: parquet needs pyarrow, which molt-hpc does not install; convert it to JSONL")
+        if not Path(path).is_file():
+            raise ValueError(f"data file {path} not found (data.path is relative to the working directory)")
+        prompts: list[Prompt] = []
+        bad: Counter = Counter()
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if limit is not None and len(prompts) >= limit:
+                    break
+                if not line.strip():
+                    continue
+                prompt, problem = _parse_line(line, line_no, Path(path).name, len(prompts), cfg, tokenizer)
+                if problem is None:
+                    prompts.append(prompt)
+                elif cfg.on_bad_row == "skip":
+                    bad[problem.split(" (")[0]] += 1
+                else:
+                    raise ValueError(f'{path}, line {line_no}: {problem}; fix the row or set data.on_bad_row = "skip"')
+        if bad:
+            get_logger().warning("%s: skipped %d bad rows: %s", path, sum(bad.values()), dict(bad))
+        return cls(prompts, str(path), bad)
+
+
+def _parse_line(
+    line: str, line_no: int, file_name: str, index: int, cfg: DataConfig, tokenizer: Any
+) -> tuple[Prompt | None, str | None]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        return None, f"invalid JSON ({err.msg})"
+    if problem := row_problem(row, cfg):
+        return None, problem
+    extra = {k: v for k, v in row.items() if k not in (cfg.prompt_key, cfg.label_key)}
+    ids = render_prompt(
+        tokenizer,
+        row[cfg.prompt_key],
+        apply_chat_template=cfg.apply_chat_template,
+        system_prompt=cfg.system_prompt,
+        tools=row.get("tools"),
+    )
+    if len(ids) > cfg.max_prompt_tokens:
+        return None, f"prompt too long ({len(ids)} tokens > data.max_prompt_tokens = {cfg.max_prompt_tokens})"
+    prompt_id = str(row["id"]) if "id" in row else f"{file_name}:{line_no}"
+    return Prompt(prompt_id, index, row[cfg.prompt_key], row[cfg.label_key], ids, extra), None
+
+
+def epoch_order(lengths: list[int], buckets: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    """Row indices of one epoch: sorted by length, cut into buckets, shuffled inside each, drawn round-robin."""
+    ranked = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    n_buckets = max(1, min(buckets, len(ranked)))
+    parts = [ranked[b * len(ranked) // n_buckets : (b + 1) * len(ranked) // n_buckets] for b in range(n_buckets)]
+    if shuffle:
+        rng = random.Random(f"molt-data:{seed}:{epoch}")  # str seeds hash the same in every process
+        for part in parts:
+            rng.shuffle(part)
+    longest = max(len(p) for p in parts)
+    return [part[r] for r in range(longest) for part in parts if r < len(part)]
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a draw came from: the epoch and the index in that epoch's order."""
+
+    epoch: int
+    index: int
+
+    @property
+    def group_id(self) -> str:
+        """Deterministic group id: a re-issued draw gets the same id, so the buffer can refuse a duplicate."""
+        return f"e{self.epoch}-i{self.index}"
+
+
+class Cursor:
+    """A deterministic, resumable walk over the dataset, epoch after epoch."""
+
+    def __init__(self, dataset: PromptDataset, cfg: DataConfig, seed: int, epoch: int = 0, position: int = 0):
+        self.dataset = dataset
+        self.buckets = cfg.length_buckets
+        self.shuffle = cfg.shuffle
+        self.seed = seed
+        self.epoch = epoch
+        self.position = position
+        self._lengths = [len(p.token_ids) for p in dataset.prompts]
+        self._orders: dict[int, list[int]] = {}
+
+    def order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            self._orders = {epoch: epoch_order(self._lengths, self.buckets, self.seed, epoch, self.shuffle)}
+        return self._orders[epoch]
+
+    def at(self, pos: Position) -> Prompt:
+        """The prompt drawn at `pos` (to re-issue it after a restart)."""
+        return self.dataset[self.order(pos.epoch)[pos.index]]
+
+    def next(self) -> tuple[Prompt, Position]:
+        """The next prompt and where it came from; moves past the end of an epoch into the next."""
+        if self.position >= len(self.dataset):
+            self.epoch, self.position = self.epoch + 1, 0
+        pos = Position(self.epoch, self.position)
+        self.position += 1
+        return self.at(pos), pos
+
+    def state(self) -> dict[str, Any]:
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position, "dataset": self.dataset.fingerprint}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a saved `state()`; refuses one saved for another dataset or seed."""
+        if state["dataset"] != self.dataset.fingerprint or state["seed"] != self.seed:
+            raise ValueError(
+                f"the saved data cursor belongs to another dataset or seed (dataset {state['dataset']}, seed "
+                f"{state['seed']}; now {self.dataset.fingerprint}, {self.seed}): keep data.path and run.seed "
+                "unchanged when resuming, or start a new run"
+            )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
