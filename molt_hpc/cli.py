@@ -113,3 +113,17 @@ def plot_cmd(run_dir: str, out: str | None) -> None:
     from molt_hpc.plot import plot_run
 
     click.echo(str(plot_run(run_dir, out)))
+
+
+@main.group("buffer")
+def buffer_group() -> None:
+    """The replay buffer spool."""
+
+
+@buffer_group.command("stats")
+@click.argument("run_dir")
+def buffer_stats_cmd(run_dir: str) -> None:
+    """Print the replay buffer's groups per state: pending, claimed, acked, stale, quarantined."""
+    from molt_hpc.buffer.spool import stats_lines
+
+    click.echo("\n".join(stats_lines(run_dir)))

@@ -52,7 +52,11 @@ class BufferConfig(Section):
     put_timeout_s: PositiveFloat = 3600.0
     """A producer blocked this long raises a clear error (the consumer is gone or stuck)."""
     lease_timeout_s: PositiveFloat = 600.0
-    """A claim older than this returns to the pool (a consumer died without acking)."""
+    """A consumer that renews its lease (every get/ack/heartbeat) less often than this loses its claims
+    to the pool (it died without acking); its restart under the same id returns them at once."""
+    poll_interval_s: PositiveFloat = 0.05
+    """Longest sleep between looks at the spool while a put waits for room or a get for groups; lower
+    hands over faster and costs more metadata requests on a shared filesystem."""
 
 
 class RefitConfig(Section):

@@ -1,0 +1,153 @@
+"""One `Group` as one safetensors file: flat tensors with offsets plus a JSON metadata string.
+
+Variable-length lists are concatenated over the group's samples and cut back by offsets
+(`token_offsets[i]:token_offsets[i+1]` are sample i's tokens). Per-sample scalars (prompt length,
+reward, score, finish reason, info, ids) and the group's own fields go to safetensors'
+`__metadata__` map under the key `molt`, as one JSON string, so one rename publishes everything.
+
+Precision: token ids are stored as int32 (every tokenizer vocabulary fits), log-probs as float32
+(what engines compute in), policy versions as int64, rewards and scores exactly (JSON floats).
+Numpy only: producers and consumers never need torch to move groups.
+"""
+
+import json
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load, save
+
+from molt_hpc.trajectory import Group, Trajectory
+
+FORMAT = "molt-hpc/group"
+FORMAT_VERSION = 1
+META_KEY = "molt"
+INT32_MAX = 2**31 - 1
+
+
+def _offsets(lengths: list[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+
+
+def _flat(lists: list[list], dtype: type) -> np.ndarray:
+    flat = [x for items in lists for x in items]
+    return np.asarray(flat, dtype=dtype).reshape(len(flat))
+
+
+def _experts(samples: list[Trajectory]) -> dict[str, np.ndarray]:
+    """Routed experts [rows, layers, top_k] of all samples that have them, with per-sample row offsets."""
+    if all(s.routed_experts is None for s in samples):
+        return {}
+    arrays = [np.asarray(s.routed_experts, dtype=np.int32) for s in samples if s.routed_experts is not None]
+    shape = next((a.shape[1:] for a in arrays if a.ndim == 3), (0, 0))  # all empty: any shape
+    rows = [len(s.routed_experts) if s.routed_experts is not None else 0 for s in samples]
+    parts = [a.reshape(len(a), *shape) for a in arrays]
+    return {"experts": np.concatenate(parts), "expert_offsets": _offsets(rows)}
+
+
+def encode_group(group: Group) -> bytes:
+    """The safetensors bytes of `group` (tensors + `__metadata__`)."""
+    samples = group.samples
+    tokens = _flat([s.tokens for s in samples], np.int64)
+    if tokens.size and (tokens.min() < 0 or tokens.max() > INT32_MAX):
+        raise ValueError(f"group {group.group_id}: token ids must lie in [0, 2^31); got {tokens.min()}..{tokens.max()}")
+    tensors = {
+        "tokens": tokens.astype(np.int32),
+        "token_offsets": _offsets([len(s.tokens) for s in samples]),
+        "action_ranges": _flat([[x for r in s.action_ranges for x in r] for s in samples], np.int64).reshape(-1, 2),
+        "range_offsets": _offsets([len(s.action_ranges) for s in samples]),
+        "action_logprobs": _flat([s.action_logprobs for s in samples], np.float32),
+        "versions": _flat([s.versions for s in samples], np.int64),
+        **_experts(samples),
+    }
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "group_id": group.group_id,
+        "prompt_id": group.prompt_id,
+        "data_position": group.data_position,
+        "meta": group.meta,
+        "min_version": group.min_version,
+        "samples": [
+            {
+                "prompt_len": s.prompt_len,
+                "reward": s.reward,
+                "score": s.score,
+                "finish_reason": s.finish_reason,
+                "info": s.info,
+                "group_id": s.group_id,
+                "rollout_id": s.rollout_id,
+                "has_experts": s.routed_experts is not None,
+            }
+            for s in samples
+        ],
+    }
+    return save(tensors, metadata={META_KEY: json.dumps(meta)})
+
+
+def read_metadata(data: bytes) -> dict[str, Any]:
+    """The `molt` metadata of a group file's bytes; ValueError when it is not a group file."""
+    if len(data) < 8:
+        raise ValueError(f"{len(data)} bytes is too short for a safetensors header")
+    size = int.from_bytes(data[:8], "little")
+    if size > len(data) - 8:
+        raise ValueError(f"header of {size} bytes overruns the {len(data)}-byte file")
+    header = json.loads(data[8 : 8 + size])
+    text = (header.get("__metadata__") or {}).get(META_KEY)
+    if text is None:
+        raise ValueError(f"no `{META_KEY}` metadata: not a molt-hpc group file")
+    meta = json.loads(text)
+    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"format {meta.get('format')!r} v{meta.get('format_version')}, expected {FORMAT} v1")
+    return meta
+
+
+def _cut(flat: np.ndarray, offsets: np.ndarray, i: int) -> np.ndarray:
+    return flat[int(offsets[i]) : int(offsets[i + 1])]
+
+
+def decode_group(data: bytes) -> Group:
+    """The `Group` in a group file's bytes; raises (ValueError, AssertionError, ...) on a bad file."""
+    meta = read_metadata(data)
+    t = load(data)
+    n = len(meta["samples"])
+    for key in ("token_offsets", "range_offsets"):
+        offs = t[key]
+        if offs.shape != (n + 1,) or offs[0] != 0 or np.any(np.diff(offs) < 0):
+            raise ValueError(f"bad {key} {offs.tolist()} for {n} samples")
+    if t["token_offsets"][-1] != len(t["tokens"]) or t["range_offsets"][-1] != len(t["action_ranges"]):
+        raise ValueError("offsets do not cover the flat tensors")
+    if len(t["action_logprobs"]) != len(t["versions"]):
+        raise ValueError("one log-prob and one version per action token are required")
+    samples, action_at = [], 0
+    for i, sm in enumerate(meta["samples"]):
+        ranges = [(int(a), int(b)) for a, b in _cut(t["action_ranges"], t["range_offsets"], i)]
+        n_action = sum(b - a for a, b in ranges)
+        experts = None
+        if sm["has_experts"]:
+            experts = _cut(t["experts"], t["expert_offsets"], i).tolist()
+        samples.append(
+            Trajectory(
+                tokens=_cut(t["tokens"], t["token_offsets"], i).tolist(),
+                prompt_len=sm["prompt_len"],
+                action_ranges=ranges,
+                action_logprobs=t["action_logprobs"][action_at : action_at + n_action].tolist(),
+                versions=t["versions"][action_at : action_at + n_action].tolist(),
+                reward=sm["reward"],
+                score=sm["score"],
+                finish_reason=sm["finish_reason"],
+                info=sm["info"],
+                group_id=sm["group_id"],
+                rollout_id=sm["rollout_id"],
+                routed_experts=experts,
+            )
+        )
+        action_at += n_action
+    if action_at != len(t["versions"]):
+        raise ValueError(f"{len(t['versions'])} action tokens stored, the ranges cover {action_at}")
+    return Group(
+        group_id=meta["group_id"],
+        prompt_id=meta["prompt_id"],
+        samples=samples,
+        data_position=meta["data_position"],
+        meta=meta["meta"],
+    )
