@@ -1,0 +1,90 @@
+"""The rollout orchestrator process: `main(cfg, run_dir)` (run by `jobs/rollout.py RUN_DIR`).
+
+orchestrator.py  the loop: admission, groups in flight, completion order, filters, buffer puts
+group.py         one group of concurrent samples and the per-sample fault policy
+engines.py       generate through the router; the engines' weight version
+chat_server.py   the OpenAI-compatible endpoint chat-mode agents talk to
+evaluation.py    greedy evaluation on held-out prompts
+state.py         the durable state (cursor, in-flight groups) that makes a restart exact
+metrics.py       the rollout records of metrics.jsonl
+"""
+
+import asyncio
+import json
+from pathlib import Path
+
+from molt_hpc.config import MoltConfig
+from molt_hpc.log import get_logger, setup_logging
+from molt_hpc.rundir import RunDir
+
+ROUTER_WAIT_S = 600.0
+
+
+def main(cfg: MoltConfig, run_dir: str | Path) -> int:
+    """Run the orchestrator until training is done or it is told to stop; the process exit code."""
+    import torch
+
+    torch.set_num_threads(1)
+    setup_logging("rollout", cfg.logging.level)
+    return asyncio.run(serve(cfg, RunDir(Path(run_dir).absolute())))
+
+
+async def serve(cfg: MoltConfig, run: RunDir) -> int:
+    import aiohttp
+
+    from molt_hpc.agents import ChatAgent
+    from molt_hpc.agents.chat_runner import ChatAgentRunner
+    from molt_hpc.agents.loader import load_agent
+    from molt_hpc.agents.step_runner import StepEnvRunner
+    from molt_hpc.buffer import open_buffer
+    from molt_hpc.data import PromptDataset
+    from molt_hpc.models import load_tokenizer, resolve_model
+    from molt_hpc.rollout.chat_server import ChatServer
+    from molt_hpc.rollout.engines import EngineLink, wait_for_router
+    from molt_hpc.rollout.orchestrator import Orchestrator
+    from molt_hpc.rundir import atomic_write
+
+    log = get_logger()
+    agent_cls = load_agent(cfg.rollout.agent)
+    tokenizer = load_tokenizer(resolve_model(cfg.model, run.models))
+    dataset = PromptDataset.load(cfg.data, tokenizer)
+    ev = cfg.data.eval
+    eval_prompts = PromptDataset.load(cfg.data, tokenizer, path=ev.path, limit=ev.max_prompts).prompts if ev else []
+    log.info(
+        "agent %s, %d prompts from %s, %d eval prompts",
+        agent_cls.__name__,
+        len(dataset),
+        cfg.data.path,
+        len(eval_prompts),
+    )
+    buffer = open_buffer(cfg.buffer, run.path, producer_id="rollout")
+    stop = asyncio.Event()
+    Orchestrator.install_stop_handlers(stop)
+    try:
+        router_url = await wait_for_router(run, ROUTER_WAIT_S, stop)
+    except asyncio.CancelledError:
+        return 0
+    token = run.token()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        link = EngineLink(http, router_url, token, run, cfg.rollout.request_timeout_s)
+        server = None
+        if issubclass(agent_cls, ChatAgent):
+            server = ChatServer(tokenizer, link, cfg.rollout, token)
+            atomic_write(run.rendezvous / "chat.json", json.dumps({"url": await server.start()}))
+            runner = ChatAgentRunner(agent_cls, server, cfg.rollout, http)
+        else:
+            runner = StepEnvRunner(
+                agent_cls,
+                tokenizer,
+                cfg.rollout,
+                link.generate,
+                apply_chat_template=cfg.data.apply_chat_template,
+                system_prompt=cfg.data.system_prompt,
+                seed=cfg.run.seed,
+            )
+        try:
+            await Orchestrator(cfg, run, dataset, runner, link, buffer, eval_prompts, stop).run_loop()
+        finally:
+            if server is not None:
+                await server.close()
+    return 0

@@ -1,0 +1,158 @@
+"""The OpenAI-compatible chat endpoint that chat-mode agents talk to, served on top of the engines.
+
+`POST /v1/chat/completions` (and `/s/<session>/v1/chat/completions`, so any OpenAI client keeps
+an episode on one engine without custom headers; `X-Session-ID` works too): the messages go
+through the tokenizer's chat template, the router generates with the session id, the reply is
+decoded with special tokens skipped. Every call is recorded per session (prompt ids, completion
+ids, weight versions) for `ChatAgentRunner` to turn into a trajectory. Requests need the run's
+token as the API key. Per-session overrides (greedy evaluation) are applied to every call.
+"""
+
+import json
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from molt_hpc.agents.calls import EngineError
+from molt_hpc.config.rollout import RolloutConfig
+from molt_hpc.engine.client import SESSION_HEADER, EngineHTTPError
+from molt_hpc.log import get_logger
+from molt_hpc.rollout.engines import EngineLink
+
+
+@dataclass
+class ChatCall:
+    """One completion served to a session."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    versions: list[int]
+    finish_reason: str
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+
+
+def _check_messages(messages: Any) -> str | None:
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty list"
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return "each message needs a string 'role' and a string 'content'"
+    return None
+
+
+class ChatServer:
+    """The endpoint, its per-session record, and its lifecycle (`start` / `close`)."""
+
+    def __init__(self, tokenizer: Any, link: EngineLink, cfg: RolloutConfig, token: str, model: str = "policy"):
+        self.tokenizer, self.link, self.cfg, self.token, self.model = tokenizer, link, cfg, token, model
+        self.calls: dict[str, list[ChatCall]] = defaultdict(list)
+        self.failures: dict[str, str] = {}
+        self.overrides: dict[str, dict[str, Any]] = {}
+        self.url = ""
+        app = web.Application(middlewares=[self._auth])
+        for prefix in ("", "/s/{session}"):
+            app.router.add_post(prefix + "/v1/chat/completions", self.completions)
+            app.router.add_get(prefix + "/v1/models", self.models)
+        self._runner = web.AppRunner(app, access_log=None)
+
+    async def start(self, host: str = "127.0.0.1") -> str:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    async def close(self) -> None:
+        await self._runner.cleanup()
+
+    def take(self, session: str) -> tuple[list[ChatCall], str | None]:
+        """The calls recorded for `session` and its engine failure, if any; forgets the session."""
+        self.overrides.pop(session, None)
+        return self.calls.pop(session, []), self.failures.pop(session, None)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if request.headers.get("Authorization") != f"Bearer {self.token}":
+            return _error(401, "missing or wrong API key: use the run's token", "authentication_error")
+        return await handler(request)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def completions(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError:
+            return _error(400, "the body is not JSON")
+        if not isinstance(body, dict) or (problem := _check_messages(body.get("messages"))):
+            return _error(400, problem if isinstance(body, dict) else "the body must be a JSON object")
+        if body.get("n", 1) != 1 or body.get("stream"):
+            return _error(400, "only n = 1 without streaming is served")
+        if body.get("stop"):
+            return _error(400, "stop strings are not supported; use max_tokens")
+        session = request.match_info.get("session") or request.headers.get(SESSION_HEADER) or uuid.uuid4().hex
+        template_kwargs = {"tools": body["tools"]} if body.get("tools") else {}
+        text = self.tokenizer.apply_chat_template(
+            body["messages"], add_generation_prompt=True, tokenize=False, **template_kwargs
+        )
+        prompt_ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        params, problem = self._sampling_params(body, len(prompt_ids), session)
+        if problem:
+            return _error(400, problem)
+        try:
+            out = await self.link.generate(prompt_ids, params, session)
+            if out.finish_reason == "abort":
+                raise EngineError("the engine aborted the request")
+        except EngineError as err:
+            self.failures[session] = str(err)
+            return _error(502, f"the engine pool failed this call: {err}", "server_error")
+        except EngineHTTPError as err:
+            return _error(400 if err.status < 500 else 502, err.message)
+        call = ChatCall(prompt_ids, list(out.token_ids), list(out.weight_versions), out.finish_reason)
+        self.calls[session].append(call)
+        return web.json_response(self._answer(out, len(prompt_ids)))
+
+    def _sampling_params(self, body: dict[str, Any], prompt_len: int, session: str) -> tuple[dict, str | None]:
+        room = self.cfg.max_total_tokens - prompt_len
+        if room <= 0:
+            cap = self.cfg.max_total_tokens
+            return {}, f"the conversation ({prompt_len} tokens) fills rollout.max_total_tokens ({cap})"
+        asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.cfg.max_new_tokens
+        if not isinstance(asked, int) or asked <= 0:
+            return {}, "max_tokens must be a positive integer"
+        params = {
+            "temperature": float(body.get("temperature", self.cfg.temperature)),
+            "top_p": float(body.get("top_p", self.cfg.top_p)),
+            "top_k": self.cfg.top_k,
+            "stop_token_ids": [self.tokenizer.eos_token_id],
+            **({"seed": int(body["seed"])} if body.get("seed") is not None else {}),
+            **self.overrides.get(session, {}),
+        }
+        params["max_tokens"] = min(asked, self.cfg.max_new_tokens, room)
+        return params, None
+
+    def _answer(self, out: Any, prompt_len: int) -> dict[str, Any]:
+        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        get_logger().debug("chat completion of %d tokens", len(out.token_ids))
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": out.finish_reason}
+            ],
+            "usage": {
+                "prompt_tokens": prompt_len,
+                "completion_tokens": len(out.token_ids),
+                "total_tokens": prompt_len + len(out.token_ids),
+            },
+        }

@@ -1,0 +1,74 @@
+"""Rollout metrics: what the orchestrator did since its last record, as one `metrics.jsonl` line.
+
+A record is written every `actor.groups_per_step` accepted groups (one training batch) and at
+shutdown: rewards and scores of the accepted samples, response lengths and turns, how many
+groups the filters and env errors dropped (by reason), retries, and throughput.
+"""
+
+import statistics
+import time
+from collections import Counter
+from typing import Any
+
+from molt_hpc.rollout.group import GroupOutcome
+from molt_hpc.trajectory import Group
+
+
+class RolloutStats:
+    """Accumulates one window of rollout activity."""
+
+    def __init__(self) -> None:
+        self.totals: Counter = Counter()
+        """Counts since the orchestrator started (never reset)."""
+        self._reset()
+
+    def _reset(self) -> None:
+        self.started = time.monotonic()
+        self.rewards: list[float] = []
+        self.scores: list[float] = []
+        self.lengths: list[int] = []
+        self.turns: list[float] = []
+        self.counts: Counter = Counter()
+        self.tokens = 0
+
+    def finished(self, outcome: GroupOutcome) -> None:
+        """Count a group that came back (accepted or not), with its retries and env errors."""
+        self.counts["groups_finished"] += 1
+        self.counts["samples_engine_retries"] += outcome.engine_retries
+        self.counts["samples_env_retries"] += outcome.env_retries
+        for reason, n in outcome.env_errors.items():
+            self.counts[f"env_errors_{reason}"] += n
+        if outcome.failure is not None:
+            self.counts[f"groups_dropped_{outcome.failure}"] += 1
+        if outcome.group is not None:
+            for s in outcome.group.samples:
+                self.tokens += s.num_action_tokens
+
+    def filtered(self, reason: str) -> None:
+        self.counts[f"groups_filtered_{reason}"] += 1
+
+    def accepted(self, group: Group) -> None:
+        self.counts["groups_accepted"] += 1
+        for s in group.samples:
+            self.rewards.append(s.reward)
+            self.scores.append(s.score if s.score is not None else s.reward)
+            self.lengths.append(s.response_len)
+            self.turns.append(float(s.info.get("turns", 1.0)))
+
+    def record(self, **extra: Any) -> dict[str, Any]:
+        """The window as a metrics record; starts a new window."""
+        seconds = max(time.monotonic() - self.started, 1e-9)
+        self.totals.update(self.counts)
+        rec: dict[str, Any] = {**extra, **dict(self.counts)}
+        rec["window_s"] = round(seconds, 3)
+        rec["tokens_per_s"] = self.tokens / seconds
+        rec["groups_per_s"] = self.counts["groups_accepted"] / seconds
+        if self.rewards:
+            rec["reward_mean"] = statistics.fmean(self.rewards)
+            rec["reward_std"] = statistics.pstdev(self.rewards)
+            rec["score_mean"] = statistics.fmean(self.scores)
+            rec["response_len_mean"] = statistics.fmean(self.lengths)
+            rec["response_len_max"] = max(self.lengths)
+            rec["turns_mean"] = statistics.fmean(self.turns)
+        self._reset()
+        return rec

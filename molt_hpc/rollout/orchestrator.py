@@ -1,0 +1,231 @@
+"""The rollout orchestrator: groups in flight through the router, finished groups into the buffer.
+
+The loop: issue groups while admission allows, take them back in completion order (never
+waiting for the slowest), shape and filter them (over-long penalty, dynamic sampling), `put` the
+survivors into the replay buffer (blocking while it is full), count everything, repeat.
+
+Staleness admission keeps rollout from running ahead of training: a new group is issued only
+while `accepted + in_flight < (engine_version + max_staleness + 1) × actor.groups_per_step`, with
+max_staleness 0 under `run.sync` (one batch per policy version). The durable state (`state.py`)
+is saved before each issue and after each completion; SIGTERM, `control/stop` or `control/done`
+end the loop without starting anything new, and a restart re-issues what never reached the buffer.
+"""
+
+import asyncio
+import signal
+import threading
+from typing import Any
+
+from molt_hpc.algorithm.filters import apply_overlong_penalty, has_signal
+from molt_hpc.config import MoltConfig
+from molt_hpc.data import Cursor, Position, PromptDataset
+from molt_hpc.log import MetricsWriter, get_logger
+from molt_hpc.rollout.engines import EngineLink
+from molt_hpc.rollout.evaluation import evaluate
+from molt_hpc.rollout.group import GroupOutcome, Runner, run_group
+from molt_hpc.rollout.metrics import RolloutStats
+from molt_hpc.rollout.state import RolloutState
+from molt_hpc.rundir import RunDir
+from molt_hpc.trajectory import Group
+
+POLL_S = 0.25
+
+
+def admits(accepted: int, in_flight: int, engine_version: int, max_staleness: int, groups_per_step: int) -> bool:
+    """Staleness admission: may one more group be issued now?"""
+    return accepted + in_flight < (engine_version + max_staleness + 1) * groups_per_step
+
+
+class Stopping(Exception):
+    """The orchestrator was asked to stop while waiting."""
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        cfg: MoltConfig,
+        run: RunDir,
+        dataset: PromptDataset,
+        runner: Runner,
+        link: EngineLink,
+        buffer: Any,
+        eval_prompts: list | None = None,
+        stop: asyncio.Event | None = None,
+    ):
+        self.cfg, self.run, self.runner, self.link, self.buffer = cfg, run, runner, link, buffer
+        self.state_path = run.path / "rollout" / "state.json"
+        self.state = RolloutState.load(self.state_path)
+        self.cursor = Cursor(dataset, cfg.data, cfg.run.seed)
+        if self.state.cursor is not None:
+            self.cursor.restore(self.state.cursor)
+        self.reissue = list(self.state.in_flight)
+        self.max_staleness = 0 if cfg.run.sync else cfg.buffer.max_staleness
+        self.tasks: dict[asyncio.Task, Position] = {}
+        self.eval_prompts = eval_prompts or []
+        self.eval_task: asyncio.Task | None = None
+        self.stats = RolloutStats()
+        self.metrics = MetricsWriter(run.metrics, source="rollout")
+        self.stop = stop or asyncio.Event()
+        self.log = get_logger()
+
+    # -- the loop ---------------------------------------------------------------------------------
+    async def run_loop(self) -> None:
+        if self.reissue:
+            self.log.info("re-issuing %d group(s) that never reached the buffer", len(self.reissue))
+        await self.link.poll_version()
+        try:
+            while not self.should_stop():
+                while len(self.tasks) < self.cfg.rollout.groups_in_flight and self.admitted():
+                    self.issue()
+                self.maybe_evaluate()
+                if not self.tasks:
+                    await self.idle()
+                    continue
+                done, _ = await asyncio.wait(self.tasks, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    await self.complete(task, self.tasks.pop(task))
+        except Stopping:
+            pass
+        finally:
+            await self.shutdown()
+
+    def should_stop(self) -> bool:
+        control = self.run.path / "control"
+        if not self.stop.is_set() and ((control / "stop").exists() or (control / "done").exists()):
+            self.log.info("stop requested through %s", control)
+            self.stop.set()
+        return self.stop.is_set()
+
+    def admitted(self) -> bool:
+        gps = self.cfg.actor.groups_per_step
+        return admits(self.state.groups_accepted, len(self.tasks), self.link.version, self.max_staleness, gps)
+
+    async def idle(self) -> None:
+        """Nothing in flight and admission closed: wait for a refit (poll the engines) or a stop."""
+        try:
+            await asyncio.wait_for(self.stop.wait(), POLL_S)
+        except TimeoutError:
+            await self.link.poll_version()
+
+    def issue(self) -> None:
+        if self.reissue:
+            pos = self.reissue.pop(0)
+            prompt = self.cursor.at(pos)
+        else:
+            prompt, pos = self.cursor.next()
+            self.state.in_flight.append(pos)
+            self.state.cursor = self.cursor.state()
+        if self.buffer.was_put(pos.group_id):  # it reached the buffer just before a restart
+            self.state.groups_accepted += 1
+            self.state.in_flight.remove(pos)
+        else:
+            task = asyncio.create_task(run_group(self.runner, prompt, pos, self.cfg.rollout))
+            self.tasks[task] = pos
+        self.state.save(self.state_path)
+
+    async def complete(self, task: asyncio.Task, pos: Position) -> None:
+        outcome: GroupOutcome = task.result()  # anything but a sample failure is a bug: let it stop us
+        self.stats.finished(outcome)
+        group = self.shape(outcome)
+        if group is None:
+            self.state.groups_dropped += 1
+        else:
+            await self.put(group)
+            self.state.groups_accepted += 1
+            self.stats.accepted(group)
+        self.state.in_flight.remove(pos)
+        self.state.save(self.state_path)
+        if self.stats.counts["groups_accepted"] >= self.cfg.actor.groups_per_step:
+            self.write_record()
+
+    def shape(self, outcome: GroupOutcome) -> Group | None:
+        """The group to put (over-long penalty applied), or None when it failed or the filter drops it."""
+        if outcome.group is None:
+            self.log.warning("group %s dropped: %s", outcome.position.group_id, outcome.failure)
+            return None
+        alg, ro = self.cfg.algorithm, self.cfg.rollout
+        group = outcome.group
+        if alg.overlong_buffer > 0:
+            cap = ro.max_new_tokens if ro.max_turns == 1 else None
+            group = apply_overlong_penalty(group, ro.max_total_tokens, alg.overlong_buffer, alg.overlong_penalty, cap)
+        if alg.dynamic_sampling and not has_signal(group):
+            self.stats.filtered("equal_rewards")
+            return None
+        group.meta["engine_version"] = self.link.version
+        return group
+
+    async def put(self, group: Group) -> None:
+        """`buffer.put` in a daemon thread (it blocks under backpressure), abandoned if a stop comes first."""
+        done = asyncio.Event()
+        errors: list[BaseException] = []
+        loop = asyncio.get_running_loop()
+
+        def work() -> None:
+            try:
+                self.buffer.put(group)
+            except BaseException as err:  # re-raised in the event loop below
+                errors.append(err)
+            loop.call_soon_threadsafe(done.set)
+
+        threading.Thread(target=work, name="buffer-put", daemon=True).start()
+        while not done.is_set():
+            if self.should_stop():
+                raise Stopping  # the group stays in flight: a restart re-issues it, or finds it put
+            try:
+                await asyncio.wait_for(done.wait(), POLL_S)
+            except TimeoutError:
+                continue
+        if errors:
+            raise errors[0]
+
+    # -- evaluation, metrics, shutdown --------------------------------------------------------------
+    def maybe_evaluate(self) -> None:
+        ev = self.cfg.data.eval
+        if ev is None or not self.eval_prompts:
+            return
+        if self.eval_task is not None and self.eval_task.done():
+            record = self.eval_task.result()
+            self.eval_task = None
+            self.state.last_eval_version = record["eval_version"]
+            self.state.save(self.state_path)
+            self.metrics.write(record)
+            self.log.info("eval at version %d: reward %.3f", record["eval_version"], record["eval_reward"])
+        version = self.link.version
+        if self.eval_task is None and version // ev.every > self.state.last_eval_version // ev.every:
+            self.eval_task = asyncio.create_task(evaluate(self.runner, self.eval_prompts, version))
+
+    def write_record(self) -> None:
+        extra = {"version": self.link.version, "in_flight": len(self.tasks), **self.buffer.stats()}
+        record = self.stats.record(**extra, groups_accepted_total=self.state.groups_accepted)
+        self.metrics.write(record)
+        self.log.info(
+            "version %d | accepted %d | reward %s | len %s | %.1f tok/s | %.2f groups/s",
+            self.link.version,
+            self.state.groups_accepted,
+            f"{record['reward_mean']:.3f}" if "reward_mean" in record else "-",
+            f"{record['response_len_mean']:.1f}" if "response_len_mean" in record else "-",
+            record["tokens_per_s"],
+            record["groups_per_s"],
+        )
+
+    async def shutdown(self) -> None:
+        pending = [*self.tasks, *([self.eval_task] if self.eval_task else [])]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        self.state.save(self.state_path)
+        self.write_record()
+        self.metrics.close()
+        self.log.info(
+            "stopped: %d groups accepted, %d dropped, %d left in flight for the next start",
+            self.state.groups_accepted,
+            self.state.groups_dropped,
+            len(self.state.in_flight),
+        )
+
+    @staticmethod
+    def install_stop_handlers(stop: asyncio.Event) -> None:
+        """SIGTERM / SIGINT set `stop`: nothing new starts, the state is saved, the process exits 0."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
