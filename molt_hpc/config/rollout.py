@@ -65,6 +65,9 @@ class EnginesConfig(Section):
     """Extra command-line arguments for `vllm serve`."""
     threads: NonNegativeInt = 0
     """torch CPU threads per engine process; 0 keeps torch's default."""
+    host: str = "127.0.0.1"
+    """Address the engines and the router listen on (ports come from the kernel). `0.0.0.0` listens on
+    every interface and registers the node's hostname (multi-node runs)."""
 
 
 class RouterConfig(Section):

@@ -1,0 +1,49 @@
+"""Entry point of the engine pool's processes: `python jobs/engine.py RUN_DIR --role engine --index I`.
+
+Roles: `engine` (one inference engine), `router` (the session-affine router). Reads the resolved
+config from `RUN_DIR/config.toml`; heavy modules are imported after the arguments are parsed.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def run_engine(cfg, run_dir: Path, args: argparse.Namespace) -> int:
+    from molt_hpc.engine.main import main
+
+    return main(cfg, run_dir, args.index)
+
+
+def run_router(cfg, run_dir: Path, args: argparse.Namespace) -> int:
+    from molt_hpc.router.main import main
+
+    return main(cfg, run_dir)
+
+
+ROLES = {"engine": run_engine, "router": run_router}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path, help="the run directory (holds config.toml and rendezvous/)")
+    parser.add_argument("--role", choices=sorted(ROLES), required=True)
+    parser.add_argument("--index", type=int, default=0, help="engine index (role engine)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from molt_hpc.config import load_config
+    from molt_hpc.rundir import RunDir
+
+    run = RunDir(args.run_dir.absolute())
+    if not run.config.is_file():
+        raise SystemExit(f"error: {run.config} not found; RUN_DIR must be a run directory with config.toml")
+    cfg = load_config(run.config)
+    return ROLES[args.role](cfg, run.path, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""The model side of the engine: rows, the prefill and decode forwards, and sampling a batch.
+
+A `Row` is one request in the running batch. Its cache holds every token of its context but the
+last one, which is the next decode step's input (the "pending" token). Prefill takes whole
+contexts (a new prompt, or a running row whose cache was dropped after a weight update), fills a
+fresh cache and returns the next-token logits, so joining and re-prefilling are one code path.
+"""
+
+import inspect
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from molt_hpc.engine.kvcache import BatchCache
+from molt_hpc.engine.sampling import SamplingParams, processed_logprobs, sample
+
+
+@dataclass(eq=False)
+class Row:
+    """One request: its prompt, what it generated so far, and where its answer goes."""
+
+    prompt: list[int]
+    params: SamplingParams
+    future: Future
+    generator: torch.Generator | None = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Most likely (token, log-prob) pairs per step, when the request asked for `logprobs` > 0 or -1."""
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.tokens
+
+
+class ModelRunner:
+    """Runs the transformers model over a `BatchCache` (no gradients, logits of the last position only)."""
+
+    def __init__(self, model, device: torch.device):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.device = device
+        self._new_cache = DynamicCache
+        params = inspect.signature(model.forward).parameters
+        # transformers ≥ 5.x renamed `past_key_values` to `cache`; take whichever this version has.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @torch.no_grad()
+    def prefill(self, contexts: list[list[int]]) -> tuple[torch.Tensor, BatchCache]:
+        """Next-token logits [k, V] of each context and a cache holding all their tokens (left-padded)."""
+        length = max(len(c) for c in contexts)
+        ids = torch.zeros(len(contexts), length, dtype=torch.long)
+        mask = torch.zeros(len(contexts), length, dtype=torch.long)
+        for i, ctx in enumerate(contexts):
+            ids[i, length - len(ctx) :] = torch.tensor(ctx)
+            mask[i, length - len(ctx) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = self._new_cache()
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: cache},
+        )
+        return out.logits[:, -1], BatchCache(cache, mask)
+
+    @torch.no_grad()
+    def decode(self, batch: BatchCache, last: list[int], positions: list[int]) -> torch.Tensor:
+        """Feed each row's pending token; returns next-token logits [B, V]."""
+        mask = batch.extend_mask()
+        out = self.model(
+            input_ids=torch.tensor(last, device=self.device)[:, None],
+            attention_mask=mask,
+            position_ids=torch.tensor(positions, device=self.device)[:, None],
+            use_cache=True,
+            **{self._cache_kw: batch.cache},
+        )
+        return out.logits[:, -1]
+
+
+def sample_rows(rows: list[Row], logits: torch.Tensor, default: torch.Generator) -> None:
+    """Process each row's logits with its own parameters, draw one token each and append it to the row
+    (with its log-prob and, where asked for, the top log-probs)."""
+    dev = logits.device
+    params = [r.params for r in rows]
+    logp = processed_logprobs(
+        logits,
+        torch.tensor([p.temperature for p in params], device=dev),
+        torch.tensor([p.top_k for p in params], device=dev),
+        torch.tensor([p.top_p for p in params], device=dev),
+        torch.tensor([p.min_p for p in params], device=dev),
+    )
+    greedy = [p.temperature == 0 for p in params]
+    tokens = sample(logp, greedy, [r.generator for r in rows], default)
+    chosen = logp.gather(-1, torch.tensor(tokens, device=dev)[:, None]).view(-1).tolist()
+    for i, (row, tok, lp) in enumerate(zip(rows, tokens, chosen, strict=True)):
+        row.tokens.append(tok)
+        row.logprobs.append(lp)
+        want = row.params.logprobs
+        if want:
+            k = logp.shape[-1] if want < 0 else min(want, logp.shape[-1])
+            values, ids = logp[i].topk(k)
+            row.top.append(list(zip(ids.tolist(), values.tolist(), strict=True)))

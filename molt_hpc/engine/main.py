@@ -1,0 +1,112 @@
+"""The engine process: load the model, start the scheduler and the HTTP server, register, serve.
+
+Registration is `RUN_DIR/rendezvous/engine-<index>.json` = `{"url", "index", "pid", "version"}`,
+written atomically once the server listens (the port comes from the kernel) and again after each
+weight update. A clean stop (SIGTERM/SIGINT) removes it, so the router drops the engine at once;
+after a crash the router's health checks take it out of the ring.
+"""
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+from pathlib import Path
+
+from molt_hpc.config import MoltConfig
+from molt_hpc.log import get_logger, setup_logging
+from molt_hpc.rundir import RunDir, atomic_write
+
+
+def pick_device(setting: str) -> str:
+    import torch
+
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise ValueError("engines.device = 'cuda' but no GPU is visible; use 'cpu' or 'auto'")
+    return setting
+
+
+def public_url(host: str, port: int) -> str:
+    """The URL others use: the bind address, or this node's hostname when listening on all interfaces."""
+    name = socket.gethostname() if host in ("0.0.0.0", "::") else host
+    return f"http://{name}:{port}"
+
+
+def engine_file(run: RunDir, index: int) -> Path:
+    return run.rendezvous / f"engine-{index}.json"
+
+
+def build_engine(cfg: MoltConfig, run: RunDir, index: int):
+    """Model, scheduler and app of engine `index` (not yet serving)."""
+    import torch
+
+    from molt_hpc.engine.batch import ModelRunner
+    from molt_hpc.engine.scheduler import Scheduler
+    from molt_hpc.engine.server import EngineState, build_app
+    from molt_hpc.engine.weights import WeightSync
+    from molt_hpc.models import load_causal_lm, resolve_model
+
+    if cfg.engines.kind != "builtin":
+        raise ValueError(f"engines.kind = {cfg.engines.kind!r}: this process runs the builtin engine only")
+    if cfg.engines.threads:
+        torch.set_num_threads(cfg.engines.threads)
+    path = resolve_model(cfg.model, run.models)
+    device = pick_device(cfg.engines.device)
+    model = load_causal_lm(path, dtype=cfg.model.dtype, device=device, attn=cfg.model.attn_implementation)
+    eos = model.generation_config.eos_token_id if model.generation_config else model.config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    runner = ModelRunner(model, torch.device(device))
+    sched = Scheduler(
+        runner,
+        eos_ids=eos_ids,
+        max_batch=cfg.engines.max_batch,
+        max_model_len=cfg.engines.max_model_len,
+        seed=cfg.run.seed * 1000 + index,
+    )
+    state = EngineState(sched, model.config.vocab_size, cfg.engines.max_model_len, str(cfg.model.path), index)
+    app = build_app(state, run.token())
+    sync = WeightSync(state, model)
+    sync.add_routes(app)
+    return app, sched, sync
+
+
+async def serve(cfg: MoltConfig, run: RunDir, index: int) -> None:
+    from aiohttp import web
+
+    log = get_logger()
+    app, sched, sync = build_engine(cfg, run, index)
+    sched.start()
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    sock = socket.create_server((cfg.engines.host, 0))  # port 0: the kernel picks a free one
+    await web.SockSite(runner, sock).start()
+    port = sock.getsockname()[1]
+    url = public_url(cfg.engines.host, port)
+
+    def register(version: int) -> None:
+        record = {"url": url, "index": index, "pid": os.getpid(), "version": version}
+        atomic_write(engine_file(run, index), json.dumps(record))
+
+    sync.on_version = register
+    register(sched.version)
+    log.info("serving %s at %s (max_batch %d)", cfg.model.path, url, cfg.engines.max_batch)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping")
+    with contextlib.suppress(FileNotFoundError):  # already removed: nothing to unregister
+        os.unlink(engine_file(run, index))
+    await runner.cleanup()
+    sched.stop()
+
+
+def main(cfg: MoltConfig, run_dir: str | Path, index: int) -> int:
+    """Run engine `index` of the run in `run_dir` until SIGTERM."""
+    setup_logging(f"engine {index}", cfg.logging.level)
+    asyncio.run(serve(cfg, RunDir(Path(run_dir)), index))
+    return 0

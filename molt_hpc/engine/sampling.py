@@ -1,0 +1,128 @@
+"""Sampling: the request schema (vLLM field names), its checks, and the per-token processing.
+
+`processed_logprobs` is the one definition of the distribution a token is drawn from: logits /
+temperature, then top-k, then top-p, then min-p, then log-softmax. The engine samples from it and
+returns the sampled token's entry, so the trainer recomputing the same function over a
+teacher-forced forward gets the same log-prob (what the importance ratio needs). Temperature 0 is
+greedy decoding; its log-probs are those of temperature 1 with the same filters.
+"""
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "n": 1}
+
+
+class SamplingParams(BaseModel):
+    """Sampling parameters of one request (a subset of vLLM's `SamplingParams`, same names)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    """0 or -1 disables top-k (vLLM uses -1)."""
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    max_tokens: int = Field(16, ge=1)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=-1)
+    """The sampled token's log-prob is always returned; k > 0 adds the k most likely tokens of each
+    step (`top_logprobs`), -1 the whole vocabulary."""
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    detokenize: bool = False
+    skip_special_tokens: bool = True
+
+
+class GenerateRequest(BaseModel):
+    """Body of `POST /inference/v1/generate`."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    token_ids: list[int] = Field(min_length=1)
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    request_id: str | None = None
+    model: str | None = None
+    stream: Literal[False] = False
+    output_mode: Literal["tokens"] = "tokens"
+
+
+def parse_generate(body: object, vocab_size: int, max_model_len: int) -> GenerateRequest:
+    """Validate a decoded JSON body; every problem is a `ValueError` whose message says what to change."""
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object with 'token_ids' and 'sampling_params'")
+    try:
+        req = GenerateRequest.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "body"
+        raise ValueError(f"{where}: {first['msg']} (got {first.get('input')!r})") from None
+    sp = req.sampling_params
+    for name, neutral in NEUTRAL.items():
+        if getattr(sp, name) != neutral:
+            raise ValueError(f"sampling_params.{name} = {getattr(sp, name)!r} is not supported; leave it at {neutral}")
+    bad = [t for t in (*req.token_ids, *sp.stop_token_ids) if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    total = len(req.token_ids) + sp.max_tokens
+    if total > max_model_len:
+        raise ValueError(
+            f"prompt ({len(req.token_ids)} tokens) + max_tokens ({sp.max_tokens}) = {total} exceeds "
+            f"engines.max_model_len ({max_model_len}): shorten the prompt or lower max_tokens"
+        )
+    return req
+
+
+def processed_logprobs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """Log-probs [B, V] of the distribution each row samples from; filtered-out tokens are -inf.
+
+    Per-row parameters are 1-D tensors of length B: `temperature` (0 → 1 for the log-probs, the
+    row is greedy), `top_k` (≤ 0 disables), `top_p` (1 disables), `min_p` (0 disables).
+    """
+    x = logits.float() / torch.where(temperature > 0, temperature, 1.0).to(logits.device)[:, None]
+    vocab = x.shape[-1]
+    if bool((top_k > 0).any()):
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).to(x.device)
+        kth = x.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
+        x = x.masked_fill(x < kth, float("-inf"))
+    if bool((top_p < 1).any()):
+        probs, order = x.softmax(-1).sort(dim=-1, descending=True)
+        before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
+        drop_sorted = before >= top_p.to(x.device)[:, None]
+        drop_sorted[:, 0] = False
+        x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
+    if bool((min_p > 0).any()):
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < min_p.to(x.device)[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
+    return x.log_softmax(-1)
+
+
+def sample(
+    logprobs: torch.Tensor, greedy: list[bool], generators: list[torch.Generator | None], default: torch.Generator
+) -> list[int]:
+    """One token per row: argmax for greedy rows, else a draw with the row's own generator (seeded
+    requests) or the engine's shared one."""
+    out = [0] * logprobs.shape[0]
+    shared = [i for i, (g, gen) in enumerate(zip(greedy, generators, strict=True)) if not g and gen is None]
+    if shared:
+        drawn = torch.multinomial(logprobs[shared].exp(), 1, generator=default).view(-1).tolist()
+        for i, tok in zip(shared, drawn, strict=True):
+            out[i] = tok
+    for i, (g, gen) in enumerate(zip(greedy, generators, strict=True)):
+        if g:
+            out[i] = int(logprobs[i].argmax())
+        elif gen is not None:
+            out[i] = int(torch.multinomial(logprobs[i].exp(), 1, generator=gen))
+    return out

@@ -1,0 +1,220 @@
+"""The scheduler thread: the only code that runs the model, one step at a time.
+
+Everything else talks to it through `call(fn)`: `fn` runs on the scheduler thread between two
+steps, so admission, pause/resume, cancellation and weight updates never see a half-done step.
+One step = prefill the admitted newcomers (they sample their first token and join the batch),
+then one decode step of the whole batch; finished rows leave between steps.
+
+Pause modes follow vLLM: `abort` ends every in-flight request now (`finish_reason: abort`),
+`wait` lets them finish, `keep` freezes them to continue after `resume`. Requests that arrive
+while paused are held until `resume`. A refit pauses with `keep` (`begin_refit`); `end_refit`
+bumps the version and drops the KV cache: frozen rows are re-prefilled under the new weights, so
+every token after the update is exactly what the new policy gives for its context.
+"""
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from molt_hpc.engine.batch import ModelRunner, Row, sample_rows
+from molt_hpc.engine.kvcache import BatchCache
+from molt_hpc.log import get_logger
+
+
+class Scheduler:
+    """Continuous batching over one model: rows join and leave between decode steps."""
+
+    def __init__(self, runner: ModelRunner, *, eos_ids: set[int], max_batch: int, max_model_len: int, seed: int):
+        self.runner = runner
+        self.eos_ids = eos_ids
+        self.max_batch = max_batch
+        self.max_model_len = max_model_len
+        self.version = 0
+        self.rows: list[Row] = []
+        self.waiting: list[Row] = []  # admissible, not yet prefilled
+        self.held: list[Row] = []  # arrived while paused; admitted on resume
+        self.pause_mode: str | None = None  # None, "wait" (draining), "paused"
+        self.refitting = False
+        self.steps = 0
+        self._batch: BatchCache | None = None
+        self._drained: list[Future] = []
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._generator = torch.Generator(device=runner.device).manual_seed(seed)
+        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+
+    def start(self) -> "Scheduler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the scheduler thread between steps; its result (or exception) lands in the future."""
+        fut: Future = Future()
+        self._inbox.put((fn, fut))
+        return fut
+
+    # -- commands (run on the scheduler thread) --------------------------------------------------
+
+    def submit(self, row: Row) -> None:
+        (self.held if self._paused_for_new() else self.waiting).append(row)
+
+    def cancel(self, row: Row) -> None:
+        """The client went away: forget the row wherever it is."""
+        for bucket in (self.waiting, self.held):
+            if row in bucket:
+                bucket.remove(row)
+        if row in self.rows:
+            self._drop([i for i, r in enumerate(self.rows) if r is not row])
+
+    def pause(self, mode: str, done: Future) -> None:
+        if mode == "abort":
+            for row in self.rows + self.waiting + self.held:
+                self._finish(row, "abort")
+            self.waiting.clear()
+            self.held.clear()
+            self._drop([])
+        if mode == "wait" and (self.rows or self.waiting):
+            self.pause_mode = "wait"
+            self._drained.append(done)
+            return
+        self.pause_mode = "paused"
+        done.set_result(self.status())
+
+    def resume(self) -> dict[str, Any]:
+        self.pause_mode = None
+        self._resolve_drained()
+        self.waiting.extend(self.held)
+        self.held.clear()
+        return self.status()
+
+    def begin_refit(self) -> dict[str, Any]:
+        self.refitting = True
+        return self.status()
+
+    def end_refit(self, version: int) -> dict[str, Any]:
+        self.version = version
+        self.refitting = False
+        self._batch = None  # stale KV: the running rows are re-prefilled under the new weights
+        self.waiting[:0] = self.rows
+        self.rows = []
+        return self.status()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "weight_version": self.version,
+            "paused": self.pause_mode is not None,
+            "refitting": self.refitting,
+            "running": len(self.rows),
+            "waiting": len(self.waiting) + len(self.held),
+            "steps": self.steps,
+        }
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def _paused_for_new(self) -> bool:
+        return self.pause_mode is not None
+
+    def _can_step(self) -> bool:
+        return self.pause_mode != "paused" and not self.refitting and bool(self.rows or self.waiting)
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get(block=not self._can_step())
+            except queue.Empty:
+                item = ()
+            if item is None:
+                return
+            if item:
+                fn, fut = item
+                self._run_command(fn, fut)
+                continue  # drain every pending command before the next step
+            try:
+                self._step()
+            except Exception as err:  # a failed step fails its requests, the engine keeps serving
+                get_logger().exception("engine step failed")
+                for row in self.rows + self.waiting:
+                    if not row.future.done():
+                        row.future.set_exception(RuntimeError(f"engine step failed: {err}"))
+                self.rows, self.waiting, self._batch = [], [], None
+
+    def _run_command(self, fn: Callable[[], Any], fut: Future) -> None:
+        try:
+            result = fn()
+        except Exception as err:  # handed to the caller, who turns it into an HTTP error
+            fut.set_exception(err)
+            return
+        if not fut.done():
+            fut.set_result(result)
+
+    def _step(self) -> None:
+        room = self.max_batch - len(self.rows)
+        if room > 0 and self.waiting:
+            newcomers, self.waiting = self.waiting[:room], self.waiting[room:]
+            logits, cache = self.runner.prefill([r.context for r in newcomers])
+            self._append(newcomers, logits)
+            if self._batch is None:
+                self._batch = cache
+            else:
+                self._batch.merge(cache)
+            self.rows.extend(newcomers)
+            self._retire()
+        if self.rows:
+            assert self._batch is not None and self._batch.rows == len(self.rows)
+            last = [r.context[-1] for r in self.rows]
+            positions = [len(r.context) - 1 for r in self.rows]
+            self._append(self.rows, self.runner.decode(self._batch, last, positions))
+            self._retire()
+        self.steps += 1
+        if self.pause_mode == "wait" and not (self.rows or self.waiting):
+            self.pause_mode = "paused"
+            self._resolve_drained()
+
+    def _append(self, rows: list[Row], logits: torch.Tensor) -> None:
+        sample_rows(rows, logits, self._generator)
+        for row in rows:
+            row.versions.append(self.version)
+
+    def _retire(self) -> None:
+        """Finish rows that hit a stop token or a length cap and drop them from the batch."""
+        keep = []
+        for i, row in enumerate(self.rows):
+            reason = self._finish_reason(row)
+            if reason is None:
+                keep.append(i)
+            else:
+                self._finish(row, reason)
+        if len(keep) < len(self.rows):
+            self._drop(keep)
+
+    def _finish_reason(self, row: Row) -> str | None:
+        tok, sp = row.tokens[-1], row.params
+        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids):
+            return "stop"
+        if len(row.tokens) >= sp.max_tokens or len(row.context) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _drop(self, keep: list[int]) -> None:
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self._batch = None
+        elif self._batch is not None:
+            self._batch.keep(keep)
+
+    def _finish(self, row: Row, reason: str) -> None:
+        if not row.future.done():
+            row.future.set_result((reason, self.version))
+
+    def _resolve_drained(self) -> None:
+        for fut in self._drained:
+            if not fut.done():
+                fut.set_result(self.status())
+        self._drained.clear()

@@ -1,0 +1,164 @@
+"""The engine's aiohttp app: the token check, request validation, generate and the control routes.
+
+Handlers never run the model: they validate, hand work to the scheduler thread and await its
+future, so a slow step never blocks `/health` and a bad request never reaches the model. A client
+that disconnects cancels its request (the row leaves the batch at the next step boundary).
+"""
+
+import asyncio
+import hmac
+import itertools
+import json
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from molt_hpc.engine.batch import Row
+from molt_hpc.engine.sampling import parse_generate
+from molt_hpc.engine.scheduler import Scheduler
+from molt_hpc.log import get_logger
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+@dataclass
+class EngineState:
+    """What the handlers need: the scheduler and the request limits."""
+
+    scheduler: Scheduler
+    vocab_size: int
+    max_model_len: int
+    model_name: str
+    index: int = 0
+
+
+def error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def token_middleware(token: str):
+    """Every route needs `Authorization: Bearer <run token>` (cluster nodes are shared)."""
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        got = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(got, expected):
+            return error(401, "missing or wrong token: send 'Authorization: Bearer <token>' (rendezvous/token)")
+        return await handler(request)
+
+    return check
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    """User errors become 400 with their message; anything else is a 500 that is logged, not fatal."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except ValueError as err:  # bad input: tell the caller what to change
+        return error(400, str(err))
+    except Exception as err:  # the engine keeps serving; the failure is reported and logged
+        get_logger().exception("%s %s failed", request.method, request.path)
+        return error(500, f"{type(err).__name__}: {err}")
+
+
+async def read_json(request: web.Request) -> Any:
+    raw = await request.read()
+    if not raw:
+        return {}
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"the body is not valid JSON: {err}") from None
+
+
+def logprob_content(row: Row) -> list[dict[str, Any]]:
+    """vLLM's `logprobs.content`: the sampled token's log-prob, plus `top_logprobs` when asked for."""
+    content: list[dict[str, Any]] = [
+        {"token_id": t, "logprob": lp} for t, lp in zip(row.tokens, row.logprobs, strict=True)
+    ]
+    for entry, top in zip(content, row.top, strict=False):
+        entry["top_logprobs"] = [{"token_id": t, "logprob": lp} for t, lp in top]
+    return content
+
+
+async def run_on_scheduler(state: EngineState, fn) -> Any:
+    return await asyncio.wrap_future(state.scheduler.call(fn))
+
+
+def build_app(state: EngineState, token: str) -> web.Application:
+    app = web.Application(middlewares=[token_middleware(token), errors_middleware], client_max_size=1 << 30)
+    app["state"] = state
+    ids = itertools.count()
+    sched = state.scheduler
+
+    async def generate(request: web.Request) -> web.Response:
+        req = parse_generate(await read_json(request), state.vocab_size, state.max_model_len)
+        sp = req.sampling_params
+        gen = None if sp.seed is None else torch.Generator(device=sched.runner.device).manual_seed(sp.seed)
+        row = Row(prompt=list(req.token_ids), params=sp, future=Future(), generator=gen)
+        await run_on_scheduler(state, lambda: sched.submit(row))
+        try:
+            reason, version = await asyncio.wrap_future(row.future)
+        except asyncio.CancelledError:  # the client left: free the row's slot, then let aiohttp finish
+            sched.call(lambda: sched.cancel(row))
+            raise
+        return web.json_response(
+            {
+                "id": req.request_id or f"gen-{state.index}-{next(ids)}",
+                "choices": [
+                    {
+                        "index": 0,
+                        "token_ids": row.tokens,
+                        "logprobs": {"content": logprob_content(row)},
+                        "finish_reason": reason,
+                        "weight_versions": row.versions,
+                    }
+                ],
+                "weight_version": version,
+            }
+        )
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "index": state.index, **sched.status()})
+
+    async def pause(request: web.Request) -> web.Response:
+        body = await read_json(request)
+        mode = request.query.get("mode") or (body.get("mode") if isinstance(body, dict) else None) or "abort"
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        done: Future = Future()
+        await run_on_scheduler(state, lambda: sched.pause(mode, done))
+        return web.json_response({"mode": mode, **(await asyncio.wrap_future(done))})
+
+    async def resume(request: web.Request) -> web.Response:
+        return web.json_response(await run_on_scheduler(state, sched.resume))
+
+    async def is_paused(request: web.Request) -> web.Response:
+        return web.json_response({"is_paused": sched.pause_mode is not None})
+
+    async def models(request: web.Request) -> web.Response:
+        entry = {
+            "id": state.model_name,
+            "object": "model",
+            "owned_by": "molt-hpc",
+            "max_model_len": state.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [entry]})
+
+    app.add_routes(
+        [
+            web.post("/inference/v1/generate", generate),
+            web.get("/health", health),
+            web.post("/pause", pause),
+            web.post("/resume", resume),
+            web.get("/is_paused", is_paused),
+            web.get("/v1/models", models),
+        ]
+    )
+    return app

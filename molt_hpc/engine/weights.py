@@ -1,0 +1,92 @@
+"""The engine's weight-transfer routes (vLLM's names): init → start → update → finish.
+
+`start` pauses the scheduler at a step boundary; `update` receives the buckets in a worker thread
+(the HTTP server keeps answering) straight into the live parameters, which is safe because no step
+runs until `finish`; `finish` bumps the version, drops the KV cache and resumes. Loading in place
+means a failed transfer leaves torn weights: then `finish` is refused (409) and the engine stays
+paused until a complete update arrives, so no token is ever sampled from a mix of two policies.
+"""
+
+import asyncio
+from collections.abc import Callable
+
+import torch
+from aiohttp import web
+
+from molt_hpc.engine.server import EngineState, error, read_json, run_on_scheduler
+from molt_hpc.log import get_logger
+from molt_hpc.refit.receiver import RefitReceiver
+
+
+class WeightSync:
+    """Refit state of one engine: idle → started → (loading → loaded | torn) → idle."""
+
+    def __init__(self, state: EngineState, model: torch.nn.Module, on_version: Callable[[int], None] | None = None):
+        self.state = state
+        self.receiver = RefitReceiver()
+        # keep_vars: the live Parameters, tied weights under both of their names
+        self.params = model.state_dict(keep_vars=True)
+        self.phase = "idle"
+        self.on_version = on_version
+
+    def add_routes(self, app: web.Application) -> None:
+        app.add_routes(
+            [
+                web.post("/init_weight_transfer_engine", self.init),
+                web.post("/start_weight_update", self.start),
+                web.post("/update_weights", self.update),
+                web.post("/finish_weight_update", self.finish),
+            ]
+        )
+
+    async def init(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        info = body.get("init_info") if isinstance(body, dict) else None
+        if not isinstance(info, dict):
+            raise ValueError("the body must be {'init_info': {master_address, master_port, rank_offset, world_size}}")
+        return web.json_response(await asyncio.to_thread(self.receiver.init, info))
+
+    async def start(self, request: web.Request) -> web.Response:
+        status = await run_on_scheduler(self.state, self.state.scheduler.begin_refit)
+        if self.phase != "torn":
+            self.phase = "started"
+        return web.json_response(status)
+
+    async def update(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        info = body.get("update_info") if isinstance(body, dict) else None
+        if not isinstance(info, dict):
+            raise ValueError("the body must be {'update_info': {names, dtype_names, shapes, packed, bucket_bytes}}")
+        if self.phase not in ("started", "loaded", "torn"):
+            return error(409, "call /start_weight_update before /update_weights")
+        before, self.phase = self.phase, "loading"
+        try:
+            loaded = await asyncio.to_thread(self.receiver.receive, info, self.params)
+        except ValueError:  # refused before anything was loaded (the buckets were drained)
+            self.phase = before
+            raise
+        except Exception:
+            self.phase = "torn"
+            raise
+        self.phase = "loaded"
+        return web.json_response({"loaded": loaded})
+
+    async def finish(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        body = body if isinstance(body, dict) else {}
+        version = body.get("version", body.get("weight_version"))
+        sched = self.state.scheduler
+        if version is None:
+            version = sched.version + 1
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"'version' must be an integer, got {version!r}")
+        if self.phase == "torn":
+            return error(409, "the last weight update failed part-way; push a complete update before finishing")
+        if self.phase == "loading":
+            return error(409, "a weight update is still being received")
+        status = await run_on_scheduler(self.state, lambda: sched.end_refit(version))
+        self.phase = "idle"
+        get_logger().info("weights updated to version %d", version)
+        if self.on_version is not None:
+            self.on_version(version)
+        return web.json_response(status)
