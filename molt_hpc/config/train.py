@@ -37,7 +37,7 @@ class AlgorithmConfig(Section):
     kl_coef: NonNegativeFloat = 0.0
     """Weight of the KL to the reference model; 0 disables the reference model entirely."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator: k1 = log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r (r = p_ref / p)."""
+    """KL estimator: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r (r = p_ref / p, sampled from p)."""
     kl_in_reward: bool = False
     """Put the KL penalty into the reward (REINFORCE++ style) instead of the loss."""
     entropy_coef: NonNegativeFloat = 0.0
@@ -128,6 +128,8 @@ class CheckpointConfig(Section):
     """Whole checkpoints kept; older ones are deleted after a newer one is published."""
     save_optimizer: bool = True
     """Save optimizer and scheduler state (needed for an exact resume)."""
+    shard_mb: PositiveInt = 4096
+    """Largest safetensors shard of the saved policy (and critic), in MiB; a bigger tensor gets a shard alone."""
     resume: Literal["auto", "never", "required"] = "auto"
     """`auto`: resume when the run directory has a `latest` checkpoint; `never`: refuse a run
     directory that has one; `required`: fail unless one exists."""

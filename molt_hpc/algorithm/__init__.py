@@ -1,0 +1,39 @@
+"""The RL math of steps 4-7, as pure tensor functions the actor pool calls.
+
+- `experience`: `make_experience(trajectories) -> Experience` (padded or packed tensors, action mask,
+  rollout log-probs, versions, rewards) and the alignment conventions everything here shares;
+- `advantage`: GRPO, Dr.GRPO, RLOO, REINFORCE++, GAE; `compute_advantages(exp, cfg)`;
+- `logprobs`: chunked per-token log-probs and entropy from hidden states or logits;
+- `loss`: PPO / GSPO / CISPO policy loss with IS correction, KL and entropy; clipped value loss;
+  `global_token_count` for the global token mean;
+- `kl`: k1/k2/k3 estimators; `moe`: load balancing and router z-loss; `filters`: dynamic sampling and
+  the over-long penalty; `segments`: token <-> sample layout helpers.
+"""
+
+from molt_hpc.algorithm.advantage import ADVANTAGES, compute_advantages
+from molt_hpc.algorithm.experience import Experience, experience_from_groups, make_experience
+from molt_hpc.algorithm.filters import apply_overlong_penalty, dynamic_sampling_filter, overlong_penalty
+from molt_hpc.algorithm.kl import kl_estimate
+from molt_hpc.algorithm.logprobs import logprobs_from_logits, token_logprobs
+from molt_hpc.algorithm.loss import POLICY_LOSSES, global_token_count, policy_loss, value_loss
+from molt_hpc.algorithm.moe import load_balancing_loss, router_z_loss
+
+__all__ = [
+    "ADVANTAGES",
+    "POLICY_LOSSES",
+    "Experience",
+    "apply_overlong_penalty",
+    "compute_advantages",
+    "dynamic_sampling_filter",
+    "experience_from_groups",
+    "global_token_count",
+    "kl_estimate",
+    "load_balancing_loss",
+    "logprobs_from_logits",
+    "make_experience",
+    "overlong_penalty",
+    "policy_loss",
+    "router_z_loss",
+    "token_logprobs",
+    "value_loss",
+]

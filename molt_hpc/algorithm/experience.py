@@ -1,0 +1,276 @@
+"""Step 4 of the RL loop: `list[Trajectory] -> Experience`, the tensors that training reads.
+
+Conventions every module of `molt_hpc.algorithm` shares:
+
+- **Own-index alignment.** A per-token value lives at the index of the token it is about:
+  `action_log_probs[b, t]` is log p(sequences[b, t] | sequences[b, :t]), and so are `base_log_probs`,
+  the trainer's log-probs from `logprobs.py`, `values` (the critic's estimate before token t is
+  produced), `advantages` and `returns`. The logits at position t-1 predict token t, so whoever turns
+  logits into per-token values shifts by one (`logprobs.py` does); index 0 of a sample is never an
+  action (a trajectory needs a prompt of at least one token).
+- **Samples vs rows.** `N` samples are laid out in `B` rows, one per row (right padding) or several
+  per row (`pack=True`). `seq_index[b, t]` says which sample a token belongs to (`-1` on padding);
+  per-sample tensors (`reward`, `group_index`, `truncated`) are `[N]`. Sequence-level math
+  (GSPO, sequence IS weights, GAE) goes through `seq_index`, so it is right in both layouts.
+- **Position ids restart at 0 for every sample**, and the padding at the end of a row is one more
+  block starting at 0. Give a transformers model `position_ids`, *no* `attention_mask` and
+  `use_cache=False`: it then detects the restarts and builds a block-causal mask, so packed samples
+  never see each other (with a cache, or with an attention mask, it does not look for packing).
+- **Truncation to `max_len` never keeps half an action.** A trajectory longer than `max_len` is cut
+  at `max_len`; when that cut falls inside an action span, the whole partial span is cut off too
+  (its tokens leave the row). Earlier complete actions still train on the trajectory's reward.
+  `truncated[n]` marks such samples and `stats` counts them and the action tokens dropped.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from molt_hpc.trajectory import Group, Trajectory
+
+TOKEN_FIELDS = (
+    "sequences",
+    "attention_mask",
+    "position_ids",
+    "seq_index",
+    "action_mask",
+    "action_log_probs",
+    "versions",
+    "base_log_probs",
+    "values",
+    "advantages",
+    "returns",
+    "routed_experts",
+)
+
+
+@dataclass
+class Experience:
+    """A training batch. Token tensors are `[B, T]`; per-sample tensors are `[N]`."""
+
+    sequences: Tensor
+    """Token ids `[B, T]` int64 (padding is `pad_id`)."""
+    attention_mask: Tensor
+    """`[B, T]` bool: True on real tokens, False on padding."""
+    position_ids: Tensor
+    """`[B, T]` int64, restarting at 0 for every sample (and for the padding block)."""
+    seq_index: Tensor
+    """`[B, T]` int64: the sample (0..N-1) each token belongs to, -1 on padding."""
+    action_mask: Tensor
+    """`[B, T]` bool: True on model-produced tokens, the only ones that train."""
+    action_log_probs: Tensor
+    """`[B, T]` float32: the engine's log-prob of each action token at its own index, 0 elsewhere."""
+    versions: Tensor
+    """`[B, T]` int64: policy version that produced each action token, -1 elsewhere."""
+    reward: Tensor
+    """`[N]` float32: scalar reward per sample."""
+    group_index: Tensor
+    """`[N]` int64: the group (prompt) of each sample, numbered 0..G-1."""
+    truncated: Tensor
+    """`[N]` bool: the sample lost tokens to `max_len`."""
+    base_log_probs: Tensor | None = None
+    """`[B, T]`: reference-model log-probs (filled by the actor when the KL is used)."""
+    values: Tensor | None = None
+    """`[B, T]`: critic values (GAE only)."""
+    advantages: Tensor | None = None
+    """`[B, T]`: per-token advantages (filled by `advantage.compute_advantages`)."""
+    returns: Tensor | None = None
+    """`[B, T]`: per-token returns (critic targets for GAE)."""
+    routed_experts: Tensor | None = None
+    """`[B, T, layers, top_k]` int64 (MoE router replay), -1 on padding."""
+    stats: dict[str, int] = field(default_factory=dict)
+    """Assembly counts: samples, rows, truncated_samples, dropped_action_tokens, empty_samples."""
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.reward.shape[0])
+
+    @property
+    def num_action_tokens(self) -> int:
+        return int(self.action_mask.sum().item())
+
+    def rows(self, index: slice | Tensor) -> "Experience":
+        """The batch restricted to some rows (a micro-batch); per-sample tensors are shared, whole."""
+        picked = {name: (None if getattr(self, name) is None else getattr(self, name)[index]) for name in TOKEN_FIELDS}
+        return dataclasses.replace(self, **picked)
+
+    def split(self, rows_per_micro_batch: int) -> list["Experience"]:
+        """Consecutive micro-batches of at most `rows_per_micro_batch` rows."""
+        if rows_per_micro_batch < 1:
+            raise ValueError(f"rows_per_micro_batch must be >= 1, got {rows_per_micro_batch}")
+        b = self.sequences.shape[0]
+        return [self.rows(slice(i, i + rows_per_micro_batch)) for i in range(0, b, rows_per_micro_batch)]
+
+    def to(self, device: torch.device | str) -> "Experience":
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), Tensor)
+        }
+        return dataclasses.replace(self, **moved)
+
+
+@dataclass
+class _Kept:
+    """One trajectory after truncation."""
+
+    tokens: list[int]
+    ranges: list[tuple[int, int]]
+    logprobs: list[float]
+    versions: list[int]
+    routed: list | None
+    dropped: int
+
+
+def _truncate(traj: Trajectory, max_len: int) -> _Kept:
+    cut = min(len(traj.tokens), max_len)
+    for start, end in traj.action_ranges:
+        if start < cut < end:  # the cut falls inside this action: drop the whole partial span
+            cut = start
+            break
+    ranges, n_kept = [], 0
+    for start, end in traj.action_ranges:
+        if end <= cut:
+            ranges.append((start, end))
+            n_kept += end - start
+    routed = None if traj.routed_experts is None else traj.routed_experts[:cut]
+    return _Kept(
+        tokens=traj.tokens[:cut],
+        ranges=ranges,
+        logprobs=traj.action_logprobs[:n_kept],
+        versions=traj.versions[:n_kept],
+        routed=routed,
+        dropped=traj.num_action_tokens - n_kept,
+    )
+
+
+def _pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: sample indices per row, each row holding at most `capacity` tokens."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, room in enumerate(free):
+            if lengths[i] <= room:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(capacity - lengths[i])
+    return rows
+
+
+def _check_inputs(trajectories: Sequence[Trajectory], max_len: int, group_index: Sequence[int] | None) -> None:
+    if not trajectories:
+        raise ValueError("make_experience needs at least one trajectory")
+    if max_len < 2:
+        raise ValueError(f"max_len must be >= 2 (a prompt token and an action token), got {max_len}")
+    if group_index is not None and len(group_index) != len(trajectories):
+        raise ValueError(f"group_index has {len(group_index)} entries for {len(trajectories)} trajectories")
+    for n, t in enumerate(trajectories):
+        if t.action_ranges and t.action_ranges[0][0] < 1:
+            raise ValueError(
+                f"trajectory {n} ({t.rollout_id!r}) starts with an action at token 0: nothing predicts it; "
+                "every trajectory needs a prompt of at least one token"
+            )
+    with_routes = {t.routed_experts is not None for t in trajectories}
+    if len(with_routes) > 1:
+        raise ValueError("some trajectories carry routed_experts and some do not; router replay needs all or none")
+    for n, t in enumerate(trajectories):
+        if t.routed_experts is not None and len(t.routed_experts) != len(t.tokens):
+            raise ValueError(
+                f"trajectory {n}: routed_experts has {len(t.routed_experts)} entries, tokens has "
+                f"{len(t.tokens)}; the engine must return one routing per token"
+            )
+
+
+def _group_indices(trajectories: Sequence[Trajectory]) -> list[int]:
+    ids: dict[str, int] = {}
+    return [ids.setdefault(t.group_id, len(ids)) for t in trajectories]
+
+
+def make_experience(
+    trajectories: Sequence[Trajectory],
+    *,
+    max_len: int,
+    pad_id: int = 0,
+    pack: bool = False,
+    group_index: Sequence[int] | None = None,
+) -> Experience:
+    """Tensors for training from trajectories (see the module docstring for the conventions).
+
+    `max_len` caps a row (and so a sample); `pack=True` fills rows of `max_len` tokens with several
+    samples (first-fit decreasing), otherwise one sample per right-padded row. `group_index` numbers
+    the groups; by default samples with the same `group_id` share a group, in order of appearance.
+    """
+    _check_inputs(trajectories, max_len, group_index)
+    kept = [_truncate(t, max_len) for t in trajectories]
+    lengths = [len(k.tokens) for k in kept]
+    layout = _pack_rows(lengths, max_len) if pack else [[i] for i in range(len(kept))]
+    b, t = len(layout), max(sum(lengths[i] for i in row) for row in layout)
+
+    seqs = torch.full((b, t), pad_id, dtype=torch.long)
+    pos = torch.zeros((b, t), dtype=torch.long)
+    seq_index = torch.full((b, t), -1, dtype=torch.long)
+    action_mask = torch.zeros((b, t), dtype=torch.bool)
+    logp = torch.zeros((b, t), dtype=torch.float32)
+    versions = torch.full((b, t), -1, dtype=torch.long)
+    routed = _routed_buffer(kept, b, t)
+    for r, row in enumerate(layout):
+        off = 0
+        for i in row:
+            k, n = kept[i], lengths[i]
+            seqs[r, off : off + n] = torch.tensor(k.tokens, dtype=torch.long)
+            pos[r, off : off + n] = torch.arange(n)
+            seq_index[r, off : off + n] = i
+            if routed is not None and n:
+                routed[r, off : off + n] = torch.tensor(k.routed, dtype=torch.long)
+            a = 0
+            for start, end in k.ranges:
+                action_mask[r, off + start : off + end] = True
+                logp[r, off + start : off + end] = torch.tensor(k.logprobs[a : a + end - start])
+                versions[r, off + start : off + end] = torch.tensor(k.versions[a : a + end - start])
+                a += end - start
+            off += n
+        pos[r, off:] = torch.arange(t - off)  # the padding block restarts too, so it stays apart
+
+    truncated = torch.tensor([len(tr.tokens) > max_len for tr in trajectories], dtype=torch.bool)
+    groups = list(group_index) if group_index is not None else _group_indices(trajectories)
+    return Experience(
+        sequences=seqs,
+        attention_mask=seq_index >= 0,
+        position_ids=pos,
+        seq_index=seq_index,
+        action_mask=action_mask,
+        action_log_probs=logp,
+        versions=versions,
+        reward=torch.tensor([tr.reward for tr in trajectories], dtype=torch.float32),
+        group_index=torch.tensor(groups, dtype=torch.long),
+        truncated=truncated,
+        routed_experts=routed,
+        stats={
+            "samples": len(kept),
+            "rows": b,
+            "truncated_samples": int(truncated.sum()),
+            "dropped_action_tokens": sum(k.dropped for k in kept),
+            "empty_samples": sum(1 for k in kept if not k.ranges),
+        },
+    )
+
+
+def _routed_buffer(kept: list[_Kept], b: int, t: int) -> Tensor | None:
+    first = next((k.routed for k in kept if k.routed), None)
+    if first is None:
+        return None
+    layers, top_k = len(first[0]), len(first[0][0])
+    return torch.full((b, t, layers, top_k), -1, dtype=torch.long)
+
+
+def experience_from_groups(groups: Sequence[Group], **kwargs) -> Experience:
+    """`make_experience` over every sample of `groups`, group g's samples getting `group_index == g`."""
+    trajectories = [s for g in groups for s in g.samples]
+    group_index = [gi for gi, g in enumerate(groups) for _ in g.samples]
+    return make_experience(trajectories, group_index=group_index, **kwargs)

@@ -1,0 +1,151 @@
+"""Per-token log-probs and entropy of the policy, without materialising fp32 `[B, T, V]`.
+
+`token_logprobs(hidden, lm_head_weight, sequences)` takes the model's last hidden states and the LM
+head weight; `logprobs_from_logits(logits, sequences)` takes logits the model already produced (bf16,
+say). Both work `chunk` token positions at a time: the fp32 logits of one chunk (`[chunk, V]`) are
+the only vocabulary-sized temporary, in the forward *and* the backward pass (a custom autograd
+function recomputes each chunk's logits in backward instead of saving them). The distribution is
+the sampling one, `softmax(logits / temperature)`, as the engines report it.
+
+Alignment (see `experience.py`): the output is `[B, T]` at the token's own index — `logp[b, t]` is
+log p(sequences[b, t] | hidden[b, t-1]) — and column 0, which nothing predicts, is 0. With
+`action_mask`, only action positions are computed (the rest are 0); prompts and env feedback cost
+nothing. A hidden state at the last token of one packed sample predicts the first token of the
+next: that token is a prompt token, never an action, so it is never used.
+"""
+
+import torch
+from torch import Tensor
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """(log p(target), entropy) for rows `source[idx]`: hidden states (with `weight`) or logits."""
+
+    @staticmethod
+    def forward(ctx, source, weight, idx, targets, temperature, chunk):
+        n, dtype = idx.shape[0], _compute_dtype(source, weight)
+        logp = torch.empty(n, dtype=dtype, device=source.device)
+        ent = torch.empty(n, dtype=dtype, device=source.device)
+        lse_all = torch.empty(n, dtype=dtype, device=source.device)
+        for s in range(0, n, chunk):
+            z = _chunk_logits(source, weight, idx[s : s + chunk], temperature)
+            lse = torch.logsumexp(z, dim=-1)
+            logp[s : s + chunk] = z.gather(1, targets[s : s + chunk, None]).squeeze(1) - lse
+            ent[s : s + chunk] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+            lse_all[s : s + chunk] = lse
+        ctx.save_for_backward(source, weight, idx, targets, lse_all)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        source, weight, idx, targets, lse_all = ctx.saved_tensors
+        temperature, chunk = ctx.temperature, ctx.chunk
+        grad_src = torch.zeros_like(source) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_w = torch.zeros(weight.shape, dtype=lse_all.dtype, device=weight.device)
+        if g_logp is None and g_ent is None:
+            return grad_src, grad_w, None, None, None, None
+        for s in range(0, idx.shape[0], chunk):
+            rows = idx[s : s + chunk]
+            z = _chunk_logits(source, weight, rows, temperature)
+            p = torch.exp(z - lse_all[s : s + chunk, None])
+            dz = torch.zeros_like(z)
+            if g_logp is not None:  # d log p_y / dz = onehot(y) - p
+                g = g_logp[s : s + chunk, None].to(z.dtype)
+                dz = dz - p * g
+                dz.scatter_add_(1, targets[s : s + chunk, None], g)
+            if g_ent is not None:  # d H / dz = -p (z - E_p[z])
+                mean_z = (p * z).sum(-1, keepdim=True)
+                dz = dz - g_ent[s : s + chunk, None].to(z.dtype) * p * (z - mean_z)
+            dz = (dz / temperature).to(source.dtype if weight is None else weight.dtype)
+            if weight is None:
+                if grad_src is not None:
+                    grad_src[rows] = dz
+            else:
+                if grad_src is not None:
+                    grad_src[rows] = (dz @ weight).to(source.dtype)
+                if grad_w is not None:
+                    grad_w += (dz.t() @ source[rows].to(dz.dtype)).to(grad_w.dtype)
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+        return grad_src, grad_w, None, None, None, None
+
+
+def _compute_dtype(source: Tensor, weight: Tensor | None) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 models; fp64 stays fp64."""
+    return torch.promote_types((source if weight is None else weight).dtype, torch.float32)
+
+
+def _chunk_logits(source: Tensor, weight: Tensor | None, rows: Tensor, temperature: float) -> Tensor:
+    """fp32 `[len(rows), V]` logits / temperature; the matmul runs in the model's dtype, as its LM head does."""
+    x = source[rows]
+    if weight is not None:
+        x = x.to(weight.dtype) @ weight.t()
+    return x.to(_compute_dtype(source, weight)) / temperature
+
+
+def _positions(sequences: Tensor, action_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Flat source rows (position t-1), targets (token t) and the `[B, T-1]` selection of targets."""
+    b, t = sequences.shape
+    sel = torch.ones(b, t - 1, dtype=torch.bool, device=sequences.device)
+    if action_mask is not None:
+        sel = action_mask[:, 1:].to(torch.bool)
+    bi, ti = sel.nonzero(as_tuple=True)
+    return bi * t + ti, sequences[:, 1:][sel], sel
+
+
+def _check(sequences: Tensor, temperature: float, chunk: int) -> None:
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk < 1:
+        raise ValueError(f"chunk (actor.logprob_chunk) must be >= 1, got {chunk}")
+    if sequences.dim() != 2:
+        raise ValueError(f"sequences must be [B, T], got shape {tuple(sequences.shape)}")
+
+
+def _scatter_back(flat: Tensor, sel: Tensor) -> Tensor:
+    """`[n]` values of the selected targets -> `[B, T]`, 0 in column 0 and off the selection."""
+    out = torch.zeros(sel.shape, dtype=flat.dtype, device=flat.device).masked_scatter(sel, flat)
+    return torch.nn.functional.pad(out, (1, 0))
+
+
+def token_logprobs(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    sequences: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+    action_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(log-prob of each token, entropy of the distribution that predicted it), both `[B, T]` float32.
+
+    `hidden [B, T, H]` are the last hidden states (after the final norm), `lm_head_weight [V, H]`;
+    gradients flow to both. An LM head with a bias is not supported (no current model has one).
+    """
+    _check(sequences, temperature, chunk)
+    b, t, h = hidden.shape
+    if lm_head_weight.shape[1] != h:
+        raise ValueError(f"lm_head_weight is {tuple(lm_head_weight.shape)}, hidden size is {h}")
+    idx, targets, sel = _positions(sequences, action_mask)
+    flat = hidden.reshape(b * t, h)
+    logp, ent = _ChunkedLogProbs.apply(flat, lm_head_weight, idx, targets, temperature, chunk)
+    return _scatter_back(logp, sel), _scatter_back(ent, sel)
+
+
+def logprobs_from_logits(
+    logits: Tensor,
+    sequences: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+    action_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """As `token_logprobs`, from logits `[B, T, V]` (any dtype; only `chunk` rows at a time go to fp32)."""
+    _check(sequences, temperature, chunk)
+    b, t, v = logits.shape
+    idx, targets, sel = _positions(sequences, action_mask)
+    logp, ent = _ChunkedLogProbs.apply(logits.reshape(b * t, v), None, idx, targets, temperature, chunk)
+    return _scatter_back(logp, sel), _scatter_back(ent, sel)
