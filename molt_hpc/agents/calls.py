@@ -8,6 +8,7 @@ fails its sample without blocking the event loop or keeping the process alive at
 """
 
 import asyncio
+import contextlib
 import inspect
 import threading
 from collections.abc import Callable
@@ -48,7 +49,8 @@ async def call_user(fn: Callable[..., Any], *args: Any, timeout: float, what: st
                 value, error = fn(*args), None
             except BaseException as err:  # handed to the event loop, which raises it as an EnvError
                 value, error = None, err
-            loop.call_soon_threadsafe(_settle, fut, value, error)
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for this call any more
+                loop.call_soon_threadsafe(_settle, fut, value, error)
 
         threading.Thread(target=work, name=f"user-{what}", daemon=True).start()
         return await asyncio.wait_for(fut, timeout)
