@@ -1,0 +1,31 @@
+"""Entry point of the actor pool, run by torchrun on every node: `torchrun --nproc-per-node N
+jobs/actor.py RUN_DIR [--resume]`.
+
+Reads the resolved config from `RUN_DIR/config.toml`; heavy modules (torch, transformers) are
+imported after the arguments are parsed. `--resume` requires a checkpoint to resume from; without
+it, `checkpoint.resume` decides (`auto`: resume when the run directory has one).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="One rank of the molt-hpc actor pool (the FSDP2 trainer).")
+    parser.add_argument("run_dir", help="the run directory (holds config.toml)")
+    parser.add_argument("--resume", action="store_true", help="fail unless the run has a checkpoint to resume from")
+    args = parser.parse_args()
+    run_dir = Path(args.run_dir)
+
+    from molt_hpc.config import load_config
+
+    cfg = load_config(run_dir / "config.toml")
+
+    from molt_hpc.actor.trainer import main as train
+
+    return train(cfg, run_dir, resume=args.resume)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

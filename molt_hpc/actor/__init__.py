@@ -1,0 +1,9 @@
+"""The actor pool: the FSDP2 trainer of the policy (with its frozen reference and optional critic).
+
+Every torchrun rank runs `molt_hpc.actor.trainer.main(cfg, run_dir)`; rank 0 also claims groups from
+the replay buffer, sends refits to the engines and coordinates checkpoints. Modules:
+`world` (process group, device, mesh), `parallelize` (FSDP2 over a plain transformers model),
+`build` (models, optimizers, LR schedule), `weights` (full weights gathered bucket by bucket),
+`state` (checkpoint save and restore), `feed` (groups from the buffer to every rank),
+`step` (one training step), `sync` (refits), `control` (signals and control files), `trainer` (the loop).
+"""

@@ -1,0 +1,196 @@
+"""One training step: the step's groups → experience → reference log-probs, values, advantages →
+micro-batched policy updates (and critic updates) with the global token mean.
+
+A step is `ppo_epochs × mini_batches` optimizer updates of the policy on `actor.groups_per_step`
+groups (and `critic_epochs × mini_batches` of the critic). Each update's loss is a sum over action
+tokens divided by the token count of that mini-batch over *all* ranks; FSDP averages gradients
+over ranks, so each rank scales its loss by the world size to turn that average into the sum.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from molt_hpc.actor.batch import critic_values, micro_batches, mini_batch_rows, my_rows, policy_logprobs, rows_forward
+from molt_hpc.actor.state import Trainable
+from molt_hpc.actor.world import World, gather_all
+from molt_hpc.algorithm import (
+    Experience,
+    compute_advantages,
+    experience_from_groups,
+    global_token_count,
+    policy_loss,
+    value_loss,
+)
+from molt_hpc.config import MoltConfig
+from molt_hpc.trajectory import Group
+
+SUMMED = {"loss", "policy_loss", "value_loss"}  # already divided by the global token count
+MAXED = {"ratio_max", "is_weight_max"}
+MINNED = {"ratio_min"}
+
+
+@dataclass
+class Models:
+    """What a step trains and reads: the policy, the frozen reference, the critic (each optional but the policy)."""
+
+    policy: Trainable
+    reference: nn.Module | None = None
+    critic: Trainable | None = None
+
+
+@dataclass
+class Meter:
+    """Metrics of one step's micro-batches, reduced over micro-batches and ranks."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+    updates: dict[str, int] = field(default_factory=dict)
+
+    def add(self, metrics: dict[str, torch.Tensor], tokens: int) -> None:
+        if tokens == 0:  # a padding micro-batch: no data, nothing to report
+            return
+        for key, value in metrics.items():
+            v = float(value)
+            if key in SUMMED:
+                self.sums[key] = self.sums.get(key, 0.0) + v
+            elif key in MAXED:
+                self.sums[key] = max(self.sums.get(key, v), v)
+            elif key in MINNED:
+                self.sums[key] = min(self.sums.get(key, v), v)
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + v * tokens
+                self.weights[key] = self.weights.get(key, 0.0) + tokens
+
+    def update(self, key: str) -> None:
+        self.updates[key] = self.updates.get(key, 0) + 1
+
+    def reduce(self) -> dict[str, float]:
+        """The step's metrics, the same on every rank (a collective)."""
+        parts = gather_all((self.sums, self.weights))
+        out: dict[str, float] = {}
+        for key in sorted({k for sums, _ in parts for k in sums}):
+            values = [sums[key] for sums, _ in parts if key in sums]
+            if key in MAXED:
+                out[key] = max(values)
+            elif key in MINNED:
+                out[key] = min(values)
+            elif key in SUMMED:
+                kind = "value" if key == "value_loss" else "policy"
+                out[key] = sum(values) / max(1, self.updates.get(kind, 1))
+            else:
+                weight = sum(w.get(key, 0.0) for _, w in parts)
+                out[key] = sum(values) / weight if weight else 0.0
+        return out
+
+
+def build_experience(groups: list[Group], cfg: MoltConfig, models: Models, world: World, pad_id: int) -> Experience:
+    """The step's whole batch (same on every rank) with reference log-probs, values and advantages."""
+    exp = experience_from_groups(groups, max_len=cfg.rollout.max_total_tokens, pad_id=pad_id)
+    rows = my_rows(torch.arange(exp.sequences.shape[0]), world)
+    act, temp = cfg.actor, cfg.rollout.temperature
+    if models.reference is not None:
+        ref = models.reference
+        exp.base_log_probs = rows_forward(
+            lambda mb: policy_logprobs(ref, mb, temp, act.logprob_chunk)[0],
+            exp, rows, act.micro_batch_size, world, world.device,
+        )  # fmt: skip
+    if models.critic is not None:
+        critic = models.critic.model
+        exp.values = rows_forward(
+            lambda mb: critic_values(critic, mb), exp, rows, act.micro_batch_size, world, world.device
+        )
+    return compute_advantages(exp, cfg.algorithm)
+
+
+def optimizer_step(part: Trainable, max_norm: float) -> float:
+    """Clip the global gradient norm, step, zero the gradients; returns the norm before clipping."""
+    params = [p for p in part.model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    part.optimizer.step()
+    part.optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def _updates(exp: Experience, cfg: MoltConfig, world: World, epochs: int):
+    """(micro-batches, global token count) of every update of `epochs` passes over the mini-batches."""
+    for _ in range(epochs):
+        for rows in mini_batch_rows(exp, cfg.actor.mini_batches):
+            mine = my_rows(rows, world)
+            count = global_token_count(exp.action_mask[mine])
+            if count == 0:  # every rank agrees (a global count): nothing to train in this mini-batch
+                continue
+            yield micro_batches(exp, mine, cfg.actor.micro_batch_size, world), count
+
+
+def update_policy(exp: Experience, cfg: MoltConfig, models: Models, world: World, meter: Meter) -> list[float]:
+    """The policy's updates of this step; returns the gradient norm of each."""
+    part, alg, act = models.policy, cfg.algorithm, cfg.actor
+    norms = []
+    for mbs, count in _updates(exp, cfg, world, act.ppo_epochs):
+        for mb in mbs:
+            mb = mb.to(world.device)
+            logp, ent = policy_logprobs(part.model, mb, cfg.rollout.temperature, act.logprob_chunk)
+            loss, metrics = policy_loss(
+                logp, mb.action_log_probs, mb.advantages, mb.action_mask, alg, count,
+                seq_index=mb.seq_index, n_samples=exp.num_samples, base_log_probs=mb.base_log_probs, entropy=ent,
+            )  # fmt: skip
+            (loss * world.size).backward()
+            meter.add({**metrics, "loss": loss.detach()}, int(mb.action_mask.sum()))
+        norms.append(optimizer_step(part, act.grad_clip))
+        meter.update("policy")
+    return norms
+
+
+def update_critic(exp: Experience, cfg: MoltConfig, models: Models, world: World, meter: Meter) -> list[float]:
+    """The critic's updates of this step (clipped value loss against the GAE returns)."""
+    part, alg = models.critic, cfg.algorithm
+    assert part is not None and exp.values is not None and exp.returns is not None
+    norms = []
+    for mbs, count in _updates(exp, cfg, world, cfg.actor.critic_epochs):
+        for mb in mbs:
+            mb = mb.to(world.device)
+            values = critic_values(part.model, mb)
+            loss, metrics = value_loss(values, mb.values, mb.returns, mb.action_mask, count, alg.value_clip)
+            (loss * alg.value_coef * world.size).backward()
+            meter.add({**metrics, "value_loss": loss.detach()}, int(mb.action_mask.sum()))
+        norms.append(optimizer_step(part, cfg.actor.grad_clip))
+        meter.update("value")
+    return norms
+
+
+def train_step(groups: list[Group], cfg: MoltConfig, models: Models, world: World, pad_id: int) -> dict[str, float]:
+    """One training step on `groups` (the same on every rank); returns its metrics (the same on every rank)."""
+    exp = build_experience(groups, cfg, models, world, pad_id)
+    meter = Meter()
+    norms = update_policy(exp, cfg, models, world, meter)
+    critic_norms = update_critic(exp, cfg, models, world, meter) if models.critic is not None else []
+    out = meter.reduce()
+    out["updates"] = len(norms)
+    if norms:
+        out["grad_norm"] = sum(norms) / len(norms)
+    if critic_norms:
+        out["critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
+    for part in (models.policy, models.critic):
+        if part is not None:
+            out[f"{'lr' if part is models.policy else 'critic_lr'}"] = part.optimizer.param_groups[0]["lr"]
+            part.scheduler.step()
+    out.update(batch_metrics(exp))
+    return out
+
+
+def batch_metrics(exp: Experience) -> dict[str, float]:
+    lengths = exp.action_mask.sum(dim=1).float()
+    return {
+        "reward": float(exp.reward.mean()),
+        "reward_std": float(exp.reward.std()) if exp.num_samples > 1 else 0.0,
+        "samples": exp.num_samples,
+        "action_tokens": exp.num_action_tokens,
+        "tokens": int(exp.attention_mask.sum()),
+        "response_len": float(lengths.mean()),
+        "truncated_samples": exp.stats.get("truncated_samples", 0),
+    }

@@ -1,0 +1,210 @@
+"""The actor pool's loop: `main(cfg, run_dir)` on every torchrun rank.
+
+Set up (models, optimizers, or a checkpoint to resume from), refit the engines, then per step:
+wait for a batch (serving checkpoint/stop requests and engine changes meanwhile), train, refit
+every `refit.interval` steps, checkpoint every `checkpoint.interval` steps. After `run.steps`
+steps: final refit and checkpoint, `control/done`, exit 0. A stop request checkpoints and exits 0.
+"""
+
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from molt_hpc import checkpoint as ck
+from molt_hpc.actor import build, state
+from molt_hpc.actor.control import Control, Requests
+from molt_hpc.actor.feed import Feed, staleness_histogram
+from molt_hpc.actor.parallelize import parallelize
+from molt_hpc.actor.step import Models, train_step
+from molt_hpc.actor.sync import EngineSync
+from molt_hpc.actor.world import World, init_world, share
+from molt_hpc.config import MoltConfig
+from molt_hpc.log import MetricsWriter, get_logger, setup_logging, step_line
+from molt_hpc.models import resolve_model
+from molt_hpc.rundir import RunDir
+
+
+def resume_point(cfg: MoltConfig, run: RunDir, base: Path, required: bool) -> Path | None:
+    """The verified checkpoint to resume from, per `checkpoint.resume` (rank 0)."""
+    latest = ck.latest_checkpoint(run.checkpoints)
+    mode = "required" if required else cfg.checkpoint.resume
+    if latest is None:
+        if mode == "required":
+            raise ValueError(f"nothing to resume: {run.checkpoints} has no checkpoint (no `latest`)")
+        return None
+    if mode == "never":
+        raise ValueError(
+            f"{run.path} already has checkpoint {latest.name} and checkpoint.resume = 'never': "
+            "use a new run.name, or set checkpoint.resume = 'auto' to continue it"
+        )
+    ck.verify(latest)
+    build.check_checkpoint_model(latest / "policy", base)
+    if cfg.algorithm.uses_critic:
+        if not (latest / "critic").is_dir():
+            raise ValueError(
+                f"{latest} has no critic but algorithm.advantage = 'gae' needs one; resume with its algorithm"
+            )
+        build.check_checkpoint_model(latest / "critic", base, critic=True)
+    return latest
+
+
+def _shared(fn, world: World):
+    """`fn()` on rank 0, its result (or its ValueError) on every rank."""
+    result, error = None, None
+    if world.is_main:
+        try:
+            result = fn()
+        except ValueError as err:  # raised again on every rank, so all stop with the same message
+            error = str(err)
+    result, error = share((result, error))
+    if error is not None:
+        raise ValueError(error)
+    return result
+
+
+class Trainer:
+    """Everything one rank holds while training."""
+
+    def __init__(self, cfg: MoltConfig, run: RunDir, world: World, resume: bool):
+        self.cfg, self.rundir, self.world = cfg, run, world
+        self.log = get_logger()
+        self.base = _shared(lambda: resolve_model(cfg.model, run.models), world)
+        ckpt = _shared(lambda: resume_point(cfg, run, self.base, resume), world)
+        random.seed(cfg.run.seed)
+        np.random.seed(cfg.run.seed)
+        torch.manual_seed(cfg.run.seed)
+        t0 = time.perf_counter()
+        self.models = self._build_models(ckpt)
+        self.log.info(
+            "%d rank(s) on %s; models from %s ready in %.1fs", world.size, world.device, ckpt or self.base,
+            time.perf_counter() - t0,
+        )  # fmt: skip
+        self.parts = [p for p in (self.models.policy, self.models.critic) if p is not None]
+        self.pad_id = self.models.policy.model.config.pad_token_id or 0
+        self.step = 0
+        self.saved_step: int | None = None
+        self.feed = Feed(cfg, run.path, world)
+        if ckpt is not None:
+            rs = state.restore(world, ckpt, self.parts, cfg.run.seed)
+            self.step, self.saved_step = rs["step"], rs["step"]
+            self.feed.commit(rs["trained_groups"])  # a crash between publish and ack left them claimed
+            self.feed.last_position = rs.get("data_position", {})
+            self.log.info("resumed from %s: step %d", ckpt, self.step)
+        self.control = Control(run.path, world.is_main)
+        self.sync = EngineSync(cfg, run.path, world)
+        self.metrics = MetricsWriter(run.metrics, source="actor") if world.is_main else None
+        self.refit_s: float | None = None
+
+    @property
+    def version(self) -> int:
+        return self.step
+
+    def _build_models(self, ckpt: Path | None) -> Models:
+        cfg, mesh, attn = self.cfg, self.world.mesh, self.cfg.model.attn_implementation
+        dtype = getattr(torch, cfg.model.dtype)
+        policy = build.load_causal_lm(ckpt / "policy" if ckpt else self.base, attn, trainable=True)
+        if cfg.actor.freeze_router:
+            build.freeze_router(policy)
+        parallelize(policy, mesh, cfg.actor, compute_dtype=dtype)
+        models = Models(policy=self._trainable("policy", policy, cfg.actor.lr))
+        if cfg.algorithm.uses_reference:
+            ref = build.load_causal_lm(self.base, attn, trainable=False)
+            models.reference = parallelize(ref, mesh, cfg.actor, compute_dtype=dtype)
+        if cfg.algorithm.uses_critic:
+            critic = build.load_critic(ckpt / "critic" if ckpt else self.base, attn, seed=cfg.run.seed)
+            parallelize(critic, mesh, cfg.actor, compute_dtype=dtype)
+            models.critic = self._trainable("critic", critic, cfg.actor.critic_lr)
+        return models
+
+    def _trainable(self, name: str, model, lr: float) -> state.Trainable:
+        opt = build.build_optimizer(model, self.cfg.actor, lr)
+        return state.Trainable(name, model, opt, build.build_scheduler(opt, self.cfg.actor, self.cfg.run.steps))
+
+    def checkpoint(self) -> None:
+        """Save the state at the current step boundary (once per step), then ack the groups it covers."""
+        if self.saved_step == self.step:
+            return
+        t0 = time.perf_counter()
+        covered = self.feed.state()
+        run_state = {"version": self.version, **covered, "buffer": self.feed.stats(), "model": str(self.base)}
+        c = self.cfg.checkpoint
+        path = state.save(
+            self.world, self.rundir.checkpoints, self.step, self.parts, run_state,
+            tokenizer_src=self.base, shard_bytes=c.shard_mb << 20, keep_last=c.keep_last,
+            save_optimizer=c.save_optimizer,
+        )  # fmt: skip
+        self.feed.commit(covered["trained_groups"])
+        self.saved_step = self.step
+        self.log.info("checkpoint %s (%.2fs)", path.name, time.perf_counter() - t0)
+
+    def refit(self) -> None:
+        self.refit_s = self.sync.refit(self.models.policy.model, self.version)
+
+    def serve(self, req: Requests) -> None:
+        if req.checkpoint or req.stop:
+            self.checkpoint()
+            self.control.served(req)
+        if req.refit and not req.stop:
+            self.refit()
+
+    def run(self) -> int:
+        cfg = self.cfg
+        self.refit()
+        while self.step < cfg.run.steps:
+            t0 = time.perf_counter()
+            groups, req = self.feed.fetch(cfg.actor.groups_per_step, self.version, self.control, self.sync)
+            self.serve(req)
+            if req.stop:
+                self.log.info("stopped at step %d after a checkpoint", self.step)
+                return 0
+            if groups is None:
+                continue
+            self.train(groups, wait_s=time.perf_counter() - t0)
+        if self.refit_s is None or self.step % cfg.refit.interval:
+            self.refit()
+        self.checkpoint()
+        self.control.mark_done()
+        self.log.info("training finished after %d steps", self.step)
+        return 0
+
+    def train(self, groups, wait_s: float) -> None:
+        cfg = self.cfg
+        staleness = staleness_histogram(groups, self.version)
+        t0 = time.perf_counter()
+        metrics = train_step(groups, cfg, self.models, self.world, self.pad_id)
+        step_s = time.perf_counter() - t0
+        self.step += 1
+        self.feed.record(groups)
+        self.feed.heartbeat()
+        self.refit_s = None
+        if self.step % cfg.refit.interval == 0:
+            self.refit()
+        if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+            self.checkpoint()
+        record = {
+            "step": self.step, "version": self.version, **metrics, "staleness": staleness, "refit_s": self.refit_s,
+            "step_s": step_s, "wait_s": wait_s, "tokens_per_s": metrics["tokens"] / step_s, **self.feed.stats(),
+        }  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.write(record)
+        self.log.info(step_line(self.step, record))
+
+
+def main(cfg: MoltConfig, run_dir: str | Path, *, resume: bool = False) -> int:
+    """Train the run in `run_dir` on this rank (torchrun starts one per rank); returns the exit code."""
+    run = RunDir(Path(run_dir).absolute())
+    world = init_world(cfg.actor)
+    quiet = not world.is_main and not cfg.logging.all_ranks
+    setup_logging(f"actor r{world.rank}", cfg.logging.level, quiet=quiet)
+    try:
+        trainer = Trainer(cfg, run, world, resume)
+        code = trainer.run()
+        trainer.sync.close()
+        dist.barrier()
+        return code
+    finally:
+        dist.destroy_process_group()

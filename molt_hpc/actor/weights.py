@@ -1,0 +1,55 @@
+"""Full weights out of the FSDP shards, bucket by bucket, under their HF parameter names.
+
+Both the refit and the checkpoint walk the same plan: buckets of whole tensors up to a byte budget,
+in parameter order. Every rank takes part in each gather (it is a collective); only rank 0 keeps the
+result, so at most one bucket of full tensors is ever materialised.
+"""
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def plan_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None) -> list[list[str]]:
+    """Parameter names cut into buckets of at most `bucket_bytes` (a larger tensor gets its own bucket)."""
+    buckets: list[list[str]] = [[]]
+    used = 0
+    for name, p in model.named_parameters():
+        size = p.numel() * (torch.empty((), dtype=dtype or p.dtype).element_size())
+        if buckets[-1] and used + size > bucket_bytes:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(name)
+        used += size
+    return [b for b in buckets if b]
+
+
+def full_buckets(
+    model: nn.Module,
+    plan: list[list[str]],
+    *,
+    keep: bool,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield each bucket of `plan` as name → full tensor; empty dicts where `keep` is False.
+
+    Every rank must iterate to the end (each bucket is a collective).
+    """
+    params = dict(model.named_parameters())
+    for names in plan:
+        out = {}
+        for name in names:
+            p = params[name].detach()
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            if keep:
+                out[name] = full.to(device=device, dtype=dtype or full.dtype, copy=True)
+            del full
+        yield out
+
+
+def bucket_count_bytes(model: nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Bytes of every parameter at `dtype` (the checkpoint index's total size)."""
+    return sum(p.numel() * torch.empty((), dtype=dtype or p.dtype).element_size() for p in model.parameters())

@@ -1,0 +1,90 @@
+"""The actor pool's process group: rank, device, the FSDP mesh, and the few collectives the loop needs.
+
+gloo on CPU, NCCL on GPU (with gloo next to it for CPU-side objects), same code. Started by torchrun;
+a plain `python jobs/actor.py` runs a world of one.
+"""
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from molt_hpc.config.train import ActorConfig
+
+
+@dataclass(frozen=True)
+class World:
+    """This rank's place in the actor pool."""
+
+    rank: int
+    size: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(cfg: ActorConfig, local_rank: int) -> torch.device:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("actor.device = 'cuda' but no CUDA device is visible; set actor.device = 'cpu' or 'auto'")
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _single_process_env() -> None:
+    """Without torchrun, be rank 0 of a world of one on a free loopback port."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def init_world(cfg: ActorConfig, timeout_s: float = 1800.0) -> World:
+    """Join (or start) the default process group and build the 1-D FSDP mesh over every rank."""
+    _single_process_env()
+    device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    size = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (size,), mesh_dim_names=("fsdp",))
+    return World(rank=dist.get_rank(), size=size, device=device, mesh=mesh)
+
+
+def any_rank(flags: list[bool]) -> list[bool]:
+    """Each flag OR-ed over every rank, so all ranks take the same decision."""
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(x) for x in t.tolist()]
+
+
+def sum_ranks(values: list[float]) -> list[float]:
+    """Each value summed over every rank (float64 on the CPU group)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def share(obj: Any, src: int = 0) -> Any:
+    """`obj` from rank `src` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_all(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
