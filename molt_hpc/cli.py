@@ -127,3 +127,48 @@ def buffer_stats_cmd(run_dir: str) -> None:
     from molt_hpc.buffer.spool import stats_lines
 
     click.echo("\n".join(stats_lines(run_dir)))
+
+
+@main.command("submit")
+@click.argument("config", required=False)
+@click.option("--set", "overrides", multiple=True, help=SET_HELP)
+@click.option("--dry-run", is_flag=True, help="Print the exact batch script and exit; nothing is created.")
+@click.option("--resume", "resume_dir", default=None, help="Submit a new job that continues this run directory.")
+def submit_cmd(config: str | None, overrides: tuple[str, ...], dry_run: bool, resume_dir: str | None) -> None:
+    """Submit the run as one heterogeneous Slurm job: het group 0 = actor pool, 1 = engine pool."""
+    from molt_hpc.launch import slurm
+    from molt_hpc.launch.local import resume_config
+
+    if resume_dir and config:
+        raise click.UsageError("give either CONFIG or --resume RUN_DIR (a resumed run keeps its own config)")
+    cfg = resume_config(resume_dir, overrides) if resume_dir else _load(config, overrides)
+    if dry_run:
+        click.echo(slurm.dry_run_script(cfg), nl=False)
+        return
+    job_id, run_dir = slurm.submit(cfg, resume=resume_dir is not None)
+    click.echo(f"submitted job {job_id}\nrun directory {run_dir}")
+
+
+@main.command("sbatch")
+@click.argument("config", required=False)
+@click.option("--set", "overrides", multiple=True, help=SET_HELP)
+@click.option("-o", "--out", required=True, help="Where to write the batch script.")
+def sbatch_cmd(config: str | None, overrides: tuple[str, ...], out: str) -> None:
+    """Write a standalone batch script of the run, to submit by hand with `sbatch FILE`."""
+    from pathlib import Path
+
+    from molt_hpc.launch import slurm
+
+    Path(out).write_text(slurm.standalone_script(_load(config, overrides)))
+    click.echo(f"wrote {out}; submit it with: sbatch {out}")
+
+
+@main.command("cancel")
+@click.argument("run_dir")
+@click.option("--now", is_flag=True, help="Cancel at once, without waiting for a checkpoint.")
+@click.option("--timeout", "timeout_s", type=float, default=None, help="Seconds to wait for the checkpoint.")
+def cancel_cmd(run_dir: str, now: bool, timeout_s: float | None) -> None:
+    """End a run's Slurm job cleanly: the actor pool checkpoints first (unless --now)."""
+    from molt_hpc.launch import slurm
+
+    click.echo(slurm.cancel(run_dir, now=now, timeout_s=timeout_s))

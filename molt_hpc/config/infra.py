@@ -3,7 +3,7 @@
 import datetime
 from typing import Literal
 
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from molt_hpc.config.base import Section
 
@@ -95,7 +95,15 @@ class SlurmGroupConfig(Section):
     constraint: str | None = None
     """Node feature constraint (`--constraint`)."""
     extra_sbatch: list[str] = Field(default_factory=list)
-    """Extra `#SBATCH` options, each written as `--key=value`."""
+    """Extra `#SBATCH` options of this group, each written as `--key=value` (e.g. `--exclusive`)."""
+
+    @field_validator("extra_sbatch")
+    @classmethod
+    def _check_extra_sbatch(cls, value: list[str]) -> list[str]:
+        for item in value:
+            if not item.startswith("-") or "\n" in item:
+                raise ValueError(f"{item!r} is not one sbatch option; write each as `--key=value` on one line")
+        return value
 
 
 class SlurmConfig(Section):
@@ -117,6 +125,15 @@ class SlurmConfig(Section):
     """Times a dead engine-pool step is relaunched inside the same allocation."""
     setup: list[str] = Field(default_factory=list)
     """Shell lines run before the job steps (e.g. `module load cuda`, `source .venv/bin/activate`)."""
+    stop_timeout_s: PositiveInt | None = None
+    """Longest wait for the actor pool to checkpoint and exit after a stop request (time-limit warning,
+    preemption, cancel) before its step is killed; unset: the signal lead minus 30 s, at least half of it."""
+    actor_script: str = "jobs/actor.py"
+    """Script torchrun runs on every node of the actor pool as `SCRIPT RUN_DIR`; relative paths are
+    taken from the molt-hpc checkout. Replace it only to wrap the trainer."""
+    engine_script: str = "jobs/engine.py"
+    """Script run on every node of the engine pool as `SCRIPT RUN_DIR --role pool`; relative paths are
+    taken from the molt-hpc checkout. Replace it only to wrap the engine pool."""
 
     @field_validator("time", mode="before")
     @classmethod
@@ -126,6 +143,22 @@ class SlurmConfig(Section):
         if isinstance(value, str):
             slurm_time_seconds(value)
         return value
+
+    @model_validator(mode="after")
+    def _check_stop_timeout(self) -> "SlurmConfig":
+        if self.stop_timeout_s is not None and self.stop_timeout_s >= self.signal_lead_s:
+            raise ValueError(
+                f"slurm.stop_timeout_s ({self.stop_timeout_s}) is not shorter than slurm.signal_lead_s "
+                f"({self.signal_lead_s}): the job would be killed before the checkpoint wait ends"
+            )
+        return self
+
+    @property
+    def stop_wait_s(self) -> int:
+        """Seconds the driver waits for the actor pool to checkpoint after a stop request."""
+        if self.stop_timeout_s is not None:
+            return self.stop_timeout_s
+        return max(self.signal_lead_s - 30, self.signal_lead_s // 2)
 
 
 class LoggingConfig(Section):

@@ -1,0 +1,76 @@
+"""A run directory's Slurm job: its id on file, its state as Slurm reports it, the control files.
+
+The id is written at submission (and again by the driver at every start, for hand-submitted
+scripts) to `RUN_DIR/slurm_job_id`. The state comes from `squeue`, then `scontrol` (finished jobs
+stay there for MinJobAge), then `sacct` (clusters with accounting); None when Slurm is unreachable.
+"""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+from molt_hpc.rundir import atomic_write
+
+JOB_ID_FILE = "slurm_job_id"
+ACTIVE_STATES = frozenset(
+    {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD", "RESIZING",
+     "SIGNALING", "STAGE_OUT", "STOPPED", "PREEMPTED", "REQUEUE_FED"}
+)  # fmt: skip
+"""States in which the job still holds (or waits for) an allocation."""
+
+
+def control_file(run_dir: str | Path, name: str) -> Path:
+    """`RUN_DIR/control/<name>`: `stop` and `checkpoint` (read by the actor pool), `done` (written by
+    it when training is finished), `cancel` (read by the driver: end the job after a checkpoint)."""
+    return Path(run_dir) / "control" / name
+
+
+def touch_control(run_dir: str | Path, name: str) -> None:
+    path = control_file(run_dir, name)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    atomic_write(path, "")
+
+
+def record_job_id(run_dir: str | Path, job_id: str) -> None:
+    atomic_write(Path(run_dir) / JOB_ID_FILE, f"{job_id}\n")
+
+
+def read_job_id(run_dir: str | Path) -> str | None:
+    try:
+        return (Path(run_dir) / JOB_ID_FILE).read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def _query(*cmd: str) -> str:
+    if shutil.which(cmd[0]) is None:
+        return ""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:  # a slow controller: report the state as unknown, not crash status
+        return ""
+    return out.stdout if out.returncode == 0 else ""
+
+
+def job_state(job_id: str) -> str | None:
+    """The state of job `job_id` (its het leader's, for a het job), e.g. `RUNNING`; None if Slurm does not know it."""
+    for line in _query("squeue", "-h", "-j", job_id, "-o", "%i %T").splitlines():
+        jid, _, state = line.partition(" ")
+        if jid in (job_id, f"{job_id}+0"):
+            return state.strip()
+    fields = dict(t.partition("=")[::2] for t in _query("scontrol", "-o", "show", "job", job_id).split()[:40])
+    if fields.get("JobState"):
+        return fields["JobState"]
+    for line in _query("sacct", "-n", "-X", "-P", "-j", job_id, "-o", "JobID,State").splitlines():
+        jid, _, state = line.partition("|")
+        if jid in (job_id, f"{job_id}+0"):
+            return state.split()[0] if state else None
+    return None
+
+
+def slurm_job_state(run_dir: str | Path) -> str | None:
+    """`job <id> <STATE>` for the run's latest Slurm job; None when the run never went to Slurm."""
+    job_id = read_job_id(run_dir)
+    if job_id is None:
+        return None
+    return f"job {job_id} {job_state(job_id) or 'UNKNOWN (Slurm does not know it any more)'}"

@@ -1,0 +1,121 @@
+"""The two job steps the driver starts inside the heterogeneous allocation, and their rendezvous.
+
+Het group 0: `srun --het-group=0 … torchrun … ACTOR_SCRIPT RUN_DIR`, one torchrun per node whose c10d
+rendezvous (MASTER_ADDR:PORT) sits on the group's first node. Het group 1: `srun --het-group=1 …
+python ENGINE_SCRIPT RUN_DIR --role pool`, one engine pool per node; it finds everything else
+through the run directory. Node lists come from the het job's environment; addresses from
+`scontrol show node` (a node's name need not resolve, its NodeAddr does).
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from molt_hpc.config import MoltConfig
+from molt_hpc.config.infra import SlurmGroupConfig
+from molt_hpc.launch.procs import REPO, Child
+
+ACTOR_STEP = "molt-actor-pool"
+POOL_STEP = "molt-engine-pool"
+
+
+def het_nodes(index: int) -> list[str]:
+    """Hostnames of het group `index` of the job this process runs in."""
+    key = f"SLURM_JOB_NODELIST_HET_GROUP_{index}"
+    nodelist = os.environ.get(key)
+    if not nodelist:
+        raise ValueError(
+            f"{key} is not set: the driver must run in the batch script of a heterogeneous job with two "
+            "groups (submit with `molt-hpc submit`, or the script `molt-hpc sbatch` writes)"
+        )
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def node_addr(node: str) -> str:
+    """The address other nodes reach `node` at: its Slurm NodeAddr (the name itself by default)."""
+    out = subprocess.run(["scontrol", "-o", "show", "node", node], capture_output=True, text=True)
+    for token in out.stdout.split():
+        key, _, value = token.partition("=")
+        if key == "NodeAddr" and value:
+            return value
+    return node
+
+
+def free_port() -> int:
+    """A port free on this node right now; the driver runs on the actor group's first node."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def script_path(path: str) -> str:
+    p = Path(path)
+    return str(p if p.is_absolute() else REPO / p)
+
+
+@dataclass
+class SrunStep(Child):
+    """A job step run by srun. srun answers SIGTERM by killing its tasks, so a graceful stop sends
+    SIGTERM to the step's tasks through `scancel --signal` and kills srun only after `grace_s`."""
+
+    step_name: str = ""
+
+    def step_ids(self) -> list[str]:
+        jobs = ",".join(v for k, v in os.environ.items() if k.startswith("SLURM_JOB_ID_HET_GROUP_"))
+        out = subprocess.run(["squeue", "-h", "-s", "-j", jobs, "-o", "%i %j"], capture_output=True, text=True)
+        return [line.split()[0] for line in out.stdout.splitlines() if line.split()[1:] == [self.step_name]]
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.poll()
+        for step_id in self.step_ids():
+            subprocess.run(["scancel", "--signal=TERM", step_id], capture_output=True)
+        try:
+            return self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            return super().stop(grace_s)
+
+
+def srun_prefix(index: int, group: SlurmGroupConfig, nodes: int, name: str) -> list[str]:
+    """One task per node of het group `index`, in a step called `name`; a failing task ends the step."""
+    cmd = ["srun", f"--het-group={index}", f"--job-name={name}", f"--nodes={nodes}", "--ntasks-per-node=1"]
+    cmd += [f"--cpus-per-task={group.cpus_per_task}", "--kill-on-bad-exit=1", "--unbuffered"]
+    if group.gpus_per_node:
+        cmd.append(f"--gpus-per-node={group.gpus_per_node}")
+    return cmd
+
+
+def procs_per_node(cfg: MoltConfig) -> int:
+    """Trainer ranks per actor node: one per GPU; on CPU nodes `actor.ranks` spread over the nodes."""
+    gpus = cfg.slurm.actor.gpus_per_node
+    return gpus if gpus else max(1, cfg.actor.ranks // cfg.slurm.actor.nodes)
+
+
+def actor_command(cfg: MoltConfig, run_dir: Path, nodes: list[str], endpoint: str, job_id: str) -> list[str]:
+    torchrun = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={len(nodes)}", f"--nproc-per-node={procs_per_node(cfg)}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id=molt-{job_id}", "--max-restarts=0",
+        script_path(cfg.slurm.actor_script), str(run_dir),
+    ]  # fmt: skip
+    return srun_prefix(0, cfg.slurm.actor, len(nodes), ACTOR_STEP) + torchrun
+
+
+def engine_command(cfg: MoltConfig, run_dir: Path, nodes: list[str]) -> list[str]:
+    pool = [sys.executable, "-u", script_path(cfg.slurm.engine_script), str(run_dir), "--role", "pool"]
+    return srun_prefix(1, cfg.slurm.engines, len(nodes), POOL_STEP) + pool
+
+
+def job_steps(cfg: MoltConfig, run_dir: Path, job_id: str) -> tuple[SrunStep, SrunStep]:
+    """(actor pool, engine pool) steps of this allocation, not started yet; their logs go to `logs/`."""
+    actor_nodes, engine_nodes = het_nodes(0), het_nodes(1)
+    endpoint = f"{node_addr(actor_nodes[0])}:{free_port()}"
+    logs = run_dir / "logs"
+    actor_cmd = actor_command(cfg, run_dir, actor_nodes, endpoint, job_id)
+    actor = SrunStep("actor pool", actor_cmd, logs / "actor.log", step_name=ACTOR_STEP)
+    pool = SrunStep("engine pool", engine_command(cfg, run_dir, engine_nodes), logs / "pool.log", step_name=POOL_STEP)
+    return actor, pool

@@ -1,0 +1,51 @@
+"""Stand-in for `jobs/engine.py --role pool` in the Slurm driver tests: the pool's contract, no engines.
+
+Run as `SCRIPT RUN_DIR --role pool` on every node of het group 1; it records where it runs
+(`RUN_DIR/standin/engine.jsonl`) and idles until SIGTERM, then exits 0, like the real pool.
+Fault injection: MOLT_STANDIN_ENGINE_FAIL_AFTER=S exits with code 3 after S seconds (every launch).
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+RUN = Path(sys.argv[1])
+FAIL_AFTER = float(os.environ.get("MOLT_STANDIN_ENGINE_FAIL_AFTER", "0"))
+stopping = []
+signal.signal(signal.SIGTERM, lambda s, f: stopping.append(s))
+
+
+def record(event: str, **fields) -> None:
+    (RUN / "standin").mkdir(exist_ok=True)
+    line = {
+        "event": event,
+        "pid": os.getpid(),
+        "time": time.time(),
+        "node": os.environ.get("SLURMD_NODENAME"),
+        "procid": os.environ.get("SLURM_PROCID"),
+        "step_id": os.environ.get("SLURM_STEP_ID"),
+        "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+        **fields,
+    }
+    with open(RUN / "standin" / "engine.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def main() -> int:
+    assert sys.argv[2:] == ["--role", "pool"], sys.argv
+    record("start")
+    started = time.monotonic()
+    while not stopping:
+        time.sleep(0.1)
+        if FAIL_AFTER and time.monotonic() - started > FAIL_AFTER:
+            record("fail")
+            return 3
+    record("stop")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
