@@ -46,6 +46,18 @@ def test_hidden_states_path_matches_naive_fp32(chunk, temperature):
         assert torch.allclose(a, b.detach(), atol=1e-5, rtol=0), (a - b).abs().max()
 
 
+@pytest.mark.parametrize("use", ["logp", "entropy"])
+def test_gradient_when_only_one_output_is_used(use):
+    hidden, weight, seqs, _ = inputs(torch.float32, seed=7)
+    logp, ent = token_logprobs(hidden, weight, seqs, temperature=0.9, chunk=4)
+    (logp if use == "logp" else ent).sum().backward()
+    got = (hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    ref_logp, ref_ent = naive(hidden @ weight.t(), seqs, 0.9)
+    (ref_logp if use == "logp" else ref_ent).sum().backward()
+    assert torch.allclose(got[0], hidden.grad, atol=1e-5) and torch.allclose(got[1], weight.grad, atol=1e-5)
+
+
 def test_action_mask_computes_only_action_positions():
     hidden, weight, seqs, up = inputs(torch.float32, seed=1)
     mask = torch.rand(B, T, generator=torch.Generator().manual_seed(2)) < 0.5

@@ -18,57 +18,70 @@ import torch
 from torch import Tensor
 
 
+def _chunk_forward(z: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(log p(target), entropy, logsumexp) of logits `z [n, V]`, with one `[n, V]` temporary."""
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(1, targets[:, None]).squeeze(1) - lse
+    p = (z - lse[:, None]).exp_()
+    ent = lse - p.mul_(z).sum(-1)
+    return logp, ent, lse
+
+
+def _chunk_grad(z: Tensor, lse: Tensor, targets: Tensor, g_logp: Tensor | None, g_ent: Tensor | None) -> Tensor:
+    """d/dz of `g_logp · log p_y + g_ent · H`, reusing `z`'s storage:
+    d log p_y / dz = onehot(y) - p and dH / dz = -p (z - E_p[z])."""
+    p = (z - lse[:, None]).exp_()
+    if g_ent is None:
+        coef = g_logp[:, None].to(z.dtype).expand_as(z)
+    else:
+        mean_z = (p * z).sum(-1, keepdim=True)
+        coef = z.sub_(mean_z).mul_(g_ent[:, None].to(z.dtype))
+        if g_logp is not None:
+            coef.add_(g_logp[:, None].to(z.dtype))
+    dz = p.mul_(coef).neg_()
+    if g_logp is not None:
+        dz.scatter_add_(1, targets[:, None], g_logp[:, None].to(z.dtype))
+    return dz
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     """(log p(target), entropy) for rows `source[idx]`: hidden states (with `weight`) or logits."""
 
     @staticmethod
     def forward(ctx, source, weight, idx, targets, temperature, chunk):
         n, dtype = idx.shape[0], _compute_dtype(source, weight)
-        logp = torch.empty(n, dtype=dtype, device=source.device)
-        ent = torch.empty(n, dtype=dtype, device=source.device)
-        lse_all = torch.empty(n, dtype=dtype, device=source.device)
+        logp, ent, lse = (torch.empty(n, dtype=dtype, device=source.device) for _ in range(3))
         for s in range(0, n, chunk):
             z = _chunk_logits(source, weight, idx[s : s + chunk], temperature)
-            lse = torch.logsumexp(z, dim=-1)
-            logp[s : s + chunk] = z.gather(1, targets[s : s + chunk, None]).squeeze(1) - lse
-            ent[s : s + chunk] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
-            lse_all[s : s + chunk] = lse
-        ctx.save_for_backward(source, weight, idx, targets, lse_all)
+            logp[s : s + chunk], ent[s : s + chunk], lse[s : s + chunk] = _chunk_forward(z, targets[s : s + chunk])
+        ctx.save_for_backward(source, weight, idx, targets, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.set_materialize_grads(False)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        source, weight, idx, targets, lse_all = ctx.saved_tensors
+        source, weight, idx, targets, lse = ctx.saved_tensors
         temperature, chunk = ctx.temperature, ctx.chunk
         grad_src = torch.zeros_like(source) if ctx.needs_input_grad[0] else None
         grad_w = None
         if weight is not None and ctx.needs_input_grad[1]:
-            grad_w = torch.zeros(weight.shape, dtype=lse_all.dtype, device=weight.device)
-        if g_logp is None and g_ent is None:
-            return grad_src, grad_w, None, None, None, None
-        for s in range(0, idx.shape[0], chunk):
-            rows = idx[s : s + chunk]
+            grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)  # accumulated in fp32
+        for s in range(0, idx.shape[0] if g_logp is not None or g_ent is not None else 0, chunk):
+            rows, part = idx[s : s + chunk], slice(s, s + chunk)
             z = _chunk_logits(source, weight, rows, temperature)
-            p = torch.exp(z - lse_all[s : s + chunk, None])
-            dz = torch.zeros_like(z)
-            if g_logp is not None:  # d log p_y / dz = onehot(y) - p
-                g = g_logp[s : s + chunk, None].to(z.dtype)
-                dz = dz - p * g
-                dz.scatter_add_(1, targets[s : s + chunk, None], g)
-            if g_ent is not None:  # d H / dz = -p (z - E_p[z])
-                mean_z = (p * z).sum(-1, keepdim=True)
-                dz = dz - g_ent[s : s + chunk, None].to(z.dtype) * p * (z - mean_z)
-            dz = (dz / temperature).to(source.dtype if weight is None else weight.dtype)
+            gl = None if g_logp is None else g_logp[part]
+            ge = None if g_ent is None else g_ent[part]
+            dz = _chunk_grad(z, lse[part], targets[part], gl, ge).div_(temperature)
+            dz = dz.to(source.dtype if weight is None else weight.dtype)
             if weight is None:
                 if grad_src is not None:
                     grad_src[rows] = dz
-            else:
-                if grad_src is not None:
-                    grad_src[rows] = (dz @ weight).to(source.dtype)
-                if grad_w is not None:
-                    grad_w += (dz.t() @ source[rows].to(dz.dtype)).to(grad_w.dtype)
+                continue
+            if grad_src is not None:
+                grad_src[rows] = (dz @ weight).to(source.dtype)
+            if grad_w is not None:
+                grad_w += (dz.t() @ source[rows].to(dz.dtype)).to(grad_w.dtype)
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         return grad_src, grad_w, None, None, None, None
 
