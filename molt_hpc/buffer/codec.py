@@ -5,12 +5,13 @@ Variable-length lists are concatenated over the group's samples and cut back by 
 reward, score, finish reason, info, ids) and the group's own fields go to safetensors'
 `__metadata__` map under the key `molt`, as one JSON string, so one rename publishes everything.
 
-Precision: token ids are stored as int32 (every tokenizer vocabulary fits), log-probs as float32
-(what engines compute in), policy versions as int64, rewards and scores exactly (JSON floats).
+Precision: token ids and policy versions are stored as int32 (every vocabulary fits), log-probs
+as float32 (what engines compute in), rewards and scores exactly (JSON floats).
 Numpy only: producers and consumers never need torch to move groups.
 """
 
 import json
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -29,8 +30,14 @@ def _offsets(lengths: list[int]) -> np.ndarray:
 
 
 def _flat(lists: list[list], dtype: type) -> np.ndarray:
-    flat = [x for items in lists for x in items]
-    return np.asarray(flat, dtype=dtype).reshape(len(flat))
+    return np.fromiter(chain.from_iterable(lists), dtype=dtype, count=sum(map(len, lists)))
+
+
+def _int32(group: Group, what: str, lists: list[list[int]]) -> np.ndarray:
+    flat = _flat(lists, np.int64)
+    if flat.size and (flat.min() < 0 or flat.max() > INT32_MAX):
+        raise ValueError(f"group {group.group_id}: {what} must lie in [0, 2^31); got {flat.min()}..{flat.max()}")
+    return flat.astype(np.int32)
 
 
 def _experts(samples: list[Trajectory]) -> dict[str, np.ndarray]:
@@ -47,16 +54,15 @@ def _experts(samples: list[Trajectory]) -> dict[str, np.ndarray]:
 def encode_group(group: Group) -> bytes:
     """The safetensors bytes of `group` (tensors + `__metadata__`)."""
     samples = group.samples
-    tokens = _flat([s.tokens for s in samples], np.int64)
-    if tokens.size and (tokens.min() < 0 or tokens.max() > INT32_MAX):
-        raise ValueError(f"group {group.group_id}: token ids must lie in [0, 2^31); got {tokens.min()}..{tokens.max()}")
+    tokens = _int32(group, "token ids", [s.tokens for s in samples])
+    versions = _int32(group, "policy versions", [s.versions for s in samples])
     tensors = {
-        "tokens": tokens.astype(np.int32),
+        "tokens": tokens,
         "token_offsets": _offsets([len(s.tokens) for s in samples]),
-        "action_ranges": _flat([[x for r in s.action_ranges for x in r] for s in samples], np.int64).reshape(-1, 2),
+        "action_ranges": _flat([list(chain.from_iterable(s.action_ranges)) for s in samples], np.int64).reshape(-1, 2),
         "range_offsets": _offsets([len(s.action_ranges) for s in samples]),
         "action_logprobs": _flat([s.action_logprobs for s in samples], np.float32),
-        "versions": _flat([s.versions for s in samples], np.int64),
+        "versions": versions,
         **_experts(samples),
     }
     meta = {
@@ -66,7 +72,7 @@ def encode_group(group: Group) -> bytes:
         "prompt_id": group.prompt_id,
         "data_position": group.data_position,
         "meta": group.meta,
-        "min_version": group.min_version,
+        "min_version": int(versions.min()) if versions.size else 0,  # == group.min_version, without a Python loop
         "samples": [
             {
                 "prompt_len": s.prompt_len,
@@ -118,6 +124,8 @@ def decode_group(data: bytes) -> Group:
         raise ValueError("offsets do not cover the flat tensors")
     if len(t["action_logprobs"]) != len(t["versions"]):
         raise ValueError("one log-prob and one version per action token are required")
+    if meta["min_version"] != (int(t["versions"].min()) if t["versions"].size else 0):
+        raise ValueError(f"metadata says min_version {meta['min_version']}, the versions tensor disagrees")
     samples, action_at = [], 0
     for i, sm in enumerate(meta["samples"]):
         ranges = [(int(a), int(b)) for a, b in _cut(t["action_ranges"], t["range_offsets"], i)]

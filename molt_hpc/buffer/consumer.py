@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Iterable
 
-from molt_hpc.buffer.codec import decode_group
+from molt_hpc.buffer.codec import decode_group, read_metadata
 from molt_hpc.buffer.lease import LeaseWatch, release, write_lease
 from molt_hpc.buffer.spool import Spool, SpoolName, check_id, move, names, quarantine
 from molt_hpc.config.infra import BufferConfig
@@ -108,9 +108,10 @@ class Consumer:
         if not move(src, claimed):
             return None
         try:
-            group = decode_group(claimed.read_bytes())
-            if (group.group_id, group.min_version) != (parsed.group_id, parsed.min_version):
-                raise ValueError(f"content is group {group.group_id} v{group.min_version}, the name says otherwise")
+            data = claimed.read_bytes()
+            group, min_version = decode_group(data), read_metadata(data)["min_version"]  # decode checked it
+            if (group.group_id, min_version) != (parsed.group_id, parsed.min_version):
+                raise ValueError(f"content is group {group.group_id} v{min_version}, the name says otherwise")
             if group.group_id in self._claims:
                 raise ValueError(
                     f"a second file for group {group.group_id}, already claimed as {self._claims[group.group_id]}"
@@ -126,7 +127,7 @@ class Consumer:
         if they wait there (a trainer resuming from a checkpoint that covered them); ClaimLost if a
         group is held by another consumer or unknown."""
         self._renew()
-        lost = []
+        lost, acks = [], self.acks
         for gid in group_ids:
             if gid in self._acked:
                 continue
@@ -135,7 +136,8 @@ class Consumer:
                 self.acks += 1
             else:
                 lost.append(gid)
-        fsync_dir(self.spool.acked)
+        if self.acks > acks:
+            fsync_dir(self.spool.acked)
         if lost:
             raise ClaimLost(
                 f"consumer {self.id} could not ack {len(lost)} group(s) {lost[:8]}: another consumer holds "

@@ -14,7 +14,7 @@ skip, and `put` of an already-put id is a no-op. One live process per producer i
 import os
 import time
 
-from molt_hpc.buffer.codec import encode_group
+from molt_hpc.buffer.codec import encode_group, read_metadata
 from molt_hpc.buffer.spool import Spool, SpoolName, check_id, count, move
 from molt_hpc.config.infra import BufferConfig
 from molt_hpc.log import get_logger
@@ -71,11 +71,10 @@ class Producer:
         """Publish `group`, blocking while the spool is full; False if its id was already put (nothing written)."""
         if self.was_put(group.group_id):
             return False
-        if group.min_version < 0:
-            raise ValueError(f"group {group.group_id}: policy versions must be >= 0, got {group.min_version}")
-        data = encode_group(group)
+        data = encode_group(group)  # first: a group it cannot store raises before any waiting
+        min_version = read_metadata(data)["min_version"]
         self._wait_for_room()
-        name = str(SpoolName(time.time_ns(), self.id, self.seq, group.min_version, group.group_id))
+        name = str(SpoolName(time.time_ns(), self.id, self.seq, min_version, group.group_id))
         self.seq += 1
         _write_synced(self.tmp / name, data)
         os.close(os.open(self.marks / group.group_id, os.O_WRONLY | os.O_CREAT, 0o600))
