@@ -19,6 +19,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from molt_hpc.buffer import ReplayBuffer
@@ -60,7 +61,7 @@ class Raw:
     def __init__(self, root: Path, data: bytes):
         self.dir, self.data = root, data
 
-    def producer(self):
+    def producer(self) -> Callable[[int, float], None]:
         def put(i: int, t_start: float) -> None:
             tmp = self.dir / f".tmp{i}"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -72,7 +73,7 @@ class Raw:
 
         return put
 
-    def consumer(self):
+    def consumer(self) -> Callable[[], float | None]:
         def take() -> float | None:
             """Read and remove the oldest file; its put start time, or None when there is none."""
             for name in sorted(n for n in os.listdir(self.dir) if not n.startswith(".")):
@@ -90,7 +91,7 @@ class Buffered:
     def __init__(self, root: Path, cfg: BufferConfig, template: Group):
         self.root, self.cfg, self.template = root, cfg, template
 
-    def producer(self):
+    def producer(self) -> Callable[[int, float], None]:
         buf, g = ReplayBuffer(self.root, self.cfg, producer_id="bench"), self.template
 
         def put(i: int, t_start: float) -> None:
@@ -98,7 +99,7 @@ class Buffered:
 
         return put
 
-    def consumer(self):
+    def consumer(self) -> Callable[[], float | None]:
         buf = ReplayBuffer(self.root, self.cfg, consumer_id="bench")
 
         def take() -> float | None:
@@ -111,7 +112,7 @@ class Buffered:
         return take
 
 
-def produce(path, n: int, gap: float) -> None:
+def produce(path: Raw | Buffered, n: int, gap: float) -> None:
     put = path.producer()
     for i in range(n):
         put(i, time.monotonic())
@@ -119,7 +120,7 @@ def produce(path, n: int, gap: float) -> None:
             time.sleep(gap)
 
 
-def run(path, n: int, gap: float, poll: float) -> tuple[float, list[float]]:
+def run(path: Raw | Buffered, n: int, gap: float, poll: float) -> tuple[float, list[float]]:
     """(groups/s, hand-off latencies) with the producer in a forked process and the same backoff polling."""
     take = path.consumer()
     proc = mp.get_context("fork").Process(target=produce, args=(path, n, gap))

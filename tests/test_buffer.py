@@ -220,7 +220,7 @@ def test_bad_files_are_quarantined_without_stopping_the_consumer(run_dir) -> Non
 
 
 def test_expired_lease_returns_claims_but_heartbeat_keeps_them(tmp_path) -> None:
-    cfg = BufferConfig(lease_timeout_s=0.4)
+    cfg = BufferConfig(lease_timeout_s=0.8)
     prod = ReplayBuffer(tmp_path, cfg, producer_id="p")
     for k in range(4):
         prod.put(make_group(f"g{k}"))

@@ -49,8 +49,9 @@ def test_producer_blocks_at_capacity_and_resumes_when_the_consumer_takes(tmp_pat
 
         cons = ReplayBuffer(tmp_path, cfg, consumer_id="trainer")
         assert [g.group_id for g in cons.get(1, timeout=0)] == ["g0"]
-        wait_for(lambda: count(marks) == k + 1, "the producer to resume")
-        assert count(pending) == k and proc.poll() is None  # one put, then blocked again
+        wait_for(lambda: count(marks) == k + 1 and count(pending) == k, "the producer to resume")
+        time.sleep(0.2)
+        assert count(marks) == k + 1 and count(pending) == k and proc.poll() is None  # one put, blocked again
         cons.ack(["g0"])
 
         taken = [g.group_id for g in cons.get(2 * k - 1, timeout=20)]  # held, not acked: claims > capacity
