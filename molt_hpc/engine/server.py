@@ -6,9 +6,7 @@ that disconnects cancels its request (the row leaves the batch at the next step 
 """
 
 import asyncio
-import hmac
 import itertools
-import json
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -17,9 +15,9 @@ import torch
 from aiohttp import web
 
 from molt_hpc.engine.batch import Row
+from molt_hpc.engine.http import errors_middleware, read_json, token_middleware
 from molt_hpc.engine.sampling import parse_generate
 from molt_hpc.engine.scheduler import Scheduler
-from molt_hpc.log import get_logger
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -33,48 +31,6 @@ class EngineState:
     max_model_len: int
     model_name: str
     index: int = 0
-
-
-def error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
-
-
-def token_middleware(token: str):
-    """Every route needs `Authorization: Bearer <run token>` (cluster nodes are shared)."""
-    expected = f"Bearer {token}".encode()
-
-    @web.middleware
-    async def check(request: web.Request, handler):
-        got = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(got, expected):
-            return error(401, "missing or wrong token: send 'Authorization: Bearer <token>' (rendezvous/token)")
-        return await handler(request)
-
-    return check
-
-
-@web.middleware
-async def errors_middleware(request: web.Request, handler):
-    """User errors become 400 with their message; anything else is a 500 that is logged, not fatal."""
-    try:
-        return await handler(request)
-    except web.HTTPException:
-        raise
-    except ValueError as err:  # bad input: tell the caller what to change
-        return error(400, str(err))
-    except Exception as err:  # the engine keeps serving; the failure is reported and logged
-        get_logger().exception("%s %s failed", request.method, request.path)
-        return error(500, f"{type(err).__name__}: {err}")
-
-
-async def read_json(request: web.Request) -> Any:
-    raw = await request.read()
-    if not raw:
-        return {}
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"the body is not valid JSON: {err}") from None
 
 
 def logprob_content(row: Row) -> list[dict[str, Any]]:

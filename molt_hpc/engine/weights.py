@@ -13,7 +13,8 @@ from collections.abc import Callable
 import torch
 from aiohttp import web
 
-from molt_hpc.engine.server import EngineState, error, read_json, run_on_scheduler
+from molt_hpc.engine.http import error, read_json
+from molt_hpc.engine.server import EngineState, run_on_scheduler
 from molt_hpc.log import get_logger
 from molt_hpc.refit.receiver import RefitReceiver
 

@@ -1,0 +1,142 @@
+"""The router process: proxy `/inference/v1/generate` and `/v1/*` to the engine a session belongs to.
+
+Bodies and answers pass through unchanged (answers are streamed, so chat streaming works); the
+answer carries `X-Molt-Engine: <index>`. A request whose connection to an engine fails before any
+answer byte was sent is retried on the next engine (up to `router.connect_retries` engines) and the
+failed engine leaves the ring. `/pause`, `/resume` and the weight routes are not routed: the refit
+talks to the engines directly. Registers as `rendezvous/router.json` once listening.
+"""
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from molt_hpc.config import MoltConfig
+from molt_hpc.engine.client import SESSION_HEADER
+from molt_hpc.engine.http import error, errors_middleware, token_middleware
+from molt_hpc.log import get_logger, setup_logging
+from molt_hpc.router.pool import Engine, EnginePool
+from molt_hpc.rundir import RunDir, atomic_write
+
+FORWARD_HEADERS = ("Authorization", "Content-Type", "Accept", SESSION_HEADER)
+ENGINE_HEADER = "X-Molt-Engine"
+
+
+async def forward(
+    request: web.Request, engine: Engine, body: bytes, client: aiohttp.ClientSession, started: list[bool]
+) -> web.StreamResponse:
+    """Send the request to `engine` and stream its answer back; `started[0]` turns True once the
+    client got the status line (from then on a failure cannot be retried elsewhere)."""
+    headers = {k: request.headers[k] for k in FORWARD_HEADERS if k in request.headers}
+    async with client.request(request.method, engine.url + request.path_qs, data=body, headers=headers) as up:
+        resp = web.StreamResponse(status=up.status)
+        if "Content-Type" in up.headers:
+            resp.headers["Content-Type"] = up.headers["Content-Type"]
+        resp.headers[ENGINE_HEADER] = str(engine.index)
+        started[0] = True
+        await resp.prepare(request)
+        async for chunk in up.content.iter_any():
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+
+
+def build_app(pool: EnginePool, cfg: MoltConfig, token: str) -> web.Application:
+    app = web.Application(middlewares=[token_middleware(token), errors_middleware], client_max_size=1 << 30)
+    stats = {"retries": 0, "unrouted": 0}
+
+    async def proxy(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        session_id = request.headers.get(SESSION_HEADER)
+        client: aiohttp.ClientSession = app["client"]
+        tried: set[int] = set()
+        last = "no healthy engine"
+        for _ in range(cfg.router.connect_retries):
+            engine = pool.pick(session_id, tried)
+            if engine is None:
+                break
+            tried.add(engine.index)
+            engine.in_flight += 1
+            engine.total += 1
+            started = [False]
+            try:
+                return await forward(request, engine, body, client, started)
+            except aiohttp.ClientConnectionError as err:
+                if started[0]:
+                    pool.mark_failed(engine, f"failed mid-answer: {err}")
+                    raise
+                # nothing reached the client yet: take the engine out and try the next one
+                last = f"engine {engine.index}: {type(err).__name__}: {err}"
+                pool.mark_failed(engine, last)
+                stats["retries"] += 1
+            finally:
+                engine.in_flight -= 1
+        stats["unrouted"] += 1
+        return error(503, f"no engine could take the request ({last}); retry later")
+
+    async def health(request: web.Request) -> web.Response:
+        m = pool.metrics()
+        return web.json_response({"status": "ok" if m["healthy"] else "no engines", "engines": m["healthy"]})
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.json_response({**pool.metrics(), **stats})
+
+    app.add_routes(
+        [
+            web.post("/inference/v1/generate", proxy),
+            web.route("*", "/v1/{tail:.*}", proxy),
+            web.get("/health", health),
+            web.get("/metrics", metrics),
+        ]
+    )
+
+    async def lifecycle(app: web.Application):
+        connector = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
+            app["client"] = client
+            await pool.refresh(client)
+            task = asyncio.create_task(pool.run_forever(client))
+            yield
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):  # the health loop ends with the router
+                await task
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+async def serve(cfg: MoltConfig, run: RunDir) -> None:
+    log = get_logger()
+    token = run.token()
+    pool = EnginePool(run, cfg.router, token)
+    runner = web.AppRunner(build_app(pool, cfg, token), access_log=None)
+    await runner.setup()
+    sock = socket.create_server((cfg.engines.host, 0))  # port 0: the kernel picks a free one
+    await web.SockSite(runner, sock).start()
+    host = socket.gethostname() if cfg.engines.host in ("0.0.0.0", "::") else cfg.engines.host
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    record = run.rendezvous / "router.json"
+    atomic_write(record, json.dumps({"url": url, "pid": os.getpid()}))
+    log.info("routing to %d engine(s) at %s", pool.metrics()["healthy"], url)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    with contextlib.suppress(FileNotFoundError):  # already removed: nothing to unregister
+        os.unlink(record)
+    await runner.cleanup()
+
+
+def main(cfg: MoltConfig, run_dir: str | Path) -> int:
+    """Run the router of the run in `run_dir` until SIGTERM."""
+    setup_logging("router", cfg.logging.level)
+    asyncio.run(serve(cfg, RunDir(Path(run_dir))))
+    return 0

@@ -1,0 +1,131 @@
+"""The engines behind the router: who they are, whether they are healthy, how busy they are.
+
+Engines are discovered from `rendezvous/engine-*.json` and re-scanned every health interval
+(engines restart on new ports). Only engines that answered their last health check are on the
+ring; a failed connection takes an engine out at once, a passing check brings it back.
+"""
+
+import asyncio
+import json
+import re
+from dataclasses import dataclass
+
+import aiohttp
+
+from molt_hpc.config.rollout import RouterConfig
+from molt_hpc.engine.client import auth_headers
+from molt_hpc.log import get_logger
+from molt_hpc.router.ring import HashRing, choose
+from molt_hpc.rundir import RunDir
+
+ENGINE_FILE = re.compile(r"^engine-(\d+)\.json$")
+
+
+@dataclass
+class Engine:
+    """One engine as the router sees it."""
+
+    index: int
+    url: str
+    healthy: bool = False
+    in_flight: int = 0
+    total: int = 0
+    failures: int = 0
+
+    @property
+    def node(self) -> str:
+        return f"engine-{self.index}"
+
+
+class EnginePool:
+    """Membership, health and load of the engines; `pick` is the routing decision."""
+
+    def __init__(self, run: RunDir, cfg: RouterConfig, token: str):
+        self.run = run
+        self.cfg = cfg
+        self.token = token
+        self.engines: dict[int, Engine] = {}
+        self.ring = HashRing(cfg.virtual_nodes)
+
+    def scan(self) -> None:
+        """Pick up new, restarted (new URL) and removed engines from the rendezvous directory."""
+        seen = set()
+        for path in self.run.rendezvous.glob("engine-*.json"):
+            match = ENGINE_FILE.match(path.name)
+            try:
+                url = json.loads(path.read_text())["url"] if match else None
+            except (OSError, ValueError, KeyError):  # being replaced or half-gone: next scan reads it
+                continue
+            if not match or not url:
+                continue
+            index = int(match.group(1))
+            seen.add(index)
+            old = self.engines.get(index)
+            if old is None or old.url != url:
+                self.engines[index] = Engine(index, url, total=old.total if old else 0)
+        for index in set(self.engines) - seen:
+            del self.engines[index]
+        self._rebuild()
+
+    async def refresh(self, session: aiohttp.ClientSession) -> None:
+        self.scan()
+        await asyncio.gather(*(self._check(session, e) for e in list(self.engines.values())))
+        self._rebuild()
+
+    async def run_forever(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await self.refresh(session)
+            await asyncio.sleep(self.cfg.health_interval_s)
+
+    def pick(self, session_id: str | None, exclude: set[int]) -> Engine | None:
+        """Consistent hash with bounded loads for a session; the least-loaded engine without one."""
+        live = [e for e in self.engines.values() if e.healthy and e.index not in exclude]
+        if not live:
+            return None
+        if session_id is None:
+            return min(live, key=lambda e: (e.in_flight, e.total, e.index))
+        by_node = {e.node: e for e in live}
+        node = choose(self.ring, session_id, {n: e.in_flight for n, e in by_node.items()}, self.cfg.balance_factor)
+        return by_node[node] if node else None
+
+    def mark_failed(self, engine: Engine, why: str) -> None:
+        if engine.healthy:
+            get_logger().warning("engine %d (%s) left the ring: %s", engine.index, engine.url, why)
+        engine.healthy = False
+        engine.failures += 1
+        self._rebuild()
+
+    def metrics(self) -> dict:
+        engines = [
+            {
+                "index": e.index,
+                "url": e.url,
+                "healthy": e.healthy,
+                "in_flight": e.in_flight,
+                "total": e.total,
+                "failures": e.failures,
+            }
+            for e in sorted(self.engines.values(), key=lambda e: e.index)
+        ]
+        return {
+            "engines": engines,
+            "healthy": sum(e["healthy"] for e in engines),
+            "in_flight": sum(e["in_flight"] for e in engines),
+            "total": sum(e["total"] for e in engines),
+        }
+
+    async def _check(self, session: aiohttp.ClientSession, engine: Engine) -> None:
+        timeout = aiohttp.ClientTimeout(total=min(5.0, self.cfg.health_interval_s * 2))
+        try:
+            async with session.get(engine.url + "/health", headers=auth_headers(self.token), timeout=timeout) as r:
+                ok = r.status == 200
+        except (aiohttp.ClientError, TimeoutError):  # an unreachable engine is simply unhealthy
+            ok = False
+        if ok and not engine.healthy:
+            get_logger().info("engine %d (%s) joined the ring", engine.index, engine.url)
+        if not ok:
+            self.mark_failed(engine, "health check failed")
+        engine.healthy = ok
+
+    def _rebuild(self) -> None:
+        self.ring.set_nodes({e.node for e in self.engines.values() if e.healthy})

@@ -1,0 +1,61 @@
+"""The refit channel: the bucket plan both ends compute, packing and unpacking, sender misuse."""
+
+import pytest
+import torch
+
+from molt_hpc.config.infra import RefitConfig
+from molt_hpc.refit import RefitSender
+from molt_hpc.refit.buckets import ALIGN, TensorMeta, pack_into, plan_buckets, unpack
+
+PROMPT = [7, 30, 31, 32, 33, 12]
+
+
+def test_bucket_plan_is_deterministic_aligned_and_capped() -> None:
+    gen = torch.Generator().manual_seed(0)
+    tensors = [
+        ("a", torch.randn(3, 5, generator=gen)),
+        ("b", torch.randn(7, generator=gen).bfloat16()),
+        ("c", torch.randint(0, 9, (4, 4), generator=gen)),
+        ("d", torch.rand(6, generator=gen) > 0.5),
+        ("e", torch.randn(100, generator=gen)),  # 400 bytes: larger than the cap, a bucket of its own
+        ("f", torch.randn(2, 2, generator=gen).half()),
+    ]
+    metas = [TensorMeta.of(n, t) for n, t in tensors]
+    cap = 160
+    plan = plan_buckets(metas, cap)
+    assert plan == plan_buckets(list(metas), cap), "both ends compute the same plan"
+    assert [m for b in plan for m in b.metas] == metas, "order is kept, nothing lost"
+    for bucket in plan:
+        assert bucket.nbytes <= cap or len(bucket.metas) == 1
+        assert all(off % ALIGN == 0 for off in bucket.offsets)
+        ends = [off + m.nbytes for off, m in zip(bucket.offsets, bucket.metas, strict=True)]
+        assert all(end <= nxt for end, nxt in zip(ends, bucket.offsets[1:], strict=False)), "no overlap"
+    # independent expectation: greedy fill, a new bucket when the aligned end would pass the cap
+    sizes = [15 * 4, 7 * 2, 16 * 8, 6, 400, 4 * 2]
+    expect, cur, used = [], [], 0
+    for name, size in zip("abcdef", sizes, strict=True):
+        start = -(-used // ALIGN) * ALIGN
+        if cur and start + size > cap:
+            expect.append(cur)
+            cur, start = [], 0
+        cur.append(name)
+        used = start + size
+    expect.append(cur)
+    assert [[m.name for m in b.metas] for b in plan] == expect
+    for bucket in plan:
+        by_name = dict(tensors)
+        buf = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+        flat = pack_into(buf, bucket, [by_name[m.name] for m in bucket.metas])
+        for name, view in unpack(flat.clone(), bucket):
+            assert view.dtype == by_name[name].dtype and torch.equal(view, by_name[name])
+
+
+def test_sender_refuses_misuse_with_clear_errors(tmp_path) -> None:
+    sender = RefitSender(tmp_path, RefitConfig(host="127.0.0.1"), "token")
+    with pytest.raises(ValueError, match="before connect"):
+        sender.push([("w", torch.zeros(2))], version=1)
+    with pytest.raises(ValueError, match="at least one engine"):
+        sender.connect([])
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets([TensorMeta("w", "float32", (2,))], 0)
+    sender.close()
