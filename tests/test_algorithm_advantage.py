@@ -189,6 +189,23 @@ def test_kl_in_reward_for_group_estimators_subtracts_the_summed_kl():
         compute_advantages(exp, cfg)
 
 
+def test_reinforce_pp_with_kl_in_reward_uses_the_rollout_vs_reference_kl():
+    exp = make_experience(random_trajectories(random.Random(9), 5), max_len=24)
+    noise = torch.randn(exp.sequences.shape, generator=torch.Generator().manual_seed(10))
+    exp.base_log_probs = exp.action_log_probs + 0.2 * noise
+    cfg = AlgorithmConfig(advantage="reinforce_pp", kl_coef=0.05, kl_in_reward=True, kl_estimator="k2", gamma=0.9)
+    compute_advantages(exp, cfg)
+    kl = 0.5 * (0.2 * noise) ** 2  # k2 of log r = log p_ref - log p
+    rewards = token_rewards(exp.reward, exp.seq_index, exp.action_mask, kl, 0.05)
+    adv, ret = reinforce_pp_advantages(rewards, exp.seq_index, exp.action_mask, exp.num_samples, 0.9, cfg.adv_eps)
+    assert torch.allclose(exp.advantages, adv, atol=1e-5) and torch.allclose(exp.returns, ret, atol=1e-5)
+    no_kl = compute_advantages(
+        make_experience(random_trajectories(random.Random(9), 5), max_len=24),
+        cfg.model_copy(update={"kl_in_reward": False}),
+    )
+    assert not torch.allclose(no_kl.returns, ret)  # the penalty did change the returns
+
+
 def test_kl_estimators_hand_worked():
     logp, ref = torch.tensor([-1.0]), torch.tensor([-1.5])  # log r = log p_ref - log p = -0.5
     assert kl_estimate(logp, ref, "k1").item() == pytest.approx(0.5)

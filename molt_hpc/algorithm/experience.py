@@ -212,45 +212,28 @@ def make_experience(
     layout = _pack_rows(lengths, max_len) if pack else [[i] for i in range(len(kept))]
     b, t = len(layout), max(sum(lengths[i] for i in row) for row in layout)
 
-    seqs = torch.full((b, t), pad_id, dtype=torch.long)
-    pos = torch.zeros((b, t), dtype=torch.long)
-    seq_index = torch.full((b, t), -1, dtype=torch.long)
-    action_mask = torch.zeros((b, t), dtype=torch.bool)
-    logp = torch.zeros((b, t), dtype=torch.float32)
-    versions = torch.full((b, t), -1, dtype=torch.long)
-    routed = _routed_buffer(kept, b, t)
+    buf = _Rows.empty(b, t, pad_id, _routed_shape(kept))
     for r, row in enumerate(layout):
         off = 0
         for i in row:
-            k, n = kept[i], lengths[i]
-            seqs[r, off : off + n] = torch.tensor(k.tokens, dtype=torch.long)
-            pos[r, off : off + n] = torch.arange(n)
-            seq_index[r, off : off + n] = i
-            if routed is not None and n:
-                routed[r, off : off + n] = torch.tensor(k.routed, dtype=torch.long)
-            a = 0
-            for start, end in k.ranges:
-                action_mask[r, off + start : off + end] = True
-                logp[r, off + start : off + end] = torch.tensor(k.logprobs[a : a + end - start])
-                versions[r, off + start : off + end] = torch.tensor(k.versions[a : a + end - start])
-                a += end - start
-            off += n
-        pos[r, off:] = torch.arange(t - off)  # the padding block restarts too, so it stays apart
+            buf.place(r, off, i, kept[i])
+            off += lengths[i]
+        buf.position_ids[r, off:] = torch.arange(t - off)  # the padding block restarts too, so it stays apart
 
     truncated = torch.tensor([len(tr.tokens) > max_len for tr in trajectories], dtype=torch.bool)
     groups = list(group_index) if group_index is not None else _group_indices(trajectories)
     return Experience(
-        sequences=seqs,
-        attention_mask=seq_index >= 0,
-        position_ids=pos,
-        seq_index=seq_index,
-        action_mask=action_mask,
-        action_log_probs=logp,
-        versions=versions,
+        sequences=buf.sequences,
+        attention_mask=buf.seq_index >= 0,
+        position_ids=buf.position_ids,
+        seq_index=buf.seq_index,
+        action_mask=buf.action_mask,
+        action_log_probs=buf.action_log_probs,
+        versions=buf.versions,
         reward=torch.tensor([tr.reward for tr in trajectories], dtype=torch.float32),
         group_index=torch.tensor(groups, dtype=torch.long),
         truncated=truncated,
-        routed_experts=routed,
+        routed_experts=buf.routed_experts,
         stats={
             "samples": len(kept),
             "rows": b,
@@ -261,12 +244,51 @@ def make_experience(
     )
 
 
-def _routed_buffer(kept: list[_Kept], b: int, t: int) -> Tensor | None:
+def _routed_shape(kept: list[_Kept]) -> tuple[int, int] | None:
+    """(layers, top_k) of the routed experts, or None without router replay."""
     first = next((k.routed for k in kept if k.routed), None)
-    if first is None:
-        return None
-    layers, top_k = len(first[0]), len(first[0][0])
-    return torch.full((b, t, layers, top_k), -1, dtype=torch.long)
+    return None if first is None else (len(first[0]), len(first[0][0]))
+
+
+@dataclass
+class _Rows:
+    """The token tensors being filled, one sample at a time."""
+
+    sequences: Tensor
+    position_ids: Tensor
+    seq_index: Tensor
+    action_mask: Tensor
+    action_log_probs: Tensor
+    versions: Tensor
+    routed_experts: Tensor | None
+
+    @classmethod
+    def empty(cls, b: int, t: int, pad_id: int, routed: tuple[int, int] | None) -> "_Rows":
+        return cls(
+            sequences=torch.full((b, t), pad_id, dtype=torch.long),
+            position_ids=torch.zeros((b, t), dtype=torch.long),
+            seq_index=torch.full((b, t), -1, dtype=torch.long),
+            action_mask=torch.zeros((b, t), dtype=torch.bool),
+            action_log_probs=torch.zeros((b, t), dtype=torch.float32),
+            versions=torch.full((b, t), -1, dtype=torch.long),
+            routed_experts=None if routed is None else torch.full((b, t, *routed), -1, dtype=torch.long),
+        )
+
+    def place(self, r: int, off: int, i: int, k: _Kept) -> None:
+        """Write sample `i` into row `r` from column `off`."""
+        n = len(k.tokens)
+        self.sequences[r, off : off + n] = torch.tensor(k.tokens, dtype=torch.long)
+        self.position_ids[r, off : off + n] = torch.arange(n)
+        self.seq_index[r, off : off + n] = i
+        if self.routed_experts is not None:
+            self.routed_experts[r, off : off + n] = torch.tensor(k.routed, dtype=torch.long)
+        a = 0
+        for start, end in k.ranges:
+            span = slice(off + start, off + end)
+            self.action_mask[r, span] = True
+            self.action_log_probs[r, span] = torch.tensor(k.logprobs[a : a + end - start])
+            self.versions[r, span] = torch.tensor(k.versions[a : a + end - start], dtype=torch.long)
+            a += end - start
 
 
 def experience_from_groups(groups: Sequence[Group], **kwargs) -> Experience:

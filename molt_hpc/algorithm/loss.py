@@ -42,7 +42,8 @@ LOG_RATIO_CLAMP = 20.0
 
 def global_token_count(action_masks: Tensor | Iterable[Tensor], group: dist.ProcessGroup | None = None) -> int:
     """Action tokens of one optimizer step: summed over the given masks (this rank's micro-batches) and,
-    when a process group is active, over all ranks of `group` (an all_reduce)."""
+    when a process group is active, over all ranks of `group` (an all_reduce). Every rank must call
+    it; the masks must live on the device the group's backend reduces on (CUDA for NCCL)."""
     masks = [action_masks] if isinstance(action_masks, Tensor) else list(action_masks)
     device = masks[0].device if masks else torch.device("cpu")
     total = torch.zeros((), dtype=torch.int64, device=device)
