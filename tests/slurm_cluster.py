@@ -210,6 +210,13 @@ class LocalSlurm:
                 return value
         return None
 
+    def component_nodes(self, job_id: str) -> list[str]:
+        """NodeList of each het component of a job, in component order."""
+        out = self.slurm("scontrol", "-o", "show", "job", str(job_id), check=False)
+        lines = [dict(t.partition("=")[::2] for t in line.split()) for line in out.splitlines()]
+        lines.sort(key=lambda f: int(f.get("HetJobOffset", 0)))
+        return [f.get("NodeList", "") for f in lines]
+
     def kick(self, job_id: str) -> None:
         """Make the scheduler look at a pending requeued het job now.
 
@@ -218,8 +225,17 @@ class LocalSlurm:
         """
         self.slurm("scontrol", "update", f"jobid={job_id}", "comment=requeued", check=False)
 
-    def wait_gone(self, job_id: str, timeout: float) -> None:
-        self.wait_for(lambda: not self.job_states(job_id), timeout, f"job {job_id} to end")
+    def wait_end(self, job_id: str, timeout: float) -> str:
+        """Wait until the job has left the queue (kicking it when requeued); its final JobState."""
+
+        def ended() -> bool:
+            states = self.job_states(job_id)
+            if states and states[0] == "PENDING" and self.job_field(job_id, "Restarts") not in (None, "0"):
+                self.kick(job_id)
+            return not states
+
+        self.wait_for(ended, timeout, f"job {job_id} to end", interval=0.5)
+        return self.job_field(job_id, "JobState") or "UNKNOWN"
 
     # -- stop -------------------------------------------------------------------------------
 

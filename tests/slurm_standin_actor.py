@@ -55,7 +55,7 @@ def stop_requested() -> bool:
 
 def main() -> int:
     steps = tomllib.loads((RUN / "config.toml").read_text())["run"]["steps"]
-    env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NODEID")}
+    env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURMD_NODENAME")}
     step = latest_step()
     record("start", resume_step=step, env=env)
     exit_flag = RUN / "standin" / f"actor-exit-{RESTART}"

@@ -1,0 +1,197 @@
+"""The driver's mechanics on a real local Slurm cluster, through `molt-hpc submit` / `sbatch` / `cancel`.
+
+The actor and engine pools are the stand-ins `tests/slurm_standin_{actor,engine}.py` (set through
+`slurm.actor_script` / `slurm.engine_script`): they keep the real entry points' contract (control
+files, checkpoints, signals, exit codes) and log what happened to `RUN_DIR/standin/*.jsonl`, which
+is what these tests check. The real entry points on the cluster are in test_slurm_e2e.py.
+"""
+
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+from submitit import SlurmJob
+
+from molt_hpc.launch import slurm
+from tests.conftest import ROOT, molt
+
+pytest_plugins = ["tests.slurm_cluster"]
+pytestmark = pytest.mark.slurm
+
+STANDINS = [
+    f"slurm.actor_script={ROOT / 'tests' / 'slurm_standin_actor.py'}",
+    f"slurm.engine_script={ROOT / 'tests' / 'slurm_standin_engine.py'}",
+    "slurm.actor.cpus_per_task=1",
+    "slurm.engines.cpus_per_task=1",
+]
+
+
+def sets(*overrides: str) -> list[str]:
+    return [arg for item in overrides for arg in ("--set", item)]
+
+
+def submit(root: Path, model: Path, name: str, *overrides: str, env: dict | None = None) -> tuple[str, Path]:
+    """`molt-hpc submit` of the tiny config with the stand-ins; returns (job id, run directory)."""
+    args = sets(f"run.root={root}", f"run.name={name}", f"model.path={model}", *STANDINS, *overrides)
+    result = molt("submit", *args, env=env)
+    assert result.returncode == 0, result.stderr
+    job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
+    assert f"run directory {root / name}" in result.stdout
+    return job_id, root / name
+
+
+def events(run: Path, who: str, kind: str | None = None) -> list[dict]:
+    path = run / "standin" / f"{who}.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [e for e in map(json.loads, lines) if kind is None or e["event"] == kind]
+
+
+def trained_steps(run: Path) -> list[int]:
+    """Every step the actor pool trained, in order, over all job starts."""
+    return [e["step"] for e in events(run, "actor", "step")]
+
+
+def driver_result(run: Path, job_id: str) -> object:
+    """What the driver returned (or raised) in its last start, as submitit reports it."""
+    return SlurmJob(run / "submitit", job_id).result()
+
+
+def assert_each_step_once(run: Path, steps: int) -> None:
+    """No step lost or trained twice across requeues: each stop checkpointed at its step boundary."""
+    assert trained_steps(run) == list(range(1, steps + 1))
+    checkpoints = events(run, "actor", "checkpoint")
+    for start in [s for s in events(run, "actor", "start") if s["rank"] == 0]:
+        before = [c["step"] for c in checkpoints if c["time"] < start["time"]]
+        assert start["resume_step"] == max(before, default=0), "a start did not resume from the newest checkpoint"
+
+
+def test_het_job_runs_both_pools_and_ends_when_training_is_done(slurm_cluster, tmp_path, tiny_model_dir) -> None:
+    job, run = submit(tmp_path, tiny_model_dir, "done", "run.steps=20", "actor.ranks=2")
+    assert slurm.slurm_job_state(run) in (f"job {job} PENDING", f"job {job} RUNNING")
+    assert slurm_cluster.wait_end(job, 120) == "COMPLETED"
+    assert slurm.slurm_job_state(run) == f"job {job} COMPLETED"
+    assert driver_result(run, job) == {"status": "done", "engine_restarts": 0}
+
+    actor_node, engine_node = slurm_cluster.component_nodes(job)
+    assert actor_node != engine_node  # one node per het group
+    starts = events(run, "actor", "start")
+    assert sorted(s["rank"] for s in starts) == [0, 1]  # torchrun: actor.ranks processes on the node
+    assert {s["env"]["WORLD_SIZE"] for s in starts} == {"2"}
+    assert {s["env"]["SLURMD_NODENAME"] for s in starts} == {actor_node}
+    assert_each_step_once(run, 20)
+    [pool_start], [pool_stop] = events(run, "engine", "start"), events(run, "engine", "stop")
+    [done] = events(run, "actor", "done")
+    assert pool_start["node"] == engine_node
+    assert pool_start["time"] < done["time"] < pool_stop["time"]  # served throughout, stopped (TERM) after
+
+    again = molt("submit", *sets(f"run.root={tmp_path}", "run.name=done"))
+    assert again.returncode == 2 and "already exists" in again.stderr and "--resume" in again.stderr
+
+
+def test_a_failed_step_ends_the_job(slurm_cluster, tmp_path, tiny_model_dir) -> None:
+    job_a, run_a = submit(tmp_path, tiny_model_dir, "actor-fails", "run.steps=1000",
+                          env={"MOLT_STANDIN_ACTOR_FAIL_AT": "3"})  # fmt: skip
+    job_b, run_b = submit(tmp_path, tiny_model_dir, "engines-fail", "run.steps=1000", "slurm.max_engine_restarts=1",
+                          env={"MOLT_STANDIN_ENGINE_FAIL_AFTER": "4"})  # fmt: skip
+    assert slurm_cluster.wait_end(job_a, 90) == "FAILED"
+    with pytest.raises(Exception, match="the actor pool step exited with code 1 before training finished"):
+        driver_result(run_a, job_a)
+    assert [e["step"] for e in events(run_a, "actor", "fail")] == [3]
+    assert len(events(run_a, "engine", "stop")) == 1  # the engine pool was stopped, not left serving
+
+    assert slurm_cluster.wait_end(job_b, 90) == "FAILED"
+    with pytest.raises(Exception, match="the engine pool died 2 times"):
+        driver_result(run_b, job_b)
+    assert len(events(run_b, "engine", "start")) == 2  # relaunched once, then given up
+    [stopped] = events(run_b, "actor", "stopped")  # the actor pool checkpointed before the job ended
+    assert stopped["why"] == "control/stop"
+    assert events(run_b, "actor", "checkpoint")[-1]["step"] == trained_steps(run_b)[-1]
+
+
+def test_dead_engine_pool_is_relaunched_while_the_actor_pool_keeps_its_state(
+    slurm_cluster, tmp_path, tiny_model_dir
+) -> None:
+    job, run = submit(tmp_path, tiny_model_dir, "relaunch", "run.steps=40")
+    slurm_cluster.wait_for(lambda: len(trained_steps(run)) >= 3, 90, "the actor pool to train")
+    [first] = events(run, "engine", "start")
+    os.kill(first["pid"], signal.SIGKILL)  # the pool's process on its node dies
+    assert slurm_cluster.wait_end(job, 90) == "COMPLETED"
+    assert driver_result(run, job) == {"status": "done", "engine_restarts": 1}
+    starts = events(run, "engine", "start")
+    assert len(starts) == 2 and starts[0]["step_id"] != starts[1]["step_id"]  # a new step ...
+    assert slurm_cluster.job_field(job, "Restarts") == "0"  # ... in the same allocation
+    assert len(events(run, "actor", "start")) == 1  # the actor pool was never restarted
+    assert_each_step_once(run, 40)
+
+
+def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path, tiny_model_dir) -> None:
+    """--signal=B:USR1@50 on a 1-minute job: the warning comes on slurmctld's first 30 s tick."""
+    job, run = submit(tmp_path, tiny_model_dir, "time-limit", "run.steps=100000", "slurm.time=00:01:00",
+                      "slurm.signal_lead_s=50")  # fmt: skip
+
+    def resumed_and_trained() -> bool:
+        later = [e for e in events(run, "actor", "step") if e["restart"] >= 1]
+        return len(later) >= 2
+
+    slurm_cluster.wait_for(resumed_and_trained, 150, "the requeued job to resume and train")
+    assert "SIGUSR1: the actor pool checkpoints" in (run / "logs" / "driver.log").read_text()
+    first_stop = events(run, "actor", "stopped")[0]
+    assert (first_stop["restart"], first_stop["why"]) == (0, "control/stop")
+
+    cancelled = molt("cancel", str(run))  # clean cancel: checkpoint, then the job ends, no requeue
+    assert cancelled.returncode == 0 and "ended after its checkpoint" in cancelled.stdout, cancelled.stderr
+    assert slurm_cluster.wait_end(job, 60) == "CANCELLED"
+    last = trained_steps(run)[-1]
+    assert events(run, "actor", "checkpoint")[-1]["step"] == last
+    assert_each_step_once(run, last)
+
+    more = last + 5  # `submit --resume`: a new job continues the run from its checkpoint to the new end
+    result = molt("submit", "--resume", str(run), *sets(f"run.steps={more}", "slurm.time=00:10:00"))
+    assert result.returncode == 0, result.stderr
+    new_job = re.search(r"submitted job (\d+)", result.stdout).group(1)
+    assert slurm.slurm_job_state(run).startswith(f"job {new_job} ")
+    assert slurm_cluster.wait_end(new_job, 90) == "COMPLETED"
+    assert_each_step_once(run, more)
+
+
+def test_preemption_checkpoints_requeues_and_resumes_to_the_end(slurm_cluster, tmp_path, tiny_model_dir) -> None:
+    job, run = submit(tmp_path, tiny_model_dir, "preempted", "run.steps=50")
+    slurm_cluster.wait_for(lambda: len(trained_steps(run)) >= 5, 90, "the actor pool to train")
+    _, engine_node = slurm_cluster.component_nodes(job)
+    urgent = slurm_cluster.slurm("sbatch", "--parsable", "-p", "urgent", "-w", engine_node, "-c", "4",
+                                 "-o", "/dev/null", "--wrap", "sleep 2").strip()  # fmt: skip
+    assert slurm_cluster.wait_end(job, 120) == "COMPLETED"
+    assert slurm_cluster.job_field(job, "Restarts") == "1"
+    assert slurm_cluster.wait_end(urgent, 30) == "COMPLETED"
+    assert "SIGUSR1: the actor pool checkpoints" in (run / "logs" / "driver.log").read_text()
+    assert [e["restart"] for e in events(run, "actor", "stopped")] == [0]
+    assert_each_step_once(run, 50)
+
+
+def test_submission_problems_leave_no_run_directory(slurm_cluster, tmp_path, tiny_model_dir) -> None:
+    base = sets(f"run.root={tmp_path}", f"model.path={tiny_model_dir}")
+    gpus = molt("submit", *base, *sets("slurm.engines.gpus_per_node=4"))
+    assert gpus.returncode == 2
+    assert "slurm.engines.gpus_per_node = 4 but the nodes of partition 'debug' have at most 0 GPUs" in gpus.stderr
+    refused = molt("submit", *base, *sets("slurm.engines.constraint=nvlink"))
+    assert refused.returncode == 2
+    assert "Slurm refused the job" in refused.stderr and "Invalid feature specification" in refused.stderr
+    missing = molt("submit", *base, *sets("model.path=/nonexistent/model"))
+    assert missing.returncode == 2 and "model.path /nonexistent/model does not exist" in missing.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hand_submitted_script_runs_the_same_driver(slurm_cluster, tmp_path, tiny_model_dir) -> None:
+    script = tmp_path / "job.sh"
+    args = sets(f"run.root={tmp_path}", "run.name=by-hand", f"model.path={tiny_model_dir}", "run.steps=10", *STANDINS)
+    assert molt("sbatch", *args, "-o", str(script)).returncode == 0
+    run = tmp_path / "by-hand"
+    assert not run.exists()  # rendering creates nothing; the driver writes the run directory
+    job = slurm_cluster.slurm("sbatch", "--parsable", str(script)).strip().split("+")[0]
+    assert slurm_cluster.wait_end(job, 90) == "COMPLETED"
+    assert (run / "slurm_job_id").read_text().strip() == job
+    assert (run / "config.toml").exists() and (run / "control" / "done").exists()
+    assert_each_step_once(run, 10)
