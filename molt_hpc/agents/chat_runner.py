@@ -12,8 +12,10 @@ are NaN and `info["rollout_logprobs"] = 0.0` marks the trajectory, so the traine
 and treats the data as on-policy only. Weight versions are recorded from the engines.
 """
 
+import json
 import math
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 
@@ -34,10 +36,10 @@ class ChatClient:
         headers = {"Authorization": f"Bearer {self.api_key}"}
         body = {"messages": messages, **params}
         async with self.session.post(f"{self.base_url}/chat/completions", json=body, headers=headers) as resp:
-            data = await resp.json(content_type=None)
-            if resp.status >= 300:
-                raise RuntimeError(f"chat endpoint answered HTTP {resp.status}: {data.get('error', data)}")
-            return data
+            text = await resp.text()
+        if resp.status >= 300:
+            raise RuntimeError(f"chat endpoint answered HTTP {resp.status}: {text[:500]}")
+        return json.loads(text)
 
     async def chat(self, messages: list[dict[str, Any]], **params: Any) -> str:
         return (await self.completion(messages, **params))["choices"][0]["message"]["content"]
@@ -89,7 +91,7 @@ class ChatAgentRunner:
         overrides: dict[str, Any] | None = None,
     ) -> Trajectory:
         session_id = session_id or rollout_id
-        base_url = f"{self.server.url}/s/{session_id}/v1"
+        base_url = f"{self.server.url}/s/{quote(session_id, safe='')}/v1"
         ctx = ChatContext(
             prompt=prompt.prompt,
             label=prompt.label,

@@ -23,7 +23,7 @@ async def _one(runner: Runner, prompt: Prompt, rollout_id: str, gate: asyncio.Se
     async with gate:
         for attempt in range(ATTEMPTS):
             try:
-                session_id = f"{rollout_id}.{attempt}"
+                session_id = f"{rollout_id}.a{attempt}"
                 traj = await runner.run(
                     prompt, rollout_id=rollout_id, group_id="eval", session_id=session_id, overrides=GREEDY
                 )

@@ -1,7 +1,8 @@
 """One group: `rollout.n_samples` concurrent episodes of one prompt, with the per-sample fault policy.
 
-Each sample has its own rollout id (`<group id>/<j>`) and, per attempt, its own router session
-(`<rollout id>.<attempt>`), so a retried sample starts afresh on whichever engine is healthy.
+Each sample has its own rollout id (`<group id>.s<j>`) and, per attempt, its own router session
+(`<rollout id>.a<attempt>`), so a retried sample starts afresh on whichever engine is healthy (ids
+hold no `/`: chat mode puts the session in URL paths).
 An engine failure (`EngineError`) retries the sample from its start with a growing pause; an
 environment failure (`EnvError`) drops the whole group (`on_env_error = "drop_group"`) or retries
 the sample up to `rollout.max_retries` times. A failed group cancels its other samples at once.
@@ -55,7 +56,7 @@ async def run_sample(
     """One sample with retries; raises `SampleFailed` when its group must be dropped."""
     env_failures = engine_failures = 0
     while True:
-        session_id = f"{rollout_id}.{env_failures + engine_failures}"
+        session_id = f"{rollout_id}.a{env_failures + engine_failures}"
         try:
             return await runner.run(
                 prompt, rollout_id=rollout_id, group_id=group_id, session_id=session_id, overrides=None
@@ -86,7 +87,7 @@ async def run_group(
     try:
         async with asyncio.TaskGroup() as tg:
             tasks = [
-                tg.create_task(run_sample(runner, prompt, f"{group_id}/{j}", group_id, cfg, out))
+                tg.create_task(run_sample(runner, prompt, f"{group_id}.s{j}", group_id, cfg, out))
                 for j in range(cfg.n_samples)
             ]
     except ExceptionGroup as failed:

@@ -1,0 +1,171 @@
+"""The orchestrator against a real engine pool: admission, completion order, metrics, stop and resume.
+
+One pool (an engine and the router) serves the module; every test gets its own run directory
+(buffer, state, metrics) sharing the pool's token and rendezvous files.
+"""
+
+import asyncio
+import json
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from molt_hpc.buffer import open_buffer
+from molt_hpc.data import Cursor, Position, PromptDataset
+from molt_hpc.log import read_metrics
+from molt_hpc.models import load_tokenizer
+from molt_hpc.rollout import serve
+from molt_hpc.rollout.orchestrator import admits
+from molt_hpc.rollout.state import RolloutState
+from tests.test_rollout_procs import ROOT, base_overrides, make_run, shared_pool, spawn
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory, tiny_model_dir):
+    return shared_pool(tmp_path_factory.mktemp("pool"), tiny_model_dir)
+
+
+def test_admission_formula() -> None:
+    # (version + staleness + 1) × groups_per_step groups may be accepted or in flight.
+    assert [admits(a, 0, 0, 2, 4) for a in (11, 12)] == [True, False]
+    assert admits(8, 3, 0, 2, 4) and not admits(8, 4, 0, 2, 4)
+    assert admits(12, 0, 1, 2, 4) and not admits(16, 0, 1, 2, 4)
+    assert [admits(a, 0, 0, 0, 4) for a in (3, 4)] == [True, False]  # sync: one batch per version
+
+
+def read_state(run) -> RolloutState:
+    return RolloutState.load(run.path / "rollout" / "state.json")
+
+
+def stop_when_settled(run, expected: int, timeout: float = 120) -> threading.Thread:
+    """In the background: once `expected` groups are accepted and none is in flight, ask the run to stop."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = read_state(run)
+            if state.groups_accepted >= expected and not state.in_flight:
+                time.sleep(0.8)  # long enough for a wrongly admitted group to show up in the state
+                break
+            time.sleep(0.05)
+        (run.path / "control").mkdir(exist_ok=True)
+        (run.path / "control" / "stop").touch()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+SLOW_FIRST = """
+import time
+from molt_hpc.agents import Env, Result
+class SlowFirst(Env):
+    def step(self, state):
+        if state.row.get("id") == SLOW_ID:
+            time.sleep(1.5)
+        return Result(float(len(state.action_text) % 2))
+"""
+
+
+@pytest.mark.parametrize(("sync", "expected"), [(False, 8), (True, 4)])
+def test_groups_arrive_in_completion_order_within_the_staleness_bound(pool, tmp_path, sync, expected) -> None:
+    dataset = PromptDataset.load(pool.cfg.data, load_tokenizer(pool.cfg.model.path))
+    slow_id = Cursor(dataset, pool.cfg.data, seed=0).at(Position(0, 0)).prompt_id
+    env = tmp_path / "slow_first.py"
+    env.write_text(SLOW_FIRST.replace("SLOW_ID", repr(slow_id)))
+    overrides = [*base_overrides(Path(pool.cfg.model.path)), f"rollout.agent={json.dumps(str(env))}",
+                 "buffer.max_staleness=1", f"run.sync={str(sync).lower()}"]  # fmt: skip
+    run, cfg = make_run(tmp_path, "run", overrides, share=pool.run)
+    watcher = stop_when_settled(run, expected)
+    assert asyncio.run(serve(cfg, run)) == 0
+    watcher.join()
+
+    state = read_state(run)
+    # Admission: (engine version 0 + max_staleness + 1) × groups_per_step groups, not one more.
+    assert state.groups_accepted == expected and state.in_flight == []
+    assert state.cursor["position"] == expected
+    groups = open_buffer(cfg.buffer, run.path, consumer_id="test").get(64, timeout=1)
+    ids = [g.group_id for g in groups]
+    assert sorted(ids) == sorted(f"e0-i{i}" for i in range(expected))
+    assert ids[0] != "e0-i0"  # the slow first group did not hold the others back
+    assert all(len(g.samples) == 2 and g.min_version == 0 for g in groups)
+    records = read_metrics(run.metrics, source="rollout")
+    batches = [r for r in records if r.get("groups_accepted") == 4]
+    assert len(batches) == expected // 4
+    assert all(r["tokens_per_s"] > 0 and r["groups_per_s"] > 0 for r in batches)
+    # Equal-sized windows: the mean of the window means is the mean over every sample in the buffer.
+    all_rewards = [s.reward for g in groups for s in g.samples]
+    assert sum(r["reward_mean"] for r in batches) / len(batches) == pytest.approx(sum(all_rewards) / len(all_rewards))
+
+
+def wait_for(predicate, timeout: float, proc=None) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc is not None and proc.proc.poll() is not None:
+            raise RuntimeError(f"the orchestrator exited with {proc.proc.returncode}:\n{proc.tail()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached" + (f":\n{proc.tail()}" if proc else ""))
+        time.sleep(0.05)
+
+
+SLOW_REVERSE = """
+import time
+from molt_hpc.agents import Env, Result
+class SlowReverse(Env):
+    def step(self, state):
+        time.sleep(0.2)  # slow enough that kills land while groups are in flight
+        return Result(float(state.action_text.strip() == str(state.label)))
+"""
+
+
+def test_kill_9_at_random_points_loses_and_duplicates_nothing(pool, tmp_path) -> None:
+    env = tmp_path / "slow_reverse.py"
+    env.write_text(SLOW_REVERSE)
+    eval_path = json.dumps(str(ROOT / "data" / "reverse_eval.jsonl"))
+    overrides = [*base_overrides(Path(pool.cfg.model.path)), "buffer.max_staleness=9",
+                 f"rollout.agent={json.dumps(str(env))}", "data.eval.every=1", "data.eval.max_prompts=4",
+                 f"data.eval.path={eval_path}"]  # fmt: skip
+    run, cfg = make_run(tmp_path, "run", overrides, share=pool.run)
+    expected = 40  # (version 0 + staleness 9 + 1) × 4 groups per step
+    state_file = run.path / "rollout" / "state.json"
+    rng = random.Random(7)
+    kills = 0
+    for _ in range(3):
+        proc = spawn("rollout.py", [str(run.path)], run.logs / "rollout.log")
+        before = state_file.stat().st_mtime_ns if state_file.exists() else 0
+        wait_for(lambda b=before: state_file.exists() and state_file.stat().st_mtime_ns != b, 60, proc)
+        time.sleep(rng.uniform(0.0, 1.0))
+        if proc.proc.poll() is None:
+            proc.proc.kill()
+            kills += 1
+        proc.proc.wait()
+    assert kills == 3 and read_state(run).groups_accepted < expected
+    proc = spawn("rollout.py", [str(run.path)], run.logs / "rollout.log")
+
+    def settled() -> bool:
+        state = read_state(run)
+        evaluated = any("eval_reward" in r for r in read_metrics(run.metrics, source="rollout"))
+        return state.groups_accepted == expected and not state.in_flight and evaluated
+
+    wait_for(settled, 120, proc)
+    time.sleep(0.5)
+    proc.signal(signal.SIGTERM)
+    assert proc.proc.wait(timeout=30) == 0, proc.tail()
+
+    state = read_state(run)
+    assert state.groups_accepted == expected and state.cursor["position"] == expected
+    groups = open_buffer(cfg.buffer, run.path, consumer_id="test").get(64, timeout=1)
+    dataset = PromptDataset.load(cfg.data, load_tokenizer(cfg.model.path))
+    cursor = Cursor(dataset, cfg.data, seed=cfg.run.seed)
+    passed = Counter(cursor.at(Position(0, i)).prompt_id for i in range(expected))
+    assert Counter(g.prompt_id for g in groups) == passed  # every prompt the cursor passed, each once
+    assert sorted(g.group_id for g in groups) == sorted(f"e0-i{i}" for i in range(expected))
+    evals = [r for r in read_metrics(run.metrics, source="rollout") if "eval_reward" in r]
+    assert evals and evals[0]["eval_version"] == 0 and evals[0]["eval_prompts"] == 4
