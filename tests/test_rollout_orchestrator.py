@@ -16,12 +16,15 @@ from pathlib import Path
 import pytest
 
 from molt_hpc.buffer import open_buffer
+from molt_hpc.config import load_config
 from molt_hpc.data import Cursor, Position, PromptDataset
 from molt_hpc.log import read_metrics
 from molt_hpc.models import load_tokenizer
 from molt_hpc.rollout import serve
-from molt_hpc.rollout.orchestrator import admits
+from molt_hpc.rollout.group import GroupOutcome
+from molt_hpc.rollout.orchestrator import admits, shape_group
 from molt_hpc.rollout.state import RolloutState
+from molt_hpc.trajectory import Group, Trajectory
 from tests.test_rollout_procs import ROOT, base_overrides, make_run, shared_pool, spawn
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,6 +41,29 @@ def test_admission_formula() -> None:
     assert admits(8, 3, 0, 2, 4) and not admits(8, 4, 0, 2, 4)
     assert admits(12, 0, 1, 2, 4) and not admits(16, 0, 1, 2, 4)
     assert [admits(a, 0, 0, 0, 4) for a in (3, 4)] == [True, False]  # sync: one batch per version
+
+
+def outcome_with(lengths: list[int], rewards: list[float]) -> GroupOutcome:
+    samples = [
+        Trajectory(tokens=[0] * (10 + n), prompt_len=10, action_ranges=[(10, 10 + n)], action_logprobs=[0.0] * n,
+                   versions=[0] * n, reward=r)
+        for n, r in zip(lengths, rewards, strict=True)
+    ]  # fmt: skip
+    return GroupOutcome(Position(0, 0), None, Group("e0-i0", "p", samples))
+
+
+def test_groups_are_shaped_then_filtered() -> None:
+    cfg = load_config(None, ["algorithm.overlong_buffer=4", "algorithm.overlong_penalty=1.0",
+                             "rollout.max_new_tokens=8"])  # fmt: skip
+    # Response cap 8, buffer 4: lengths up to 4 are free, then the penalty grows by 1/4 per token.
+    group, why = shape_group(outcome_with([4, 6, 8], [1.0, 1.0, 1.0]), cfg)
+    assert why is None and group.rewards == [1.0, 0.5, 0.0]
+    assert [s.score for s in group.samples] == [1.0, 1.0, 1.0]  # the score keeps the task's value
+    assert shape_group(outcome_with([4, 2], [1.0, 1.0]), cfg) == (None, "equal_rewards")
+    kept, why = shape_group(outcome_with([4, 2], [1.0, 1.0]), load_config(None, ["algorithm.dynamic_sampling=false"]))
+    assert why is None and kept.rewards == [1.0, 1.0]
+    failed = GroupOutcome(Position(0, 0), None, failure="env_timeout")
+    assert shape_group(failed, cfg) == (None, "env_timeout")
 
 
 def read_state(run) -> RolloutState:

@@ -78,6 +78,24 @@ class EngineLink:
         self.generated_tokens += len(out.token_ids)
         return out
 
+    async def wait_for_engines(self, stop: asyncio.Event, poll_s: float = 0.5) -> None:
+        """Return once the router has a healthy engine (engines load slower than the router starts)."""
+        logged = False
+        while not stop.is_set():
+            try:
+                answer = await client.health(self.session, self.router_url, token=self.token, timeout=5.0)
+                if int(answer.get("engines", 1)) > 0:
+                    return
+            except client.EngineHTTPError as err:
+                if err.status < 500:  # a refused token: waiting will not fix it
+                    raise
+            except (aiohttp.ClientError, TimeoutError):  # the router is restarting: ask again
+                pass
+            if not logged:
+                get_logger().info("waiting for a healthy engine behind the router")
+                logged = True
+            await asyncio.sleep(poll_s)
+
     async def poll_version(self) -> int:
         """Ask every registered engine for its weight version (when no response has told us lately)."""
         for path in sorted(self.run.rendezvous.glob("engine-*.json")):

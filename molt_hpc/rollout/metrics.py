@@ -1,8 +1,9 @@
 """Rollout metrics: what the orchestrator did since its last record, as one `metrics.jsonl` line.
 
 A record is written every `actor.groups_per_step` accepted groups (one training batch) and at
-shutdown: rewards and scores of the accepted samples, response lengths and turns, how many
-groups the filters and env errors dropped (by reason), retries, and throughput.
+shutdown: rewards and scores of the accepted samples, response lengths and turns, groups the
+filters dropped (`groups_filtered_<why>`) and groups that failed (`groups_failed_<why>`: env
+errors drop theirs, engine failures are issued again), retries, and throughput.
 """
 
 import statistics
@@ -39,7 +40,7 @@ class RolloutStats:
         for reason, n in outcome.env_errors.items():
             self.counts[f"env_errors_{reason}"] += n
         if outcome.failure is not None:
-            self.counts[f"groups_dropped_{outcome.failure}"] += 1
+            self.counts[f"groups_failed_{outcome.failure}"] += 1
         if outcome.group is not None:
             for s in outcome.group.samples:
                 self.tokens += s.num_action_tokens

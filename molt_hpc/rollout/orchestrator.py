@@ -36,6 +36,20 @@ def admits(accepted: int, in_flight: int, engine_version: int, max_staleness: in
     return accepted + in_flight < (engine_version + max_staleness + 1) * groups_per_step
 
 
+def shape_group(outcome: GroupOutcome, cfg: MoltConfig) -> tuple[Group | None, str | None]:
+    """(the group to put, None) with the over-long penalty applied, or (None, why it is dropped)."""
+    if outcome.group is None:
+        return None, outcome.failure
+    alg, ro = cfg.algorithm, cfg.rollout
+    group = outcome.group
+    if alg.overlong_buffer > 0:
+        cap = ro.max_new_tokens if ro.max_turns == 1 else None  # one turn: the response cap is per turn
+        group = apply_overlong_penalty(group, ro.max_total_tokens, alg.overlong_buffer, alg.overlong_penalty, cap)
+    if alg.dynamic_sampling and not has_signal(group):
+        return None, "equal_rewards"
+    return group, None
+
+
 class Stopping(Exception):
     """The orchestrator was asked to stop while waiting."""
 
@@ -72,8 +86,9 @@ class Orchestrator:
     async def run_loop(self) -> None:
         if self.reissue:
             self.log.info("re-issuing %d group(s) that never reached the buffer", len(self.reissue))
-        await self.link.poll_version()
         try:
+            await self.link.wait_for_engines(self.stop)
+            await self.link.poll_version()
             while not self.should_stop():
                 while len(self.tasks) < self.cfg.rollout.groups_in_flight and self.admitted():
                     self.issue()
@@ -126,10 +141,19 @@ class Orchestrator:
     async def complete(self, task: asyncio.Task, pos: Position) -> None:
         outcome: GroupOutcome = task.result()  # anything but a sample failure is a bug: let it stop us
         self.stats.finished(outcome)
-        group = self.shape(outcome)
+        if outcome.failure == "engine":  # the pool is down, not the prompt: issue it again once engines are back
+            self.log.warning("group %s failed on the engines; it will be issued again", pos.group_id)
+            self.reissue.append(pos)
+            await self.link.wait_for_engines(self.stop)
+            return
+        group, reason = shape_group(outcome, self.cfg)
         if group is None:
+            self.log.info("group %s dropped: %s", pos.group_id, reason)
+            if reason == "equal_rewards":
+                self.stats.filtered(reason)
             self.state.groups_dropped += 1
         else:
+            group.meta["engine_version"] = self.link.version
             await self.put(group)
             self.state.groups_accepted += 1
             self.stats.accepted(group)
@@ -137,22 +161,6 @@ class Orchestrator:
         self.state.save(self.state_path)
         if self.stats.counts["groups_accepted"] >= self.cfg.actor.groups_per_step:
             self.write_record()
-
-    def shape(self, outcome: GroupOutcome) -> Group | None:
-        """The group to put (over-long penalty applied), or None when it failed or the filter drops it."""
-        if outcome.group is None:
-            self.log.warning("group %s dropped: %s", outcome.position.group_id, outcome.failure)
-            return None
-        alg, ro = self.cfg.algorithm, self.cfg.rollout
-        group = outcome.group
-        if alg.overlong_buffer > 0:
-            cap = ro.max_new_tokens if ro.max_turns == 1 else None
-            group = apply_overlong_penalty(group, ro.max_total_tokens, alg.overlong_buffer, alg.overlong_penalty, cap)
-        if alg.dynamic_sampling and not has_signal(group):
-            self.stats.filtered("equal_rewards")
-            return None
-        group.meta["engine_version"] = self.link.version
-        return group
 
     async def put(self, group: Group) -> None:
         """`buffer.put` in a daemon thread (it blocks under backpressure), abandoned if a stop comes first."""
