@@ -30,11 +30,13 @@ class RolloutConfig(Section):
     max_turns: PositiveInt = 1
     """Most model turns of a multi-turn episode."""
     env_timeout_s: PositiveFloat = 30.0
-    """A single `Env.step` that takes longer fails its sample."""
+    """A single `Env.step` (or `reset`) that takes longer fails its sample. A chat-mode episode gets
+    `env_timeout_s + max_turns × request_timeout_s` in all."""
     on_env_error: Literal["drop_group", "retry"] = "drop_group"
-    """A failed sample (env raised or timed out) drops its group, or is retried from its start."""
+    """A failed sample (env raised or timed out) drops its group, or is retried from its start.
+    Engine failures (lost connection, 5xx, an aborted request) are always retried from the start."""
     max_retries: NonNegativeInt = 2
-    """Retries of a failed sample before its group is dropped."""
+    """Retries of a sample whose env failed (with `on_env_error = "retry"`) before its group is dropped."""
     request_timeout_s: PositiveFloat = 120.0
     """HTTP timeout of one generate call."""
 
