@@ -7,8 +7,6 @@ from molt_hpc.config.infra import RefitConfig
 from molt_hpc.refit import RefitSender
 from molt_hpc.refit.buckets import ALIGN, TensorMeta, pack_into, plan_buckets, unpack
 
-PROMPT = [7, 30, 31, 32, 33, 12]
-
 
 def test_bucket_plan_is_deterministic_aligned_and_capped() -> None:
     gen = torch.Generator().manual_seed(0)

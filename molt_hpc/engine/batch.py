@@ -34,6 +34,10 @@ class Row:
     def context(self) -> list[int]:
         return self.prompt + self.tokens
 
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.tokens)
+
 
 class ModelRunner:
     """Runs the transformers model over a `BatchCache` (no gradients, logits of the last position only)."""
@@ -48,7 +52,7 @@ class ModelRunner:
         # transformers ≥ 5.x renamed `past_key_values` to `cache`; take whichever this version has.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def prefill(self, contexts: list[list[int]]) -> tuple[torch.Tensor, BatchCache]:
         """Next-token logits [k, V] of each context and a cache holding all their tokens (left-padded)."""
         length = max(len(c) for c in contexts)
@@ -70,7 +74,7 @@ class ModelRunner:
         )
         return out.logits[:, -1], BatchCache(cache, mask)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def decode(self, batch: BatchCache, last: list[int], positions: list[int]) -> torch.Tensor:
         """Feed each row's pending token; returns next-token logits [B, V]."""
         mask = batch.extend_mask()

@@ -154,6 +154,7 @@ class Scheduler:
         if not fut.done():
             fut.set_result(result)
 
+    @torch.inference_mode()
     def _step(self) -> None:
         room = self.max_batch - len(self.rows)
         if room > 0 and self.waiting:
@@ -168,8 +169,8 @@ class Scheduler:
             self._retire()
         if self.rows:
             assert self._batch is not None and self._batch.rows == len(self.rows)
-            last = [r.context[-1] for r in self.rows]
-            positions = [len(r.context) - 1 for r in self.rows]
+            last = [r.tokens[-1] for r in self.rows]  # every running row has sampled at least once
+            positions = [r.length - 1 for r in self.rows]
             self._append(self.rows, self.runner.decode(self._batch, last, positions))
             self._retire()
         self.steps += 1
@@ -198,7 +199,7 @@ class Scheduler:
         tok, sp = row.tokens[-1], row.params
         if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids):
             return "stop"
-        if len(row.tokens) >= sp.max_tokens or len(row.context) >= self.max_model_len:
+        if len(row.tokens) >= sp.max_tokens or row.length >= self.max_model_len:
             return "length"
         return None
 

@@ -22,7 +22,7 @@ class RefitReceiver:
 
     def __init__(self) -> None:
         self.group: RefitGroup | None = None
-        self._buffer: torch.Tensor | None = None
+        self._buffers: list[torch.Tensor] = []
 
     def init(self, init_info: dict[str, Any]) -> dict[str, Any]:
         """Join (or re-join under a new prefix) the group described by vLLM-style `init_info`."""
@@ -59,10 +59,13 @@ class RefitReceiver:
             raise ValueError("update_info.bucket_bytes must be a positive integer (the sender's bucket size)")
         plan = plan_buckets(metas, bucket_bytes)
         problem = _check_targets(metas, params)
+        self._ensure_buffers(max((b.nbytes for b in plan), default=0))
         loaded = 0
-        for bucket in plan:
-            buf = self._recv_buffer(bucket.nbytes)
-            self.group.broadcast(buf, src=0).wait()
+        pending = self._post(plan, 0)
+        for k, bucket in enumerate(plan):
+            buf, work = pending
+            work.wait()
+            pending = self._post(plan, k + 1)  # bucket k+1 arrives while bucket k is loaded
             if problem is None:
                 with torch.no_grad():
                     for name, tensor in unpack(buf, bucket):
@@ -72,11 +75,20 @@ class RefitReceiver:
             raise ValueError(problem)
         return loaded
 
-    def _recv_buffer(self, nbytes: int) -> torch.Tensor:
+    def _post(self, plan, k: int):
+        """Start receiving bucket `k` into buffer `k % 2`; (buffer view, work), or None past the end."""
+        if k >= len(plan):
+            return None
         assert self.group is not None
-        if self._buffer is None or self._buffer.numel() < nbytes:
-            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=buffer_device(self.group.backend))
-        return self._buffer[:nbytes]
+        buf = self._buffers[k % 2][: plan[k].nbytes]
+        return buf, self.group.broadcast(buf, src=0)
+
+    def _ensure_buffers(self, nbytes: int) -> None:
+        """Two receive buffers, kept across updates (fresh pages make the first refit slow)."""
+        assert self.group is not None
+        if not self._buffers or self._buffers[0].numel() < nbytes:
+            dev = buffer_device(self.group.backend)
+            self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(2)]
 
 
 def _check_targets(metas, params: dict[str, torch.Tensor]) -> str | None:

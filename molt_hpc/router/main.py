@@ -1,6 +1,6 @@
 """The router process: proxy `/inference/v1/generate` and `/v1/*` to the engine a session belongs to.
 
-Bodies and answers pass through unchanged (answers are streamed, so chat streaming works); the
+Bodies and answers pass through unchanged (server-sent events are streamed chunk by chunk); the
 answer carries `X-Molt-Engine: <index>`. A request whose connection to an engine fails before any
 answer byte was sent is retried on the next engine (up to `router.connect_retries` engines) and the
 failed engine leaves the ring. `/pause`, `/resume` and the weight routes are not routed: the refit
@@ -36,10 +36,13 @@ async def forward(
     client got the status line (from then on a failure cannot be retried elsewhere)."""
     headers = {k: request.headers[k] for k in FORWARD_HEADERS if k in request.headers}
     async with client.request(request.method, engine.url + request.path_qs, data=body, headers=headers) as up:
-        resp = web.StreamResponse(status=up.status)
+        out_headers = {ENGINE_HEADER: str(engine.index)}
         if "Content-Type" in up.headers:
-            resp.headers["Content-Type"] = up.headers["Content-Type"]
-        resp.headers[ENGINE_HEADER] = str(engine.index)
+            out_headers["Content-Type"] = up.headers["Content-Type"]
+        if up.content_type != "text/event-stream":  # a whole answer: one read, one write
+            payload = await up.read()
+            return web.Response(status=up.status, body=payload, headers=out_headers)
+        resp = web.StreamResponse(status=up.status, headers=out_headers)
         started[0] = True
         await resp.prepare(request)
         async for chunk in up.content.iter_any():
