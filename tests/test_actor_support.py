@@ -36,9 +36,8 @@ def sample_groups(model_dir: Path, n_groups: int, n_samples: int, *, seed: int =
     torch.manual_seed(seed)
     groups = []
     for g in range(first, first + n_groups):
-        prompt = tok.apply_chat_template(
-            [{"role": "user", "content": f"Reverse: {WORDS[g % len(WORDS)]}"}], add_generation_prompt=True, tokenize=False
-        )
+        chat = [{"role": "user", "content": f"Reverse: {WORDS[g % len(WORDS)]}"}]
+        prompt = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         ids = tok(prompt, add_special_tokens=False)["input_ids"]
         out = model.generate(
             input_ids=torch.tensor([ids] * n_samples), attention_mask=torch.ones(n_samples, len(ids), dtype=torch.long),
@@ -52,13 +51,12 @@ def sample_groups(model_dir: Path, n_groups: int, n_samples: int, *, seed: int =
         for i in range(n_samples):
             n = int(torch.randint(2, max_new + 1, (1,), generator=gen))
             resp = new[i, :n].tolist()
-            samples.append(
-                Trajectory(
-                    tokens=ids + resp, prompt_len=len(ids), action_ranges=[(len(ids), len(ids) + n)],
-                    action_logprobs=chosen[i, :n].tolist(), versions=[version] * n,
-                    reward=float(sum(resp) % 7) / 7.0, group_id=f"g{g:04d}", rollout_id=f"g{g:04d}-{i}",
-                )  # fmt: skip
-            )
+            traj = Trajectory(
+                tokens=ids + resp, prompt_len=len(ids), action_ranges=[(len(ids), len(ids) + n)],
+                action_logprobs=chosen[i, :n].tolist(), versions=[version] * n,
+                reward=float(sum(resp) % 7) / 7.0, group_id=f"g{g:04d}", rollout_id=f"g{g:04d}-{i}",
+            )  # fmt: skip
+            samples.append(traj)
         groups.append(Group(f"g{g:04d}", f"p{g}", samples, data_position={"epoch": 0, "index": g}))
     return groups
 
