@@ -3,8 +3,10 @@
 The engine runs as its own process (real HTTP on loopback, continuous batching, per-token processed
 log-probs); the baseline is transformers' `generate` on the same 32 prompts as one left-padded batch
 in this process, with the same torch thread count, plain and with per-step scores (what it takes to
-get log-probs). Every request makes exactly 64 tokens (`ignore_eos` / no EOS). The cases alternate round by
-round (the engine idles while the baseline runs); the table shows medians of `--repeats` rounds.
+get log-probs). A fourth row runs the engine's scheduler in this process without HTTP, to separate
+the batching core from the serving overhead. Every request makes exactly 64 tokens (`ignore_eos` / no
+EOS). The cases alternate round by round (the engine idles while the others run); the table shows
+medians of `--repeats` rounds.
 
     .venv/bin/python bench/engine.py [--threads 1] [--repeats 5]
 """
@@ -18,13 +20,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import aiohttp
 import torch
 
 from molt_hpc.config import load_config, to_toml
+from molt_hpc.engine.batch import ModelRunner, Row
 from molt_hpc.engine.client import generate
+from molt_hpc.engine.sampling import SamplingParams
+from molt_hpc.engine.scheduler import Scheduler
 from molt_hpc.models import build_tiny, load_causal_lm
 from molt_hpc.rundir import create_run_dir
 
@@ -61,6 +67,21 @@ async def engine_round(url: str, token: str) -> float:
         out = await asyncio.gather(*[generate(s, url, p, sp, token=token) for p in prompts()])
         dt = time.perf_counter() - t0
     assert all(len(o.token_ids) == NEW for o in out)
+    return dt
+
+
+def core_round(model) -> float:
+    """The engine's scheduler in this process, without HTTP: the batching core on its own."""
+    sched = Scheduler(ModelRunner(model, torch.device("cpu")), eos_ids=set(), max_batch=64, max_model_len=512, seed=0)
+    sp = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    rows = [Row(p, sp, Future()) for p in prompts()]
+    t0 = time.perf_counter()
+    for row in rows:
+        sched.submit(row)
+    while sched.rows or sched.waiting:
+        sched._step()
+    dt = time.perf_counter() - t0
+    assert all(len(r.tokens) == NEW for r in rows)
     return dt
 
 
@@ -102,12 +123,13 @@ def main() -> None:
         run = create_run_dir(tmp, "run", to_toml(cfg))
         proc, url = start_engine(run, args.threads)
         model = load_causal_lm(model_dir)
-        engine_s, hf_s, hf_scores_s = [], [], []
+        engine_s, core_s, hf_s, hf_scores_s = [], [], [], []
         try:
             asyncio.run(engine_round(url, run.token()))  # warm-ups
             hf_round(model, False)
             for _ in range(args.repeats):  # interleaved, so load from other processes hits all cases alike
                 engine_s.append(asyncio.run(engine_round(url, run.token())))
+                core_s.append(core_round(model))
                 hf_s.append(hf_round(model, False))
                 hf_scores_s.append(hf_round(model, True))
         finally:
@@ -116,15 +138,16 @@ def main() -> None:
     tokens = N * NEW
     base = tokens / statistics.median(hf_s)
     print(f"{N} requests × {NEW} new tokens, tiny model (h128/L2), {args.threads} thread(s), median of {args.repeats}")
-    print(f"| {'case':<40} | {'seconds':>8} | {'tokens/s':>9} | {'vs HF generate':>14} |")
-    print(f"|{'-' * 42}|{'-' * 10}|{'-' * 11}|{'-' * 16}|")
+    print(f"| {'case':<42} | {'seconds':>8} | {'tokens/s':>9} | {'vs HF generate':>14} |")
+    print(f"|{'-' * 44}|{'-' * 10}|{'-' * 11}|{'-' * 16}|")
     for name, times in [
         ("HF generate (one padded batch)", hf_s),
         ("HF generate + output_scores", hf_scores_s),
         ("engine over HTTP (32 concurrent requests)", engine_s),
+        ("engine scheduler in-process, no HTTP", core_s),
     ]:
         med = statistics.median(times)
-        print(f"| {name:<40} | {med:8.3f} | {tokens / med:9.0f} | {tokens / med / base:13.2f}x |")
+        print(f"| {name:<42} | {med:8.3f} | {tokens / med:9.0f} | {tokens / med / base:13.2f}x |")
 
 
 if __name__ == "__main__":

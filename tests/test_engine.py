@@ -262,3 +262,23 @@ def test_pause_keep_abort_wait(engine) -> None:
     assert aborted.finish_reason == "abort" and len(aborted.token_ids) < 400
     assert held_waits and after.finish_reason == "length" and len(after.token_ids) == 4
     assert drained and waited.finish_reason == "length" and len(waited.token_ids) == 40
+
+
+def test_a_client_that_leaves_frees_its_row(engine) -> None:
+    url, token = engine
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            start = (await health(s, url, token=token))["steps"]
+            with pytest.raises(TimeoutError):
+                sp = {"max_tokens": 500, "ignore_eos": True}
+                await generate(s, url, [3, 4], sp, token=token, timeout=0.3)
+            for _ in range(200):
+                h = await health(s, url, token=token)
+                if h["running"] == 0 and h["waiting"] == 0:
+                    return h["steps"] - start
+                await asyncio.sleep(0.02)
+            return None
+
+    steps = arun(go())
+    assert steps is not None and steps < 450, f"the row kept decoding after its client left ({steps} steps)"

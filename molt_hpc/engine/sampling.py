@@ -25,9 +25,10 @@ class SamplingParams(BaseModel):
     top_k: int = Field(0, ge=-1)
     """0 or -1 disables top-k (vLLM uses -1)."""
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1)
+    """None: up to `engines.max_model_len` (vLLM's meaning)."""
     stop_token_ids: list[int] = Field(default_factory=list)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=-1)
     """The sampled token's log-prob is always returned; k > 0 adds the k most likely tokens of each
@@ -70,7 +71,7 @@ def parse_generate(body: object, vocab_size: int, max_model_len: int) -> Generat
     bad = [t for t in (*req.token_ids, *sp.stop_token_ids) if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    total = len(req.token_ids) + sp.max_tokens
+    total = len(req.token_ids) + (sp.max_tokens or 1)
     if total > max_model_len:
         raise ValueError(
             f"prompt ({len(req.token_ids)} tokens) + max_tokens ({sp.max_tokens}) = {total} exceeds "

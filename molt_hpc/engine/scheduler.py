@@ -199,7 +199,7 @@ class Scheduler:
         tok, sp = row.tokens[-1], row.params
         if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids):
             return "stop"
-        if len(row.tokens) >= sp.max_tokens or row.length >= self.max_model_len:
+        if len(row.tokens) >= (sp.max_tokens or self.max_model_len) or row.length >= self.max_model_len:
             return "length"
         return None
 
