@@ -3,8 +3,10 @@
 client.py     async client of the HTTP protocol (generate, pause, resume, health)
 sampling.py   request validation and the per-token processing (temperature, top-k, top-p, min-p)
 kvcache.py    the batch KV cache: rows join (left padding), leave, and are re-prefilled
-batch.py      one decode step of the running batch: prefill newcomers, decode, sample
+batch.py      rows, the prefill and decode forwards, sampling a batch
 scheduler.py  the scheduler thread: admission, pause modes, atomic weight updates
-server.py     the aiohttp app: auth, validation, the generate and control routes
+http.py       token check, error middleware, JSON bodies (shared with the router; no torch)
+server.py     the aiohttp app: validation, the generate and control routes
+weights.py    the weight-transfer routes (vLLM's names) around the refit receiver
 main.py       the engine process: load, serve, register in the run directory
 """
