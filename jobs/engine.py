@@ -1,6 +1,7 @@
 """Entry point of the engine pool's processes: `python jobs/engine.py RUN_DIR --role engine --index I`.
 
-Roles: `engine` (one inference engine), `router` (the session-affine router). Reads the resolved
+Roles: `engine` (one inference engine), `router` (the session-affine router), `pool` (a node's
+engines, plus the router and the rollout orchestrator on the pool's first node, supervised). Reads the resolved
 config from `RUN_DIR/config.toml`; heavy modules are imported after the arguments are parsed.
 """
 
@@ -23,7 +24,16 @@ def run_router(cfg, run_dir: Path, args: argparse.Namespace) -> int:
     return main(cfg, run_dir)
 
 
-ROLES = {"engine": run_engine, "router": run_router}
+def run_pool(cfg, run_dir: Path, args: argparse.Namespace) -> int:
+    from molt_hpc.launch.pool import run_pool as pool
+    from molt_hpc.log import setup_logging
+    from molt_hpc.rundir import RunDir
+
+    setup_logging(f"pool {args.node_rank}", cfg.logging.level)
+    return pool(cfg, RunDir(run_dir), args.node_rank, cfg.engines.max_restarts)
+
+
+ROLES = {"engine": run_engine, "router": run_router, "pool": run_pool}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -31,6 +41,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("run_dir", type=Path, help="the run directory (holds config.toml and rendezvous/)")
     parser.add_argument("--role", choices=sorted(ROLES), required=True)
     parser.add_argument("--index", type=int, default=0, help="engine index (role engine)")
+    parser.add_argument(
+        "--node-rank",
+        type=int,
+        default=int(os.environ.get("SLURM_NODEID", "0")),
+        help="this node's rank in the engine pool (role pool; default $SLURM_NODEID or 0)",
+    )
     return parser.parse_args(argv)
 
 

@@ -67,6 +67,8 @@ class EnginesConfig(Section):
     """Extra command-line arguments for `vllm serve`."""
     threads: NonNegativeInt = 0
     """torch CPU threads per engine process; 0 keeps torch's default."""
+    max_restarts: NonNegativeInt = 3
+    """Times one dead engine process is restarted in place by its node's pool before the pool gives up."""
     host: str = "127.0.0.1"
     """Address the engines and the router listen on (ports come from the kernel). `0.0.0.0` listens on
     every interface and registers the node's hostname (multi-node runs)."""
