@@ -47,9 +47,10 @@ def status_lines(run_dir: str | Path) -> list[str]:
     else:
         lines.append(f"step: 0/{cfg.run.steps} (no training step recorded yet)")
     rollout = read_metrics(run_dir / "metrics.jsonl", source="rollout")
-    if rollout and rollout[-1].get("samples_per_s") is not None:
-        lines.append(f"rollout: {rollout[-1]['samples_per_s']:.1f} samples/s")
-    lines.append(_buffer_line(cfg, run_dir))
+    if rollout and rollout[-1].get("groups_per_s") is not None:
+        last = rollout[-1]
+        lines.append(f"rollout: {last['groups_per_s']:.2f} groups/s, {last.get('tokens_per_s', 0):.0f} tokens/s")
+    lines.append(_buffer_line(run_dir))
     lines.append(_checkpoint_line(run_dir))
     lines.extend(_process_lines(run_dir))
     slurm = _slurm_line(run_dir)
@@ -58,11 +59,15 @@ def status_lines(run_dir: str | Path) -> list[str]:
     return lines
 
 
-def _buffer_line(cfg, run_dir: Path) -> str:
-    from molt_hpc.buffer import buffer_counts
+def _buffer_line(run_dir: Path) -> str:
+    from molt_hpc.buffer import find_spool, spool_counts
 
-    counts = buffer_counts(cfg.buffer, run_dir)
-    return "buffer: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+    root = find_spool(run_dir)
+    if not root.is_dir():
+        return f"buffer: {root} is gone (a /dev/shm spool does not survive a reboot)"
+    counts = spool_counts(root)
+    states = ("pending", "claimed", "acked", "stale", "quarantined")
+    return "buffer: " + ", ".join(f"{k} {counts[k]}" for k in states)
 
 
 def _checkpoint_line(run_dir: Path) -> str:
@@ -85,9 +90,7 @@ def _process_lines(run_dir: Path) -> list[str]:
 
 
 def _slurm_line(run_dir: Path) -> str | None:
-    try:
-        from molt_hpc.launch.slurm import slurm_job_state
-    except ImportError:  # the Slurm launcher is optional on machines without submitit's Slurm side
-        return None
+    from molt_hpc.launch.slurm_state import slurm_job_state
+
     state = slurm_job_state(run_dir)
     return f"slurm: {state}" if state else None

@@ -94,7 +94,9 @@ def _supervise(run: RunDir, actor: Child, pool: Child, progress: Progress, stopp
                 return 0
             return _died(actor, code, run)
         code = pool.poll()
-        if code is not None:
+        # The orchestrator ends on its own once training is done or a stop was asked: wait for the trainer.
+        finishing = stopping() or (run.path / "control" / "done").exists()
+        if code is not None and not (code == 0 and finishing):
             return _died(pool, code, run)
         if stop_deadline is not None and time.monotonic() > stop_deadline:
             log.error("the trainer did not stop within %.0f s; stopping everything", STOP_WAIT_S)
