@@ -61,6 +61,7 @@ def run_b(tmp_path_factory, tiny_model_dir, groups):
     proc = torchrun(run.path, 1, wait=False)
     try:
         _wait_for(lambda: read_metrics(run.metrics, "actor"), proc=proc)
+        trained_unacked = acked_ids(run.buffer)  # no checkpoint yet: the trained groups stay claimed
         (worker,) = _children(proc.pid)
         os.kill(worker, signal.SIGUSR1)
         _wait_for(lambda: ck.latest_checkpoint(run.checkpoints), proc=proc)
@@ -70,6 +71,8 @@ def run_b(tmp_path_factory, tiny_model_dir, groups):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert code == 0
+    assert trained_unacked == []
+    assert sorted(acked_ids(run.buffer)) == [g.group_id for g in groups[:2]]
     return cfg, run
 
 

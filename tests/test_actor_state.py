@@ -7,6 +7,7 @@ tests.test_actor_state RUN_DIR OUT`); the test half prepares the run and checks 
 import filecmp
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,33 @@ def _full(model) -> dict:
     from torch.distributed.tensor import DTensor
 
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _control_requests(control, world) -> list:
+    """(checkpoint, stop) every rank sees after: rank 0's control file, SIGUSR1 to rank 1 alone, nothing,
+    rank 0's stop file; and whether the checkpoint file outlived its serving (rank 0, which owns it)."""
+    import torch.distributed as dist
+
+    from molt_hpc.actor.world import gather_all
+
+    def ask():
+        dist.barrier()
+        req = control.poll()
+        control.served(req)
+        return [req.checkpoint, req.stop]
+
+    control.dir.mkdir(exist_ok=True)
+    if world.is_main:
+        (control.dir / "checkpoint").touch()
+    seen = [ask(), (control.dir / "checkpoint").exists() if world.is_main else None]
+    if world.rank == 1:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    seen.append(ask())
+    seen.append(ask())
+    if world.is_main:
+        (control.dir / "stop").touch()
+    seen.append(ask())
+    return gather_all(seen)
 
 
 def worker(run_dir: Path, out: Path) -> None:
@@ -59,6 +87,9 @@ def worker(run_dir: Path, out: Path) -> None:
         trainable = {k: sorted(n for n, p in m.named_parameters() if p.requires_grad) for k, m in models.items()}
         (out / "changes.json").write_text(json.dumps({"changed": changed, "trainable": trainable}))
         save_file(after["policy"], str(out / "policy_after.safetensors"))
+    requests = _control_requests(t.control, world)
+    if world.is_main:
+        (out / "control.json").write_text(json.dumps(requests))
     again = Trainer(cfg, run, world, resume=True)
     ckpt = ck.latest_checkpoint(run.checkpoints)
     extra = {k: v for k, v in ck.read_run_state(ckpt).items() if k not in RUN_STATE_OWN}
@@ -92,6 +123,13 @@ def test_one_step_changes_every_trainable_parameter_and_not_the_reference(steppe
     assert trainable["critic"] and changed["critic"] == trainable["critic"]
     assert "score.weight" in changed["critic"]  # the value head trained too
     assert trainable["reference"] == [] and changed["reference"] == []
+
+
+def test_requests_reach_every_rank(stepped) -> None:
+    _, out = stepped
+    per_rank = json.loads((out / "control.json").read_text())
+    expected = [[True, False], False, [True, False], [False, False], [False, True]]
+    assert per_rank == [expected, [*expected[:1], None, *expected[2:]]]
 
 
 def test_checkpoint_loads_in_transformers_as_is(stepped) -> None:

@@ -39,8 +39,13 @@ def parallelize(
         )
     trainable = any(p.requires_grad for p in model.parameters())
     if cfg.activation_checkpointing and trainable:
-        # transformers' own checkpointing keeps module names (a wrapper module would rename parameters).
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers' own checkpointing keeps module names (a wrapper module would rename parameters);
+        # transformers 5 renamed the method.
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)

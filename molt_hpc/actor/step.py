@@ -21,6 +21,7 @@ from molt_hpc.algorithm import (
     compute_advantages,
     experience_from_groups,
     global_token_count,
+    kl_estimate,
     policy_loss,
     value_loss,
 )
@@ -180,6 +181,9 @@ def train_step(groups: list[Group], cfg: MoltConfig, models: Models, world: Worl
             out[f"{'lr' if part is models.policy else 'critic_lr'}"] = part.optimizer.param_groups[0]["lr"]
             part.scheduler.step()
     out.update(batch_metrics(exp))
+    if "kl" not in out and exp.base_log_probs is not None:  # the KL went into the reward: report the rollout's
+        kl = kl_estimate(exp.action_log_probs, exp.base_log_probs, cfg.algorithm.kl_estimator)
+        out["kl"] = float(kl[exp.action_mask].mean()) if exp.num_action_tokens else 0.0
     return out
 
 
