@@ -7,6 +7,10 @@ router's failover and re-admission and the refit group's re-forming together.
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
+import time
 from collections import Counter
 
 import aiohttp
@@ -204,9 +208,49 @@ def test_refit_pushes_exact_weights_to_both_engines(pool, tiny_model_dir) -> Non
     # an update the engines cannot load is refused by all of them, and the group stays in step
     with pytest.raises(RuntimeError, match="does not have"):
         sender.push([("model.not_a_layer.weight", torch.zeros(3))], version=6)
+    with pytest.raises(ValueError, match="connect"):
+        sender.push(old.named_parameters(), version=6)  # a failed push drops the group
+    sender.connect([p.url for p in engines])
     sender.push(old.named_parameters(), version=6)
     back = arun(_all_logprobs(engines, token))
     assert all(max_diff(lp, want_old) == 0 and v == 6 for lp, v in back)
+    sender.close()
+
+
+# A trainer stand-in that refits in a loop; it reads the safetensors directly (no transformers import).
+SENDER_LOOP = """
+import sys
+from safetensors.torch import load_file
+from molt_hpc.config.infra import RefitConfig
+from molt_hpc.refit import RefitSender
+run, model_dir, token, *urls = sys.argv[1:]
+weights = load_file(model_dir + "/model.safetensors")
+sender = RefitSender(run, RefitConfig(bucket_mb=1, host="127.0.0.1"), token)
+sender.connect(urls)
+print("pushing", flush=True)
+for version in range(100, 100000):
+    weights["model.norm.weight"] += 0.01
+    sender.push(weights.items(), version)
+"""
+
+
+def test_a_sender_killed_mid_refit_leaves_no_torn_weights(pool, tiny_model_dir) -> None:
+    """Wherever the kill lands (between pushes, mid-broadcast), a new sender's push brings every engine
+    to exactly its weights; until then no engine serves a half-loaded policy (they wait paused)."""
+    run, _, engines = pool
+    token = run.token()
+    cmd = [sys.executable, "-c", SENDER_LOOP, str(run.path), str(tiny_model_dir), token, *[p.url for p in engines]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.stdout.readline().strip() == "pushing"
+    time.sleep(0.5)
+    proc.kill()
+    proc.wait()
+    newest = perturbed(tiny_model_dir, seed=3)
+    sender = RefitSender(run.path, REFIT, token)
+    sender.connect([p.url for p in engines])
+    sender.push(newest.named_parameters(), version=8)
+    want = sender_logprobs(newest)
+    assert all(max_diff(lp, want) == 0 and v == 8 for lp, v in arun(_all_logprobs(engines, token)))
     sender.close()
 
 

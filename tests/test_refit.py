@@ -50,7 +50,7 @@ def test_bucket_plan_is_deterministic_aligned_and_capped() -> None:
 
 def test_sender_refuses_misuse_with_clear_errors(tmp_path) -> None:
     sender = RefitSender(tmp_path, RefitConfig(host="127.0.0.1"), "token")
-    with pytest.raises(ValueError, match="before connect"):
+    with pytest.raises(ValueError, match="connect"):
         sender.push([("w", torch.zeros(2))], version=1)
     with pytest.raises(ValueError, match="at least one engine"):
         sender.connect([])

@@ -147,7 +147,9 @@ class RefitSender:
         `metas` (names, dtypes, shapes in the same order) so the bucket plan is known up front.
         """
         if self._group is None:
-            raise ValueError("RefitSender.push() before connect(): form the refit group with the engine URLs first")
+            raise ValueError(
+                "RefitSender.push() without a refit group: call connect(engine_urls) first (a failed push drops it)"
+            )
         t0 = time.perf_counter()
         items: Iterable[tuple[str, torch.Tensor]] = named_tensors
         if metas is None:
@@ -160,8 +162,14 @@ class RefitSender:
             self._post(url, "/update_weights", {"update_info": update_info(metas, bucket_bytes, version)})
             for url in self.urls
         ]
-        self._send_buckets(plan, iter(items), calls)
-        self._wait(calls, self.urls, "update_weights")
+        try:
+            self._send_buckets(plan, iter(items), calls)
+            self._wait(calls, self.urls, "update_weights")
+        except BaseException:
+            # Dropping the group closes its connections, so engines blocked in a receive fail now
+            # instead of at the timeout; they stay paused until a complete push (re-connect first).
+            self._group = None
+            raise
         self._broadcast_round("finish_weight_update", {"version": version})
         total = sum(b.nbytes for b in plan)
         stats = RefitStats(version, time.perf_counter() - t0, total, len(plan), len(self.urls))
