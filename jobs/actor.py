@@ -20,11 +20,15 @@ def main() -> int:
 
     from molt_hpc.config import load_config
 
-    cfg = load_config(run_dir / "config.toml")
+    try:
+        cfg = load_config(run_dir / "config.toml")
 
-    from molt_hpc.actor.trainer import main as train
+        from molt_hpc.actor.trainer import main as train
 
-    return train(cfg, run_dir, resume=args.resume)
+        return train(cfg, run_dir, resume=args.resume)
+    except ValueError as err:  # a user error (config, model, checkpoint): one line, not a traceback per rank
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

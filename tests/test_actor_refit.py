@@ -24,8 +24,8 @@ from tests.test_actor_support import make_run, put_groups, sample_groups, torchr
 PROMPT = [2, 34, 32, 18, 31, 100, 57, 18]
 
 
-def _engine(run_dir: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _engine(run_dir: Path, env: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     log = open(run_dir / "logs" / f"engine-{time.monotonic_ns()}.log", "w")  # noqa: SIM115 - closed by the OS at exit
     cmd = [sys.executable, str(ROOT / "jobs" / "engine.py"), str(run_dir), "--role", "engine", "--index", "0"]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -80,7 +80,7 @@ def _trainer_distributions(policy_dir: Path, tokens: list[int]):
     return logits.log_softmax(-1)[len(PROMPT) - 1 : len(PROMPT) - 1 + len(tokens)]
 
 
-def _engine_code_distributions(policy_dir: Path, tokens: list[int]):
+def _engine_code_distributions(policy_dir: Path, tokens: list[int], device: str = "cpu"):
     """The engine's own forwards (prefill, then cached decode steps) run here on the checkpointed weights."""
     import torch
 
@@ -88,13 +88,13 @@ def _engine_code_distributions(policy_dir: Path, tokens: list[int]):
     from molt_hpc.engine.sampling import processed_logprobs
     from molt_hpc.models import load_causal_lm
 
-    runner = ModelRunner(load_causal_lm(policy_dir), torch.device("cpu"))
+    runner = ModelRunner(load_causal_lm(policy_dir, device=device), torch.device(device))
     neutral = [torch.tensor([v]) for v in (1.0, 0, 1.0, 0.0)]
     logits, cache = runner.prefill([PROMPT])
     rows = [processed_logprobs(logits, *neutral)[0]]
     for i, tok in enumerate(tokens[:-1]):
         rows.append(processed_logprobs(runner.decode(cache, [tok], [len(PROMPT) + i]), *neutral)[0])
-    return torch.stack(rows)
+    return torch.stack(rows).cpu()
 
 
 def _max_diff(engine: list[dict[int, float]], trainer) -> list[float]:

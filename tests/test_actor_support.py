@@ -78,13 +78,13 @@ def put_groups(cfg, run, groups: list[Group]) -> None:
         buf.put(g)
 
 
-def torchrun(run_dir: Path, ranks: int, *args: str, wait: bool = True, timeout: float = 120):
+def torchrun(run_dir: Path, ranks: int, *args: str, wait: bool = True, timeout: float = 120, env: dict | None = None):
     """`torchrun --nproc-per-node RANKS jobs/actor.py RUN_DIR ARGS` (a Popen when `wait` is False)."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
         str(ROOT / "jobs" / "actor.py"), str(run_dir), *args,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     log = open(Path(run_dir) / "logs" / f"torchrun-{time.monotonic_ns()}.log", "w")  # noqa: SIM115 - closed by the OS at exit
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     if not wait:
