@@ -1,5 +1,7 @@
 """The refit channel: the bucket plan both ends compute, packing and unpacking, sender misuse."""
 
+import time
+
 import pytest
 import torch
 
@@ -56,4 +58,14 @@ def test_sender_refuses_misuse_with_clear_errors(tmp_path) -> None:
         sender.connect([])
     with pytest.raises(ValueError, match="bucket_bytes"):
         plan_buckets([TensorMeta("w", "float32", (2,))], 0)
+    sender.close()
+
+
+def test_connect_fails_at_once_when_an_engine_cannot_join(tmp_path) -> None:
+    (tmp_path / "rendezvous").mkdir()
+    sender = RefitSender(tmp_path, RefitConfig(host="127.0.0.1", timeout_s=3), "token")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"127\.0\.0\.1:1"):
+        sender.connect(["http://127.0.0.1:1"])  # nothing listens on port 1
+    assert time.monotonic() - t0 < 2.5, "an engine that cannot join fails the connect before the group timeout"
     sender.close()

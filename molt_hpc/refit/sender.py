@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,9 +128,15 @@ class RefitSender:
             )
             for i, url in enumerate(engine_urls)
         ]
-        group = new_group(self.backend, self._store, prefix, 0, world, self.cfg.timeout_s)
+        forming = self._pool.submit(new_group, self.backend, self._store, prefix, 0, world, self.cfg.timeout_s)
+        # An engine that cannot join fails its call at once, while the group would wait for it until
+        # the timeout: stop at the first failed call (the abandoned group times out on its own).
+        done, _ = wait([forming, *calls], timeout=self.cfg.timeout_s, return_when=FIRST_EXCEPTION)
+        if forming not in done:
+            self._wait(calls, engine_urls, "init_weight_transfer_engine")
+            raise RuntimeError(f"refit group {prefix} did not form within {self.cfg.timeout_s:.0f}s")
         self._wait(calls, engine_urls, "init_weight_transfer_engine")
-        self._group, self.urls = group, list(engine_urls)
+        self._group, self.urls = forming.result(), list(engine_urls)
         get_logger().info(
             "refit group %d formed with %d engines in %.2fs", self._generation, len(self.urls), time.perf_counter() - t0
         )
@@ -157,20 +163,18 @@ class RefitSender:
             metas = [TensorMeta.of(name, t) for name, t in items]
         bucket_bytes = self.cfg.bucket_mb << 20
         plan = plan_buckets(metas, bucket_bytes)
-        self._broadcast_round("start_weight_update", {})
-        calls = [
-            self._post(url, "/update_weights", {"update_info": update_info(metas, bucket_bytes, version)})
-            for url in self.urls
-        ]
         try:
+            self._broadcast_round("start_weight_update", {})
+            info = update_info(metas, bucket_bytes, version)
+            calls = [self._post(url, "/update_weights", {"update_info": info}) for url in self.urls]
             self._send_buckets(plan, iter(items), calls)
             self._wait(calls, self.urls, "update_weights")
+            self._broadcast_round("finish_weight_update", {"version": version})
         except BaseException:
             # Dropping the group closes its connections, so engines blocked in a receive fail now
             # instead of at the timeout; they stay paused until a complete push (re-connect first).
             self._group = None
             raise
-        self._broadcast_round("finish_weight_update", {"version": version})
         total = sum(b.nbytes for b in plan)
         stats = RefitStats(version, time.perf_counter() - t0, total, len(plan), len(self.urls))
         get_logger().info(
