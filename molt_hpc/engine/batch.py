@@ -45,6 +45,12 @@ class ModelRunner:
     def __init__(self, model, device: torch.device):
         from transformers import DynamicCache
 
+        kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+        if kinds != {"full_attention"}:
+            raise ValueError(
+                f"the builtin engine runs full-attention models only; this one has {sorted(kinds)} layers: "
+                "use engines.kind = 'vllm'"
+            )
         self.model = model
         self.device = device
         self._new_cache = DynamicCache
