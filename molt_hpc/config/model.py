@@ -51,7 +51,7 @@ class EvalConfig(Section):
     path: str
     """JSONL file of evaluation rows (same format as `data.path`)."""
     every: PositiveInt = 10
-    """Evaluate every this many policy versions."""
+    """Evaluate the policy at version 0 and then every this many versions (greedy: top_k = 1)."""
     max_prompts: PositiveInt = 64
     """Evaluate on at most this many rows (the first ones of the file)."""
 
@@ -60,8 +60,8 @@ class DataConfig(Section):
     """The prompt dataset (step 1 of the RL loop)."""
 
     path: str = "data/reverse_train.jsonl"
-    """JSONL (or parquet) file of rows `{"prompt": str | [messages], "label": ..., ...}`, relative
-    to the working directory or absolute."""
+    """JSONL file of rows `{"prompt": str | [messages], "label": ..., "tools"?: [...], "id"?: ...}`,
+    relative to the working directory or absolute (parquet needs pyarrow: convert it to JSONL)."""
     prompt_key: str = "prompt"
     """Row key holding the prompt (text or a list of chat messages)."""
     label_key: str = "label"
