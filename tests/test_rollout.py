@@ -116,6 +116,9 @@ def test_single_turn_group_is_exact(pool, tok, model, dataset) -> None:
 
 MULTI_TURN_ENV = """
 class ThreeTurns(Env):
+    def reset(self, state):
+        return [{"role": "user", "content": "Reverse, then talk: " + state.label[::-1]}]
+
     def step(self, state):
         ok = state.action_text == TOKENIZER_DECODE(state.action_ids)
         if state.turn < 2:
@@ -136,7 +139,9 @@ def test_multi_turn_trace_masks_feedback_and_keeps_exact_logprobs(pool, tok, mod
         runner = StepEnvRunner(env_cls, tok, cfg, link.generate)
         return await run_group(runner, prompt, Position(0, 0), cfg)
 
+    first = render_prompt(tok, [{"role": "user", "content": "Reverse, then talk: " + prompt.label[::-1]}])
     for s in with_link(pool, go).group.samples:
+        assert s.tokens[: s.prompt_len] == first  # Env.reset replaced the dataset's prompt
         assert len(s.action_ranges) == 3 and s.reward == 1.5 and s.info["turns"] == 3.0
         assert s.info["decoded"] == 1.0 and s.info["history"] == 5.0  # 3 actions + 2 observations
         (a0, b0), (a1, b1), (a2, b2) = s.action_ranges
