@@ -46,14 +46,14 @@ class Proc:
         self.proc.wait()
 
 
-def spawn(run: RunDir, role: str, index: int = 0) -> Proc:
+def spawn(run: RunDir, role: str, index: int = 0, env: dict[str, str] | None = None) -> Proc:
     log = run.logs / (f"{role}-{index}.log" if role == "engine" else f"{role}.log")
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, str(ROOT / "jobs" / "engine.py"), str(run.path), "--role", role, "--index", str(index)],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         )
     return Proc(proc, log)
 
