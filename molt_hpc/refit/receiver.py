@@ -86,8 +86,8 @@ class RefitReceiver:
     def _ensure_buffers(self, nbytes: int) -> None:
         """Two receive buffers, kept across updates (fresh pages make the first refit slow)."""
         assert self.group is not None
-        if not self._buffers or self._buffers[0].numel() < nbytes:
-            dev = buffer_device(self.group.backend)
+        dev = buffer_device(self.group.backend)
+        if not self._buffers or self._buffers[0].numel() < nbytes or self._buffers[0].device != dev:
             self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(2)]
 
 
