@@ -312,13 +312,19 @@ def slurm_cluster(tmp_path_factory) -> Iterator[LocalSlurm]:
         pytest.skip(reason)
     cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
     cluster.start()
+    old_term = signal.signal(signal.SIGTERM, _interrupt)  # a killed session still stops its daemons
     old = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(cluster.conf)
     try:
         yield cluster
     finally:
         cluster.stop()
+        signal.signal(signal.SIGTERM, old_term)
         if old is None:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = old
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}: stopping the local Slurm cluster")

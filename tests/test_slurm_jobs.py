@@ -68,6 +68,37 @@ def assert_each_step_once(run: Path, steps: int) -> None:
         assert start["resume_step"] == max(before, default=0), "a start did not resume from the newest checkpoint"
 
 
+@pytest.fixture(scope="module")
+def requeue_jobs(slurm_cluster, tmp_path_factory, tiny_model_dir) -> dict[str, tuple[str, Path]]:
+    """The two requeue scenarios wait on clocks (slurmctld's 30 s tick, the preemptor), so both jobs are
+    submitted together when the first of their tests runs, each on its own two nodes, and the other
+    tests run meanwhile. The time-limit job asks for a warning 50 s before the end of its 1 minute:
+    it comes on the first tick, 0-30 s after the start."""
+    root = tmp_path_factory.mktemp("requeue")
+    time_limit = submit(root, tiny_model_dir, "time-limit", "run.steps=100000", "slurm.time=00:01:00",
+                        "slurm.signal_lead_s=50", *on_nodes("node0", "node1"))  # fmt: skip
+    preempted = submit(root, tiny_model_dir, "preempted", "run.steps=50", *on_nodes("node2", "node3"))
+    return {"time-limit": time_limit, "preempted": preempted}
+
+
+def on_nodes(actor: str, engines: str) -> list[str]:
+    return [f'slurm.actor.extra_sbatch=["--nodelist={actor}"]', f'slurm.engines.extra_sbatch=["--nodelist={engines}"]']
+
+
+def test_preemption_checkpoints_requeues_and_resumes_to_the_end(slurm_cluster, requeue_jobs) -> None:
+    job, run = requeue_jobs["preempted"]
+    slurm_cluster.wait_for(lambda: len(trained_steps(run)) >= 5, 90, "the actor pool to train")
+    _, engine_node = slurm_cluster.component_nodes(job)
+    urgent = slurm_cluster.slurm("sbatch", "--parsable", "-p", "urgent", "-w", engine_node, "-c", "4",
+                                 "-o", "/dev/null", "--wrap", "sleep 2").strip()  # fmt: skip
+    assert slurm_cluster.wait_end(job, 120) == "COMPLETED"
+    assert slurm_cluster.job_field(job, "Restarts") == "1"
+    assert slurm_cluster.wait_end(urgent, 30) == "COMPLETED"
+    assert "SIGUSR1: the actor pool checkpoints" in (run / "logs" / "driver.log").read_text()
+    assert [e["restart"] for e in events(run, "actor", "stopped")] == [0]
+    assert_each_step_once(run, 50)
+
+
 def test_het_job_runs_both_pools_and_ends_when_training_is_done(slurm_cluster, tmp_path, tiny_model_dir) -> None:
     job, run = submit(tmp_path, tiny_model_dir, "done", "run.steps=20", "actor.ranks=2")
     assert slurm.slurm_job_state(run) in (f"job {job} PENDING", f"job {job} RUNNING")
@@ -127,48 +158,26 @@ def test_dead_engine_pool_is_relaunched_while_the_actor_pool_keeps_its_state(
     assert_each_step_once(run, 40)
 
 
-def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path, tiny_model_dir) -> None:
-    """--signal=B:USR1@50 on a 1-minute job: the warning comes on slurmctld's first 30 s tick."""
-    job, run = submit(tmp_path, tiny_model_dir, "time-limit", "run.steps=100000", "slurm.time=00:01:00",
-                      "slurm.signal_lead_s=50")  # fmt: skip
+def test_cancel_checkpoints_first_unless_now(slurm_cluster, tmp_path, tiny_model_dir) -> None:
+    job, run = submit(tmp_path, tiny_model_dir, "cancel", "run.steps=100000")
+    job_now, run_now = submit(tmp_path, tiny_model_dir, "cancel-now", "run.steps=100000")
+    for r in (run, run_now):
+        slurm_cluster.wait_for(lambda r=r: len(trained_steps(r)) >= 3, 90, "the actor pool to train")
 
-    def resumed_and_trained() -> bool:
-        later = [e for e in events(run, "actor", "step") if e["restart"] >= 1]
-        return len(later) >= 2
+    now = molt("cancel", str(run_now), "--now")
+    assert now.returncode == 0 and f"cancelled job {job_now} (at once)" in now.stdout, now.stderr
+    clean = molt("cancel", str(run))
+    assert clean.returncode == 0 and f"job {job} ended after its checkpoint (CANCELLED)" in clean.stdout, clean.stderr
+    assert driver_result(run, job) == {"status": "cancelled"}
+    assert "control/cancel: the actor pool checkpoints" in (run / "logs" / "driver.log").read_text()
+    [stopped] = events(run, "actor", "stopped")
+    assert stopped["why"] == "control/stop" and events(run, "actor", "checkpoint")[-1]["step"] == stopped["step"]
+    assert trained_steps(run)[-1] == stopped["step"]
 
-    slurm_cluster.wait_for(resumed_and_trained, 150, "the requeued job to resume and train")
-    assert "SIGUSR1: the actor pool checkpoints" in (run / "logs" / "driver.log").read_text()
-    first_stop = events(run, "actor", "stopped")[0]
-    assert (first_stop["restart"], first_stop["why"]) == (0, "control/stop")
-
-    cancelled = molt("cancel", str(run))  # clean cancel: checkpoint, then the job ends, no requeue
-    assert cancelled.returncode == 0 and "ended after its checkpoint" in cancelled.stdout, cancelled.stderr
-    assert slurm_cluster.wait_end(job, 60) == "CANCELLED"
-    last = trained_steps(run)[-1]
-    assert events(run, "actor", "checkpoint")[-1]["step"] == last
-    assert_each_step_once(run, last)
-
-    more = last + 5  # `submit --resume`: a new job continues the run from its checkpoint to the new end
-    result = molt("submit", "--resume", str(run), *sets(f"run.steps={more}", "slurm.time=00:10:00"))
-    assert result.returncode == 0, result.stderr
-    new_job = re.search(r"submitted job (\d+)", result.stdout).group(1)
-    assert slurm.slurm_job_state(run).startswith(f"job {new_job} ")
-    assert slurm_cluster.wait_end(new_job, 90) == "COMPLETED"
-    assert_each_step_once(run, more)
-
-
-def test_preemption_checkpoints_requeues_and_resumes_to_the_end(slurm_cluster, tmp_path, tiny_model_dir) -> None:
-    job, run = submit(tmp_path, tiny_model_dir, "preempted", "run.steps=50")
-    slurm_cluster.wait_for(lambda: len(trained_steps(run)) >= 5, 90, "the actor pool to train")
-    _, engine_node = slurm_cluster.component_nodes(job)
-    urgent = slurm_cluster.slurm("sbatch", "--parsable", "-p", "urgent", "-w", engine_node, "-c", "4",
-                                 "-o", "/dev/null", "--wrap", "sleep 2").strip()  # fmt: skip
-    assert slurm_cluster.wait_end(job, 120) == "COMPLETED"
-    assert slurm_cluster.job_field(job, "Restarts") == "1"
-    assert slurm_cluster.wait_end(urgent, 30) == "COMPLETED"
-    assert "SIGUSR1: the actor pool checkpoints" in (run / "logs" / "driver.log").read_text()
-    assert [e["restart"] for e in events(run, "actor", "stopped")] == [0]
-    assert_each_step_once(run, 50)
+    assert slurm_cluster.wait_end(job_now, 30) == "CANCELLED"  # --now: Slurm's TERM reached every process
+    assert not (run_now / "logs" / "driver.log").read_text().count("requeued")
+    again = molt("cancel", str(run))
+    assert again.returncode == 2 and f"job {job} of {run} is not active (CANCELLED)" in again.stderr
 
 
 def test_submission_problems_leave_no_run_directory(slurm_cluster, tmp_path, tiny_model_dir) -> None:
@@ -187,11 +196,41 @@ def test_submission_problems_leave_no_run_directory(slurm_cluster, tmp_path, tin
 def test_hand_submitted_script_runs_the_same_driver(slurm_cluster, tmp_path, tiny_model_dir) -> None:
     script = tmp_path / "job.sh"
     args = sets(f"run.root={tmp_path}", "run.name=by-hand", f"model.path={tiny_model_dir}", "run.steps=10", *STANDINS)
-    assert molt("sbatch", *args, "-o", str(script)).returncode == 0
+    assert molt("sbatch", *args, "-o", str(script), cwd=tmp_path).returncode == 0  # Slurm's log lands there
     run = tmp_path / "by-hand"
     assert not run.exists()  # rendering creates nothing; the driver writes the run directory
     job = slurm_cluster.slurm("sbatch", "--parsable", str(script)).strip().split("+")[0]
     assert slurm_cluster.wait_end(job, 90) == "COMPLETED"
     assert (run / "slurm_job_id").read_text().strip() == job
     assert (run / "config.toml").exists() and (run / "control" / "done").exists()
+    assert "job ended: {'status': 'done'" in (tmp_path / f"slurm-{job}.out").read_text()
     assert_each_step_once(run, 10)
+
+
+def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm_cluster, requeue_jobs) -> None:
+    job, run = requeue_jobs["time-limit"]
+
+    def resumed_and_trained() -> bool:
+        later = [e for e in events(run, "actor", "step") if e["restart"] >= 1]
+        return len(later) >= 2
+
+    slurm_cluster.wait_for(resumed_and_trained, 150, "the requeued job to resume and train")
+    assert "SIGUSR1: the actor pool checkpoints" in (run / "logs" / "driver.log").read_text()
+    first_stop = events(run, "actor", "stopped")[0]
+    assert (first_stop["restart"], first_stop["why"]) == (0, "control/stop")
+
+    # It keeps being warned and requeued (each start gets the warning); a cancel ends it in any phase.
+    cancelled = molt("cancel", str(run))
+    assert cancelled.returncode == 0 and f"job {job}" in cancelled.stdout, cancelled.stderr
+    assert slurm_cluster.wait_end(job, 60) == "CANCELLED"
+    last = trained_steps(run)[-1]
+    assert events(run, "actor", "checkpoint")[-1]["step"] == last
+    assert_each_step_once(run, last)
+
+    more = last + 5  # `submit --resume`: a new job continues the run from its checkpoint to the new end
+    result = molt("submit", "--resume", str(run), *sets(f"run.steps={more}", "slurm.time=00:10:00"))
+    assert result.returncode == 0, result.stderr
+    new_job = re.search(r"submitted job (\d+)", result.stdout).group(1)
+    assert slurm.slurm_job_state(run).startswith(f"job {new_job} ")
+    assert slurm_cluster.wait_end(new_job, 90) == "COMPLETED"
+    assert_each_step_once(run, more)
