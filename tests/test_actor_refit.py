@@ -1,7 +1,7 @@
 """Refit end to end: a real engine process (`jobs/engine.py`) serves the trainer's weights.
 
-The trainer (torchrun, 1 gloo rank) refits at start, after each step and again when the engine is
-restarted (a new registration: the refit group is re-formed). After each refit the engine's
+The trainer (torchrun, 1 gloo rank) refits at start, after each step and again when the engine,
+killed with SIGKILL, is restarted (a new registration: the refit group is re-formed). After each refit the engine's
 next-token distribution equals the trainer's own forward of the checkpointed weights exactly.
 """
 
@@ -124,9 +124,11 @@ def refitted(tmp_path_factory, tiny_model_dir):
         _until(lambda: ck.latest_checkpoint(run.checkpoints) is not None, what="step 1")
         _until(lambda: _call(run.path, "/health")["weight_version"] == 1, what="refit v1")
         seen[1] = _engine_distributions(run.path)
-        engines[0].send_signal(signal.SIGTERM)  # restart the engine: it comes back with the base weights
+        os.killpg(engines[0].pid, signal.SIGKILL)  # its registration stays behind, naming a dead engine
         engines[0].wait(timeout=60)
-        engines.append(_engine(run.path))
+        time.sleep(2)  # a few polls of the trainer with the stale registration
+        assert trainer.poll() is None
+        engines.append(_engine(run.path))  # restarted: it comes back with the base weights
         _until(lambda: _registered(run.path, engines[1].pid), what="the new engine to register")
         _until(lambda: _call(run.path, "/health")["weight_version"] == 1, what="the new engine's refit")
         seen["restarted"] = _engine_distributions(run.path)

@@ -19,7 +19,7 @@ class Requests:
     ready: bool = False
     """Rank 0 holds a full batch for the next step."""
     refit: bool = False
-    """The set of registered engines changed: re-form the refit group and push the weights."""
+    """The registered engines changed (or a refit failed): push the weights now."""
 
 
 class Control:

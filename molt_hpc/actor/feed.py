@@ -38,7 +38,7 @@ class Feed:
         while True:
             if self.buffer is not None and len(self.pending) < n:
                 self.pending += self.buffer.get(n - len(self.pending), timeout=POLL_S, current_version=version)
-            req = control.poll(ready=len(self.pending) >= n, refit=sync.engines_changed())
+            req = control.poll(ready=len(self.pending) >= n, refit=sync.wants_refit())
             if req.ready or req.checkpoint or req.stop or req.refit:
                 break
         if not req.ready or req.stop:

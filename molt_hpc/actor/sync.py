@@ -1,13 +1,18 @@
 """Refits from the trainer to the engines: gather full weights from the FSDP shards, send from rank 0.
 
 Engines register at `RUN_DIR/rendezvous/engine-<i>.json` (`url`, `pid`, ...). Rank 0 watches the
-set of registered engines (by url and pid: a restarted engine is a new member) and re-forms the
-refit group whenever it changes, then pushes the current weights so a new engine never serves
-stale ones. Every rank takes part in each gather; only rank 0 sends, through `RefitSender`.
+registrations (by url and pid: a restarted engine is a new member); when they change it refits at
+once, so a new engine never serves stale weights. A refit forms the group with the registered
+engines that answer `/health` (a killed engine's file stays behind, and a group waits for every
+member), re-forming it whenever that set changed; a failed push is retried after `RETRY_S`, since
+the engines stay paused until a complete one. Every rank takes part in each gather; only rank 0
+sends, through `RefitSender`.
 """
 
 import json
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -20,6 +25,7 @@ from molt_hpc.log import get_logger
 from molt_hpc.refit.buckets import TensorMeta, dtype_name
 from molt_hpc.rundir import RunDir
 
+RETRY_S = 5.0
 Engine = tuple[int, str, int]
 """(index, url, pid) of one registered engine."""
 
@@ -36,31 +42,55 @@ def registered_engines(run: RunDir) -> list[Engine]:
     return sorted(out)
 
 
+def answers(url: str, token: str, timeout_s: float = 2.0) -> bool:
+    """Whether the engine at `url` answers `/health` (a registration outlives a killed engine)."""
+    req = urllib.request.Request(url.rstrip("/") + "/health", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status == 200
+    except OSError:  # refused, reset or timed out: not an engine to form a group with now
+        return False
+
+
 class EngineSync:
-    """The trainer's refit state: the engines the group was formed with, and the sender (rank 0)."""
+    """The trainer's refit state: the registrations last seen, the engines the group was formed with,
+    and the sender (rank 0)."""
 
     def __init__(self, cfg: MoltConfig, run_dir: Path, world: World):
         self.world = world
         self.run = RunDir(Path(run_dir))
         self.dtype = getattr(torch, cfg.model.dtype)
+        self.seen: list[Engine] = []
         self.connected: list[Engine] = []
+        self.retry_at: float | None = None
         self.sender = None
         if world.is_main:
             from molt_hpc.refit import RefitSender
 
             self.sender = RefitSender(run_dir, cfg.refit, self.run.token(), device=world.device)
 
-    def engines_changed(self) -> bool:
-        """Rank 0: engines registered that the group was not formed with (or some left)."""
-        return self.world.is_main and registered_engines(self.run) not in ([], self.connected)
+    def wants_refit(self) -> bool:
+        """Rank 0: the registrations differ from those of the last refit (an engine came, restarted or
+        left), or the last refit failed a while ago (engines stay paused until a complete push)."""
+        if not self.world.is_main:
+            return False
+        retry = self.retry_at is not None and time.monotonic() >= self.retry_at
+        return retry or registered_engines(self.run) not in ([], self.seen)
+
+    def _live_engines(self) -> list[Engine]:
+        self.seen = registered_engines(self.run)
+        token = self.run.token()
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            alive = list(pool.map(lambda e: answers(e[1], token), self.seen))
+        return [e for e, ok in zip(self.seen, alive, strict=True) if ok]
 
     def refit(self, model: nn.Module, version: int) -> float | None:
-        """Push `model`'s full weights as `version` to every registered engine (a collective).
+        """Push `model`'s full weights as `version` to every live registered engine (a collective).
 
-        Returns the seconds it took, or None when no engine is registered or the push failed (the
-        group is then re-formed at the next refit).
+        Returns the seconds it took, or None when no engine answers or the push failed (then
+        `wants_refit` asks for another try after `RETRY_S`).
         """
-        engines = share(registered_engines(self.run) if self.world.is_main else None)
+        engines = share(self._live_engines() if self.world.is_main else None)
         if not engines:
             return None
         t0 = time.perf_counter()
@@ -84,10 +114,12 @@ class EngineSync:
                 self.sender.connect([url for _, url, _ in engines])
                 self.connected = engines
             self.sender.push(tensors, version, metas=metas)
-        except (RuntimeError, OSError, ValueError) as err:  # an engine died or refused: re-form the group next time
-            get_logger().warning("refit v%d failed, the engines keep their weights: %s", version, err)
+        except (RuntimeError, OSError, ValueError) as err:  # an engine died or refused: form a new group soon
+            get_logger().warning("refit v%d failed; retrying in %.0f s: %s", version, RETRY_S, err)
             self.connected = []
+            self.retry_at = time.monotonic() + RETRY_S
             return False
+        self.retry_at = None
         return True
 
     def close(self) -> None:
