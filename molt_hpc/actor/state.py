@@ -72,16 +72,15 @@ def save(
     save_optimizer: bool = True,
 ) -> Path:
     """Write and publish the checkpoint of `step` (every rank calls); returns its final path."""
-    tmp = share(str(ck.begin(root, step)) if world.is_main else None)
-    tmp = Path(tmp)
+    tmp = Path(share(str(ck.begin(root, step)) if world.is_main else None))
     for part in parts:
         save_model(world, part.model, tmp / part.name, tokenizer_src, shard_bytes)
     if save_optimizer:
-        state = {p.name: get_optimizer_state_dict(p.model, p.optimizer) for p in parts}
-        dcp.save(state, storage_writer=StableWriter(str(tmp / "optim")))
+        optim = {p.name: get_optimizer_state_dict(p.model, p.optimizer) for p in parts}
+        dcp.save(optim, storage_writer=StableWriter(str(tmp / "optim")))
     rng = gather_all(rng_state())
     if world.is_main:
-        state = {
+        full_state = {
             **run_state,
             "step": step,
             "world_size": world.size,
@@ -89,7 +88,7 @@ def save(
             "schedulers": {p.name: p.scheduler.state_dict() for p in parts},
             "optimizer": save_optimizer,
         }
-        ck.write_json(tmp / ck.RUN_STATE, state)
+        ck.write_json(tmp / ck.RUN_STATE, full_state)
         ck.write_manifest(tmp)
         ck.publish(root, tmp, step, keep_last)
     dist.barrier()

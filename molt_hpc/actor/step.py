@@ -178,7 +178,7 @@ def train_step(groups: list[Group], cfg: MoltConfig, models: Models, world: Worl
         out["critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
     for part in (models.policy, models.critic):
         if part is not None:
-            out[f"{'lr' if part is models.policy else 'critic_lr'}"] = part.optimizer.param_groups[0]["lr"]
+            out["lr" if part is models.policy else "critic_lr"] = part.optimizer.param_groups[0]["lr"]
             part.scheduler.step()
     out.update(batch_metrics(exp))
     if "kl" not in out and exp.base_log_probs is not None:  # the KL went into the reward: report the rollout's
