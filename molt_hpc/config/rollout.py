@@ -23,7 +23,7 @@ class RolloutConfig(Section):
     """Nucleus sampling mass."""
     top_k: NonNegativeInt = 0
     """Top-k sampling; 0 disables it."""
-    max_new_tokens: PositiveInt = 16
+    max_new_tokens: PositiveInt = 6
     """Cap on the tokens generated in one turn."""
     max_total_tokens: PositiveInt = 128
     """Cap on a whole trajectory (prompt + every turn); each turn gets what is left."""

@@ -7,6 +7,7 @@ died with the tail of its log, exit 1; Ctrl-C / SIGTERM → ask the trainer to c
 step boundary (`control/stop`), wait for it, stop the pool. A second Ctrl-C stops at once.
 """
 
+import contextlib
 import json
 import signal
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 from molt_hpc.config import MoltConfig, to_toml
 from molt_hpc.launch.procs import REPO, Child, job_command, stop_all
 from molt_hpc.launch.progress import Progress
-from molt_hpc.log import get_logger
+from molt_hpc.log import MetricsWriter, get_logger
 from molt_hpc.models import resolve_model
 from molt_hpc.rundir import RunDir, atomic_write, create_run_dir
 
@@ -87,6 +88,7 @@ def _supervise(run: RunDir, actor: Child, pool: Child, progress: Progress, stopp
         if code is not None:
             progress.update()
             if code == 0 and (run.path / "control" / "done").exists():
+                record_engine_versions(run)
                 progress.summary()
                 return 0
             if code == 0 and stopping():
@@ -101,6 +103,17 @@ def _supervise(run: RunDir, actor: Child, pool: Child, progress: Progress, stopp
         if stop_deadline is not None and time.monotonic() > stop_deadline:
             log.error("the trainer did not stop within %.0f s; stopping everything", STOP_WAIT_S)
             return 1
+
+
+def record_engine_versions(run: RunDir) -> dict[str, int]:
+    """Log and record the weight version each engine serves at the end (it must be the trainer's last)."""
+    versions = {}
+    for path in sorted(run.rendezvous.glob("engine-*.json")):
+        with contextlib.suppress(OSError, ValueError):  # an engine restarting re-registers; skip its old file
+            versions[path.stem] = json.loads(path.read_text())["version"]
+    MetricsWriter(run.metrics, source="launcher").write({"event": "finished", "engine_versions": versions})
+    get_logger().info("engines serve weight versions %s", versions)
+    return versions
 
 
 def _died(child: Child, code: int, run: RunDir) -> int:
