@@ -3,8 +3,9 @@
 Everything lives in one temporary directory (config, keys, state, logs, pid files) and nothing in
 /etc is read. A heterogeneous job needs one node per component, so the cluster has `nodes` slurmd
 daemons (`node0`, `node1`, ...), each on its own port; CPUs are the only consumable resource.
-Partition `debug` (default) is preempted by partition `urgent` (REQUEUE mode, the victim gets its
-`--signal` at once, then TERM after `GraceTime`).
+Partitions: `debug` (default, all nodes but the last two) and `train` (the last two, for a long run
+that must not share nodes with short tests); both are preempted by partition `urgent` (REQUEUE mode:
+the victim gets its `--signal` at once, then TERM after `GraceTime`).
 
 Test modules use the session fixture with `pytest_plugins = ["tests.slurm_cluster"]`; it is skipped
 (with the reason) when the Slurm or munge binaries are missing or the tests do not run as root.
@@ -121,7 +122,7 @@ class LocalSlurm:
     """One local cluster in `base`; `start()` brings it up, `stop()` ends every process it started."""
 
     base: Path
-    nodes: int = 4
+    nodes: int = 6
     port: int = 0
     env: dict[str, str] = field(default_factory=dict)
 
@@ -162,9 +163,11 @@ class LocalSlurm:
                 f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={self.port + 1 + i} "
                 f"CPUs={CPUS_PER_NODE} RealMemory=4096 State=UNKNOWN"
             )
-        nodes = ",".join(self.node_names)
-        lines.append(f"PartitionName=debug Nodes={nodes} Default=YES PriorityTier=1 GraceTime={GRACE_S} State=UP")
-        lines.append(f"PartitionName=urgent Nodes={nodes} PriorityTier=10 PreemptMode=OFF State=UP")
+        debug, train = self.node_names[:-2], self.node_names[-2:]
+        for name, nodes in (("debug", debug), ("train", train)):
+            default = " Default=YES" if name == "debug" else ""
+            lines.append(f"PartitionName={name} Nodes={','.join(nodes)}{default} PriorityTier=1 GraceTime={GRACE_S}")
+        lines.append(f"PartitionName=urgent Nodes={','.join(self.node_names)} PriorityTier=10 PreemptMode=OFF")
         self.conf.write_text("\n".join(lines) + "\n")
         (self.base / "etc" / "cgroup.conf").write_text("CgroupPlugin=autodetect\nIgnoreSystemd=yes\n")
 

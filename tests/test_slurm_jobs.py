@@ -1,21 +1,29 @@
-"""The driver's mechanics on a real local Slurm cluster, through `molt-hpc submit` / `sbatch` / `cancel`.
+"""Slurm jobs on a real local cluster, through `molt-hpc submit` / `sbatch` / `cancel`.
 
-The actor and engine pools are the stand-ins `tests/slurm_standin_{actor,engine}.py` (set through
-`slurm.actor_script` / `slurm.engine_script`): they keep the real entry points' contract (control
-files, checkpoints, signals, exit codes) and log what happened to `RUN_DIR/standin/*.jsonl`, which
-is what these tests check. The real entry points on the cluster are in test_slurm_e2e.py.
+The driver's mechanics use stand-ins for the pools, `tests/slurm_standin_{actor,engine}.py` (set
+through `slurm.actor_script` / `slurm.engine_script`): they keep the real entry points' contract
+(control files, checkpoints, signals, exit codes) and log what happened to `RUN_DIR/standin/*.jsonl`,
+which is what those tests check. The `test_real_pools_*` tests run the real entry points on the tiny
+CPU config. Jobs that mostly wait (on slurmctld's 30 s tick, on training) are submitted together at
+the module's start and run while the other tests do (`background_jobs`).
 """
 
 import json
 import os
 import re
 import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 from submitit import SlurmJob
 
+from molt_hpc.buffer.spool import acked_ids, find_spool
+from molt_hpc.config import load_config
 from molt_hpc.launch import slurm
+from molt_hpc.log import read_metrics
 from tests.conftest import ROOT, molt
 
 pytest_plugins = ["tests.slurm_cluster"]
@@ -33,10 +41,13 @@ def sets(*overrides: str) -> list[str]:
     return [arg for item in overrides for arg in ("--set", item)]
 
 
+def standin_args(root: Path, model: Path, name: str, *overrides: str) -> list[str]:
+    return sets(f"run.root={root}", f"run.name={name}", f"model.path={model}", *STANDINS, *overrides)
+
+
 def submit(root: Path, model: Path, name: str, *overrides: str, env: dict | None = None) -> tuple[str, Path]:
     """`molt-hpc submit` of the tiny config with the stand-ins; returns (job id, run directory)."""
-    args = sets(f"run.root={root}", f"run.name={name}", f"model.path={model}", *STANDINS, *overrides)
-    result = molt("submit", *args, env=env)
+    result = molt("submit", *standin_args(root, model, name, *overrides), env=env)
     assert result.returncode == 0, result.stderr
     job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
     assert f"run directory {root / name}" in result.stdout
@@ -68,25 +79,37 @@ def assert_each_step_once(run: Path, steps: int) -> None:
         assert start["resume_step"] == max(before, default=0), "a start did not resume from the newest checkpoint"
 
 
+REAL_STEPS = 30  # the tiny config's reward rises within 30 steps (it doubles by 60)
+
+
 @pytest.fixture(scope="module")
-def requeue_jobs(slurm_cluster, tmp_path_factory, tiny_model_dir) -> dict[str, tuple[str, Path]]:
-    """The two requeue scenarios wait on clocks (slurmctld's 30 s tick, the preemptor), so both jobs are
-    submitted together when the first of their tests runs, each on its own two nodes, and the other
-    tests run meanwhile. The time-limit job asks for a warning 50 s before the end of its 1 minute:
-    it comes on the first tick, 0-30 s after the start."""
-    root = tmp_path_factory.mktemp("requeue")
-    time_limit = submit(root, tiny_model_dir, "time-limit", "run.steps=100000", "slurm.time=00:01:00",
-                        "slurm.signal_lead_s=50", *on_nodes("node0", "node1"))  # fmt: skip
-    preempted = submit(root, tiny_model_dir, "preempted", "run.steps=50", *on_nodes("node2", "node3"))
-    return {"time-limit": time_limit, "preempted": preempted}
+def background_jobs(slurm_cluster, tmp_path_factory, tiny_model_dir, request) -> dict[str, tuple[str, Path]]:
+    """Submitted together when the first test that needs one starts, each on its own two nodes:
+    - `time-limit`: stand-ins, a warning 50 s before the end of a 1-minute limit (it comes on
+      slurmctld's first tick, 0-30 s after each start), so the job checkpoints and requeues over and over;
+    - `preempted`: stand-ins, preempted by its test;
+    - `real`: the real pools on the tiny config in partition `train`, preempted a third of the way in
+      by a helper thread; only when a `test_real_pools_*` test is selected and the entry points exist.
+    """
+    root = tmp_path_factory.mktemp("background")
+    jobs = {
+        "time-limit": submit(root, tiny_model_dir, "time-limit", "run.steps=100000", "slurm.time=00:01:00",
+                             "slurm.signal_lead_s=50", *on_nodes("node0", "node1")),
+        "preempted": submit(root, tiny_model_dir, "preempted", "run.steps=50", *on_nodes("node2", "node3")),
+    }  # fmt: skip
+    wanted = any(item.name.startswith("test_real_pools") for item in request.session.items)
+    if wanted and missing_entry_points() is None:
+        jobs["real"] = submit_real(root)
+        threading.Thread(target=preempt_real_run, args=(slurm_cluster, *jobs["real"]), daemon=True).start()
+    return jobs
 
 
 def on_nodes(actor: str, engines: str) -> list[str]:
     return [f'slurm.actor.extra_sbatch=["--nodelist={actor}"]', f'slurm.engines.extra_sbatch=["--nodelist={engines}"]']
 
 
-def test_preemption_checkpoints_requeues_and_resumes_to_the_end(slurm_cluster, requeue_jobs) -> None:
-    job, run = requeue_jobs["preempted"]
+def test_preemption_checkpoints_requeues_and_resumes_to_the_end(slurm_cluster, background_jobs) -> None:
+    job, run = background_jobs["preempted"]
     slurm_cluster.wait_for(lambda: len(trained_steps(run)) >= 5, 90, "the actor pool to train")
     _, engine_node = slurm_cluster.component_nodes(job)
     urgent = slurm_cluster.slurm("sbatch", "--parsable", "-p", "urgent", "-w", engine_node, "-c", "4",
@@ -102,6 +125,8 @@ def test_preemption_checkpoints_requeues_and_resumes_to_the_end(slurm_cluster, r
 def test_het_job_runs_both_pools_and_ends_when_training_is_done(slurm_cluster, tmp_path, tiny_model_dir) -> None:
     job, run = submit(tmp_path, tiny_model_dir, "done", "run.steps=20", "actor.ranks=2")
     assert slurm.slurm_job_state(run) in (f"job {job} PENDING", f"job {job} RUNNING")
+    dry = molt("submit", *standin_args(tmp_path, tiny_model_dir, "done", "run.steps=20", "actor.ranks=2"), "--dry-run")
+    assert dry.stdout == (run / "submitit" / f"{job}_submission.sh").read_text()  # what sbatch got
     assert slurm_cluster.wait_end(job, 120) == "COMPLETED"
     assert slurm.slurm_job_state(run) == f"job {job} COMPLETED"
     assert driver_result(run, job) == {"status": "done", "engine_restarts": 0}
@@ -207,8 +232,8 @@ def test_hand_submitted_script_runs_the_same_driver(slurm_cluster, tmp_path, tin
     assert_each_step_once(run, 10)
 
 
-def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm_cluster, requeue_jobs) -> None:
-    job, run = requeue_jobs["time-limit"]
+def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm_cluster, background_jobs) -> None:
+    job, run = background_jobs["time-limit"]
 
     def resumed_and_trained() -> bool:
         later = [e for e in events(run, "actor", "step") if e["restart"] >= 1]
@@ -234,3 +259,64 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm_cluster, requ
     assert slurm.slurm_job_state(run).startswith(f"job {new_job} ")
     assert slurm_cluster.wait_end(new_job, 90) == "COMPLETED"
     assert_each_step_once(run, more)
+
+
+# -- the real entry points ------------------------------------------------------------------
+
+
+def missing_entry_points() -> str | None:
+    """Why the real pools cannot run as job steps yet, or None."""
+    usage = subprocess.run([sys.executable, "jobs/engine.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    if not (ROOT / "jobs" / "actor.py").exists() or "pool" not in usage.stdout:
+        return "jobs/actor.py or `jobs/engine.py --role pool` does not exist yet"
+    return None
+
+
+def submit_real(root: Path) -> tuple[str, Path]:
+    overrides = [f"run.root={root}", "run.name=real", f"run.steps={REAL_STEPS}"]
+    overrides += ["slurm.actor.partition=train", "slurm.engines.partition=train"]
+    result = molt("submit", "configs/tiny_cpu.toml", *sets(*overrides))
+    assert result.returncode == 0, result.stderr
+    return re.search(r"submitted job (\d+)", result.stdout).group(1), root / "real"
+
+
+def actor_metrics(run: Path) -> list[dict]:
+    return [r for r in read_metrics(run / "metrics.jsonl", source="actor") if "step" in r]
+
+
+def preempt_real_run(cluster, job: str, run: Path) -> None:
+    """A third of the way in, a job of partition `urgent` takes the run's engine node."""
+    cluster.wait_for(lambda: len(actor_metrics(run)) >= REAL_STEPS // 3, 400, "a third of the real run", interval=1)
+    _, engine_node = cluster.component_nodes(job)
+    cluster.slurm("sbatch", "-p", "urgent", "-w", engine_node, "-c", "4", "-o", "/dev/null", "--wrap", "sleep 5")
+
+
+@pytest.fixture(scope="module")
+def real_run(slurm_cluster, background_jobs) -> tuple[str, Path]:
+    if "real" not in background_jobs:
+        pytest.skip(missing_entry_points() or "the real run was not submitted")
+    job, run = background_jobs["real"]
+    assert slurm_cluster.wait_end(job, 500) == "COMPLETED"
+    return job, run
+
+
+@pytest.mark.slow
+def test_real_pools_run_the_tiny_config_to_completion_and_learn(real_run) -> None:
+    _, run = real_run
+    records = actor_metrics(run)
+    assert [r["step"] for r in records] == list(range(1, REAL_STEPS + 1))  # each step once, across the requeue
+    rewards = [r["reward"] for r in records]
+    quarter = len(rewards) // 4
+    first, last = sum(rewards[:quarter]) / quarter, sum(rewards[-quarter:]) / quarter
+    assert last > first, f"no learning: mean reward {first:.4f} in the first quarter, {last:.4f} in the last"
+
+
+@pytest.mark.slow
+def test_real_pools_preempted_train_the_groups_of_an_uninterrupted_run(slurm_cluster, real_run) -> None:
+    job, run = real_run
+    assert slurm_cluster.job_field(job, "Restarts") == "1"
+    assert "SIGUSR1: the actor pool checkpoints" in (run / "logs" / "driver.log").read_text()
+    trained = acked_ids(find_spool(run))
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    per_step = load_config(ROOT / "configs" / "tiny_cpu.toml").actor.groups_per_step
+    assert len(trained) == REAL_STEPS * per_step, "groups were lost or added"

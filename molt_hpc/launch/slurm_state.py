@@ -58,7 +58,8 @@ def job_state(job_id: str) -> str | None:
         jid, _, state = line.partition(" ")
         if jid in (job_id, f"{job_id}+0"):
             return state.strip()
-    fields = dict(t.partition("=")[::2] for t in _query("scontrol", "-o", "show", "job", job_id).split()[:40])
+    leader = next(iter(_query("scontrol", "-o", "show", "job", job_id).splitlines()), "")
+    fields = dict(token.partition("=")[::2] for token in leader.split())
     if fields.get("JobState"):
         return fields["JobState"]
     for line in _query("sacct", "-n", "-X", "-P", "-j", job_id, "-o", "JobID,State").splitlines():
