@@ -189,6 +189,8 @@ def test_cancel_checkpoints_first_unless_now(slurm_cluster, tmp_path, tiny_model
     for r in (run, run_now):
         slurm_cluster.wait_for(lambda r=r: len(trained_steps(r)) >= 3, 90, "the actor pool to train")
 
+    busy = molt("submit", "--resume", str(run))
+    assert busy.returncode == 2 and f"job {job} of {run} is still RUNNING" in busy.stderr
     now = molt("cancel", str(run_now), "--now")
     assert now.returncode == 0 and f"cancelled job {job_now} (at once)" in now.stdout, now.stderr
     clean = molt("cancel", str(run))

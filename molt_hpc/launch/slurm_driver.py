@@ -75,7 +75,9 @@ def drive(run_dir: Path) -> dict[str, object]:
     signals = StopSignals()
     cfg = run_config(run_dir)
     log = setup_logging("driver", cfg.logging.level, file=run_dir / "logs" / "driver.log")
-    job_id = os.environ["SLURM_JOB_ID"]
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if job_id is None:
+        raise DriverError("SLURM_JOB_ID is not set: the driver runs as the batch script of a Slurm job")
     record_job_id(run_dir, job_id)
     log.info("job %s, start %s, run %s", job_id, int(os.environ.get("SLURM_RESTART_COUNT", "0")) + 1, run_dir)
     if control_file(run_dir, "cancel").exists():
@@ -212,7 +214,7 @@ def main(run_dir: str | Path, config_text: str | None = None) -> int:
         create_run_dir(Path(run_dir).absolute().parent, Path(run_dir).name, to_toml(cfg))
     try:
         result = drive(Path(run_dir).absolute())
-    except DriverError as err:
+    except (DriverError, ValueError) as err:  # a message for the user (and the job log), not a bug report
         get_logger().error("%s", err)
         return 1
     get_logger().info("job ended: %s", result)
