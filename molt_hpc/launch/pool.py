@@ -2,8 +2,9 @@
 
 Run as `jobs/engine.py RUN_DIR --role pool` by both launchers (a local subprocess, or one
 `srun --het-group=1` task per node). A dead engine is restarted in place (the router takes it
-out of the ring meanwhile, the trainer re-forms the refit group when it re-registers); a dead
-router or orchestrator ends the pool with an error, which ends the run.
+out of the ring meanwhile, the trainer re-forms the refit group when it re-registers); a router
+or orchestrator that fails ends the pool with an error, which ends the run. The pool itself ends
+only when its launcher stops it (SIGTERM), so engines still answer after training is done.
 """
 
 import os
@@ -89,11 +90,16 @@ def run_pool(cfg: MoltConfig, run: RunDir, node_rank: int, max_restarts: int) ->
                 child.restarts += 1
                 log.warning("%s died (exit %s); restarting it (%d/%d)", child.name, code, child.restarts, max_restarts)
                 child.start()
-            for child in services:
+            for child in list(services):
                 code = child.poll()
-                if code is not None:
+                if code is None:
+                    continue
+                if code:
                     log.error("%s exited (code %s); stopping the pool\n%s", child.name, code, child.tail())
-                    return 1 if code else 0
+                    return 1
+                # A clean end (training done or a stop asked): engines keep serving until the launcher stops us.
+                log.info("%s finished", child.name)
+                services.remove(child)
         return 0
     finally:
         stop_all(children)
