@@ -95,7 +95,7 @@ def background_jobs(slurm_cluster, tmp_path_factory, tiny_model_dir, request) ->
     jobs = {
         "time-limit": submit(root, tiny_model_dir, "time-limit", "run.steps=100000", "slurm.time=00:01:00",
                              "slurm.signal_lead_s=50", *on_nodes("node0", "node1")),
-        "preempted": submit(root, tiny_model_dir, "preempted", "run.steps=50", *on_nodes("node2", "node3")),
+        "preempted": submit(root, tiny_model_dir, "preempted", "run.steps=80", *on_nodes("node2", "node3")),
     }  # fmt: skip
     wanted = any(item.name.startswith("test_real_pools") for item in request.session.items)
     if wanted and missing_entry_points() is None:
@@ -109,17 +109,33 @@ def on_nodes(actor: str, engines: str) -> list[str]:
 
 
 def test_preemption_checkpoints_requeues_and_resumes_to_the_end(slurm_cluster, background_jobs) -> None:
+    """A preemption as this cluster sends it (the `--signal` at once, then TERM after GraceTime), then one
+    as clusters without `preempt_send_user_signal` send it (TERM to the batch shell)."""
     job, run = background_jobs["preempted"]
-    slurm_cluster.wait_for(lambda: len(trained_steps(run)) >= 5, 90, "the actor pool to train")
+    wait_training(slurm_cluster, job, run, start=0, steps=5)
     _, engine_node = slurm_cluster.component_nodes(job)
     urgent = slurm_cluster.slurm("sbatch", "--parsable", "-p", "urgent", "-w", engine_node, "-c", "4",
                                  "-o", "/dev/null", "--wrap", "sleep 2").strip()  # fmt: skip
+    wait_training(slurm_cluster, job, run, start=1, steps=3)
+    slurm_cluster.slurm("scancel", "--batch", "--signal=TERM", job)
     assert slurm_cluster.wait_end(job, 120) == "COMPLETED"
-    assert slurm_cluster.job_field(job, "Restarts") == "1"
+    assert slurm_cluster.job_field(job, "Restarts") == "2"
     assert slurm_cluster.wait_end(urgent, 30) == "COMPLETED"
-    assert "SIGUSR1: the actor pool checkpoints" in (run / "logs" / "driver.log").read_text()
-    assert [e["restart"] for e in events(run, "actor", "stopped")] == [0]
-    assert_each_step_once(run, 50)
+    log = (run / "logs" / "driver.log").read_text()
+    assert "SIGUSR1: the actor pool checkpoints" in log and "SIGTERM: the actor pool checkpoints" in log
+    assert [e["restart"] for e in events(run, "actor", "stopped")] == [0, 1]
+    assert_each_step_once(run, 80)
+
+
+def wait_training(cluster, job: str, run: Path, start: int, steps: int) -> None:
+    """Until the job's start number `start` (0: the first) has trained `steps` steps."""
+
+    def trained() -> bool:
+        if cluster.job_states(job)[:1] == ["PENDING"]:
+            cluster.kick(job)  # requeued: see LocalSlurm.kick
+        return sum(1 for e in events(run, "actor", "step") if e["restart"] == start) >= steps
+
+    cluster.wait_for(trained, 120, f"start {start} of job {job} to train {steps} steps", interval=0.5)
 
 
 def test_het_job_runs_both_pools_and_ends_when_training_is_done(slurm_cluster, tmp_path, tiny_model_dir) -> None:
