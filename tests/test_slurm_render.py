@@ -191,5 +191,11 @@ def test_step_commands_follow_the_config(tmp_path: Path) -> None:
     assert procs_per_node(cpu) == 2 and procs_per_node(cfg) == 8
 
 
+def test_cpu_actor_ranks_must_spread_evenly_over_the_nodes(tmp_path: Path) -> None:
+    result = molt("submit", "--set", f"run.root={tmp_path}", "--set", "actor.ranks=3", "--set", "slurm.actor.nodes=2")
+    assert result.returncode == 2 and "actor.ranks = 3 does not spread evenly" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_no_job_on_record_has_no_slurm_state(tmp_path: Path) -> None:
     assert slurm.slurm_job_state(tmp_path) is None

@@ -99,8 +99,19 @@ def check_partitions(cfg: MoltConfig, partitions: dict[str, Partition]) -> None:
             )
 
 
+def check_actor_ranks(cfg: MoltConfig) -> None:
+    """On CPU nodes `actor.ranks` trainer processes are spread evenly over the actor group's nodes."""
+    nodes = cfg.slurm.actor.nodes
+    if not cfg.slurm.actor.gpus_per_node and cfg.actor.ranks % nodes:
+        raise ValueError(
+            f"actor.ranks = {cfg.actor.ranks} does not spread evenly over slurm.actor.nodes = {nodes} CPU "
+            "nodes: make it a multiple of the node count"
+        )
+
+
 def preflight(cfg: MoltConfig) -> None:
     """Everything that can be checked before submission; raises ValueError with the fix."""
+    check_actor_ranks(cfg)
     check_slurm_reachable()
     partitions = read_partitions()
     if partitions is not None:
