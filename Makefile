@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 CONFIG  ?= configs/tiny_cpu.toml
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast test-gpu lint fmt bench bench-gpu clean venv
+.PHONY: demo test test-fast test-gpu lint fmt golden bench bench-gpu clean venv
 
 venv: $(STAMP)
 
@@ -38,6 +38,10 @@ fmt: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 # CPU benchmarks (bench/gpu*.py need a GPU: `make bench-gpu`).
+# Re-record the golden batch scripts of tests/golden/ after an intended change to slurm/ or configs/.
+golden: $(STAMP)
+	MOLT_GOLDEN_UPDATE=1 $(BIN)/pytest tests/test_slurm_render.py -q
+
 bench: $(STAMP)
 	@for b in $$(ls bench/*.py | grep -v '^bench/gpu'); do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
