@@ -37,11 +37,11 @@ fmt: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-# CPU benchmarks (bench/gpu*.py need a GPU: `make bench-gpu`).
 # Re-record the golden batch scripts of tests/golden/ after an intended change to slurm/ or configs/.
 golden: $(STAMP)
 	MOLT_GOLDEN_UPDATE=1 $(BIN)/pytest tests/test_slurm_render.py -q
 
+# CPU benchmarks (bench/gpu*.py need a GPU: `make bench-gpu`).
 bench: $(STAMP)
 	@for b in $$(ls bench/*.py | grep -v '^bench/gpu'); do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
