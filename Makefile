@@ -45,5 +45,9 @@ golden: $(STAMP)
 bench: $(STAMP)
 	@for b in $$(ls bench/*.py | grep -v '^bench/gpu'); do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
+# GPU benchmarks on two GPUs, one table (BENCH_ARGS="--dry-run" checks them on the CPU).
+bench-gpu: $(STAMP)
+	$(BIN)/python bench/gpu.py $(BENCH_ARGS)
+
 clean:
 	rm -rf runs .pytest_cache
