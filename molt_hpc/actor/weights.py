@@ -26,6 +26,20 @@ def plan_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None 
     return [b for b in buckets if b]
 
 
+def full_tensor(p: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, bool]:
+    """The whole of parameter `p` (gathered from its shards, a collective) at `dtype` if that is narrower,
+    and whether the result is a fresh tensor (False: it shares memory with the parameter)."""
+    fresh = False
+    if dtype is not None and dtype.itemsize < p.dtype.itemsize:
+        p, fresh = p.to(dtype), True  # cast the shard before gathering: the gather moves fewer bytes
+    if isinstance(p, DTensor):
+        if p.device_mesh.size() == 1:
+            p = p.to_local()  # a world of one holds the whole tensor: nothing to gather or copy
+        else:
+            p, fresh = p.full_tensor(), True
+    return p, fresh
+
+
 def full_buckets(
     model: nn.Module,
     plan: list[list[str]],
@@ -36,16 +50,16 @@ def full_buckets(
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Yield each bucket of `plan` as name → full tensor; empty dicts where `keep` is False.
 
-    Every rank must iterate to the end (each bucket is a collective).
+    Every rank must iterate to the end (each bucket is a collective). A kept tensor never shares memory
+    with its parameter.
     """
     params = dict(model.named_parameters())
     for names in plan:
         out = {}
         for name in names:
-            p = params[name].detach()
-            full = p.full_tensor() if isinstance(p, DTensor) else p
+            full, fresh = full_tensor(params[name].detach(), dtype)
             if keep:
-                out[name] = full.to(device=device, dtype=dtype or full.dtype, copy=True)
+                out[name] = full.to(device=device, dtype=dtype or full.dtype, copy=not fresh)
             del full
         yield out
 

@@ -80,6 +80,13 @@ class ModelRunner:
         )
         return out.logits[:, -1], BatchCache(cache, mask)
 
+    def join(self, batch: BatchCache | None, part: BatchCache) -> BatchCache:
+        """The running batch with the freshly prefilled rows `part` after its rows (`part` when none runs)."""
+        if batch is None:
+            return part
+        batch.merge(part)
+        return batch
+
     @torch.inference_mode()
     def decode(self, batch: BatchCache, last: list[int], positions: list[int]) -> torch.Tensor:
         """Feed each row's pending token; returns next-token logits [B, V]."""
@@ -97,19 +104,20 @@ class ModelRunner:
 def sample_rows(rows: list[Row], logits: torch.Tensor, default: torch.Generator) -> None:
     """Process each row's logits with its own parameters, draw one token each and append it to the row
     (with its log-prob and, where asked for, the top log-probs)."""
-    dev = logits.device
     params = [r.params for r in rows]
+    # The parameters stay on the CPU: the filters' "is any row using it" checks then cost no device sync.
     logp = processed_logprobs(
         logits,
-        torch.tensor([p.temperature for p in params], device=dev),
-        torch.tensor([p.top_k for p in params], device=dev),
-        torch.tensor([p.top_p for p in params], device=dev),
-        torch.tensor([p.min_p for p in params], device=dev),
+        torch.tensor([p.temperature for p in params]),
+        torch.tensor([p.top_k for p in params]),
+        torch.tensor([p.top_p for p in params]),
+        torch.tensor([p.min_p for p in params]),
     )
     greedy = [p.temperature == 0 for p in params]
-    tokens = sample(logp, greedy, [r.generator for r in rows], default)
-    chosen = logp.gather(-1, torch.tensor(tokens, device=dev)[:, None]).view(-1).tolist()
-    for i, (row, tok, lp) in enumerate(zip(rows, tokens, chosen, strict=True)):
+    drawn = sample(logp, greedy, [r.generator for r in rows], default)
+    chosen = logp.gather(-1, drawn[:, None]).view(-1)
+    tokens, lps = drawn.tolist(), chosen.tolist()  # the step's one read-back of tokens and log-probs
+    for i, (row, tok, lp) in enumerate(zip(rows, tokens, lps, strict=True)):
         row.tokens.append(tok)
         row.logprobs.append(lp)
         want = row.params.logprobs

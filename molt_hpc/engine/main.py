@@ -39,13 +39,15 @@ def engine_file(run: RunDir, index: int) -> Path:
     return run.rendezvous / f"engine-{index}.json"
 
 
-def build_engine(cfg: MoltConfig, run: RunDir, index: int):
-    """Model, scheduler and app of engine `index` (not yet serving)."""
+def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
+    """Model, scheduler and app of engine `index` (not yet serving); `model` skips loading it from
+    `model.path` (a model built in memory, e.g. by a benchmark)."""
     import torch
 
     from molt_hpc.engine.batch import ModelRunner
     from molt_hpc.engine.scheduler import Scheduler
     from molt_hpc.engine.server import EngineState, build_app
+    from molt_hpc.engine.slots import ATTENTION, SlotRunner
     from molt_hpc.engine.weights import WeightSync
     from molt_hpc.models import load_causal_lm, resolve_model
 
@@ -53,31 +55,44 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int):
         raise ValueError(f"engines.kind = {cfg.engines.kind!r}: this process runs the builtin engine only")
     if cfg.engines.threads:
         torch.set_num_threads(cfg.engines.threads)
-    path = resolve_model(cfg.model, run.models)
     device = pick_device(cfg.engines.device)
-    model = load_causal_lm(path, dtype=cfg.model.dtype, device=device, attn=cfg.model.attn_implementation)
+    if model is None:
+        path = resolve_model(cfg.model, run.models)
+        model = load_causal_lm(path, dtype=cfg.model.dtype, device=device, attn=cfg.model.attn_implementation)
     eos = model.generation_config.eos_token_id if model.generation_config else model.config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    runner = ModelRunner(model, torch.device(device))
+    eng = cfg.engines
+    if device == "cuda" and getattr(model.config, "_attn_implementation", "sdpa") in ATTENTION:
+        # On a GPU: a preallocated KV cache, and decode steps replayed as CUDA graphs unless enforce_eager.
+        # On a CPU the step costs what its ops cost either way; the growing cache stays.
+        runner = SlotRunner(
+            model,
+            torch.device(device),
+            max_batch=eng.max_batch,
+            max_model_len=eng.max_model_len,
+            graphs=not eng.enforce_eager,
+        )
+    else:
+        runner = ModelRunner(model, torch.device(device))
     sched = Scheduler(
         runner,
         eos_ids=eos_ids,
-        max_batch=cfg.engines.max_batch,
-        max_model_len=cfg.engines.max_model_len,
+        max_batch=eng.max_batch,
+        max_model_len=eng.max_model_len,
         seed=cfg.run.seed * 1000 + index,
     )
-    state = EngineState(sched, model.config.vocab_size, cfg.engines.max_model_len, str(cfg.model.path), index)
+    state = EngineState(sched, model.config.vocab_size, eng.max_model_len, str(cfg.model.path), index)
     app = build_app(state, run.token())
     sync = WeightSync(state, model)
     sync.add_routes(app)
     return app, sched, sync
 
 
-async def serve(cfg: MoltConfig, run: RunDir, index: int) -> None:
+async def serve(cfg: MoltConfig, run: RunDir, index: int, model=None) -> None:
     from aiohttp import web
 
     log = get_logger()
-    app, sched, sync = build_engine(cfg, run, index)
+    app, sched, sync = build_engine(cfg, run, index, model)
     sched.start()
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()

@@ -112,18 +112,16 @@ def processed_logprobs(
 
 def sample(
     logprobs: torch.Tensor, greedy: list[bool], generators: list[torch.Generator | None], default: torch.Generator
-) -> list[int]:
-    """One token per row: argmax for greedy rows, else a draw with the row's own generator (seeded
-    requests) or the engine's shared one."""
-    out = [0] * logprobs.shape[0]
+) -> torch.Tensor:
+    """One token per row ([B] int64 on the log-probs' device): argmax for greedy rows, else a draw with the
+    row's own generator (seeded requests) or the engine's shared one. No host sync: on a GPU the caller
+    reads the tokens back once, together with their log-probs."""
+    out = logprobs.argmax(-1)
     shared = [i for i, (g, gen) in enumerate(zip(greedy, generators, strict=True)) if not g and gen is None]
     if shared:
-        drawn = torch.multinomial(logprobs[shared].exp(), 1, generator=default).view(-1).tolist()
-        for i, tok in zip(shared, drawn, strict=True):
-            out[i] = tok
+        idx = torch.tensor(shared, device=logprobs.device)
+        out[idx] = torch.multinomial(logprobs[idx].exp(), 1, generator=default).view(-1)
     for i, (g, gen) in enumerate(zip(greedy, generators, strict=True)):
-        if g:
-            out[i] = int(logprobs[i].argmax())
-        elif gen is not None:
-            out[i] = int(torch.multinomial(logprobs[i].exp(), 1, generator=gen))
+        if not g and gen is not None:
+            out[i] = torch.multinomial(logprobs[i].exp(), 1, generator=gen)[0]
     return out

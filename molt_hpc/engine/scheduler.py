@@ -22,6 +22,7 @@ import torch
 
 from molt_hpc.engine.batch import ModelRunner, Row, sample_rows
 from molt_hpc.engine.kvcache import BatchCache
+from molt_hpc.engine.slots import SlotCache
 from molt_hpc.log import get_logger
 
 
@@ -40,7 +41,7 @@ class Scheduler:
         self.pause_mode: str | None = None  # None, "wait" (draining), "paused"
         self.refitting = False
         self.steps = 0
-        self._batch: BatchCache | None = None
+        self._batch: BatchCache | SlotCache | None = None  # the runner's running batch
         self._drained: list[Future] = []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._generator = torch.Generator(device=runner.device).manual_seed(seed)
@@ -161,10 +162,7 @@ class Scheduler:
             newcomers, self.waiting = self.waiting[:room], self.waiting[room:]
             logits, cache = self.runner.prefill([r.context for r in newcomers])
             self._append(newcomers, logits)
-            if self._batch is None:
-                self._batch = cache
-            else:
-                self._batch.merge(cache)
+            self._batch = self.runner.join(self._batch, cache)
             self.rows.extend(newcomers)
             self._retire()
         if self.rows:

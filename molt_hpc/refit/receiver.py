@@ -71,6 +71,8 @@ class RefitReceiver:
                     for name, tensor in unpack(buf, bucket):
                         params[name].copy_(tensor)
                         loaded += 1
+        if self._buffers and self._buffers[0].is_cuda:  # "loaded": in the parameters, not queued on the GPU
+            torch.cuda.current_stream(self._buffers[0].device).synchronize()
         if problem is not None:
             raise ValueError(problem)
         return loaded

@@ -1,0 +1,89 @@
+"""The GPU benchmarks in one table (`make bench-gpu`): engine tokens/s, refit time, trainer step MFU.
+
+Runs `bench/gpu_engine.py`, `bench/gpu_refit.py` and `bench/gpu_train.py` (under torchrun, two ranks)
+one after the other, each in its own processes with a time limit, collects their rows and prints one
+Markdown table: what was measured, the baseline measured in the same run, their ratio and the target.
+Needs two CUDA GPUs; `--dry-run` runs the same scripts on the CPU with tiny shapes (a script check,
+not a measurement). Each benchmark's full output goes to `--logs`.
+
+    python bench/gpu.py [--only engine refit train] [--logs DIR] [--dry-run]
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+LIMIT_S = {"engine": 300, "refit": 300, "train": 420}
+
+
+def command(name: str, out: Path, dry: bool) -> list[str]:
+    script = str(BENCH / f"gpu_{name}.py")
+    args = ["--out", str(out)] + (["--dry-run"] if dry else [])
+    if name == "train":
+        local = Path(sys.executable).parent / "torchrun"
+        torchrun = str(local) if local.exists() else shutil.which("torchrun") or "torchrun"
+        return [torchrun, "--nproc-per-node", "2", script, *args]
+    return [sys.executable, script, *args]
+
+
+def fmt(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 1:
+        return f"{value:.2f}"
+    return f"{value:.2e}" if value else "0"
+
+
+def table(rows: list[dict]) -> str:
+    head = "| bench | case | measured | unit | baseline (same run) | ratio | target | note |"
+    lines = [head, "|---|---|---:|---|---:|---:|---|---|"]
+    for r in rows:
+        ratio = f"{r['ratio']:.2f}x" if r.get("ratio") is not None else ""
+        cells = [r["bench"], r["case"], fmt(r["value"]), r["unit"], fmt(r.get("baseline")), ratio,
+                 r.get("target") or "", r.get("note") or ""]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="+", choices=sorted(LIMIT_S), default=["engine", "refit", "train"])
+    ap.add_argument("--logs", type=Path, default=None, help="where each benchmark's output goes (default: a temp dir)")
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args()
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    out = logs / "rows.jsonl"
+    out.unlink(missing_ok=True)
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "PYTHONUNBUFFERED": "1"}
+    failed = []
+    for name in args.only:
+        t0 = time.perf_counter()
+        with open(logs / f"{name}.log", "wb") as log:
+            try:
+                code = subprocess.run(command(name, out, args.dry_run), stdout=log, stderr=subprocess.STDOUT,
+                                      env=env, timeout=LIMIT_S[name]).returncode  # fmt: skip
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+        print(f"== {name}: exit {code} in {time.perf_counter() - t0:.0f} s (log {logs / f'{name}.log'})", flush=True)
+        if code != 0:
+            failed.append(name)
+            print((logs / f"{name}.log").read_text(errors="replace")[-3000:])
+    rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    print(table(rows))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

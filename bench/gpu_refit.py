@@ -1,0 +1,190 @@
+"""Refit of a Qwen2-7B-shape model (bf16 on the wire, 15.2 GB), trainer on GPU 0 → engine on GPU 1, next to a
+raw NCCL broadcast of the same bytes between the same two processes in the same run.
+
+- trainer: this process, an FSDP2 world of one on GPU 0 holding fp32 master weights (random init with
+  `from_config`); a refit is `molt_hpc.actor.sync.EngineSync.refit`, end to end: health check, the
+  full weights out of FSDP in bf16, `RefitSender` (start → packed 256 MiB buckets over NCCL → finish);
+- engine: a real engine process on GPU 1 (`molt_hpc.engine.main.serve`: HTTP server, scheduler, the
+  weight-transfer routes, `RefitReceiver`) whose bf16 model is built in memory with `from_config`
+  instead of read from disk (15 GB of safetensors would take longer to write than the benchmark);
+- baseline: before it serves, the engine process joins a raw NCCL group with this one
+  (`molt_hpc.refit.group.new_group`) and receives the same bucket sizes, and the same bytes in 1 GiB
+  messages; each round ends with a 1-element broadcast back from the engine, so it is really received.
+
+The engine's log-probs on a prompt are compared with the trainer's own forward before the first refit
+(different random weights) and after the last (the refit's weights), and the new version is checked
+in a generate answer.
+
+    python bench/gpu_refit.py [--out rows.jsonl] [--dry-run]
+"""
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import torch
+from gpu_common import build_model, gpu_env, sync, write_row
+
+from molt_hpc.config import load_config, to_toml
+from molt_hpc.engine.client import generate
+from molt_hpc.refit.buckets import TensorMeta, dtype_name, plan_buckets
+from molt_hpc.refit.group import connect_store, host_store, new_group
+from molt_hpc.rundir import RunDir, create_run_dir
+
+ROUNDS = 4  # the first is a warm-up
+PROMPT = list(range(1, 17))
+
+
+def raw_plans(model, wire: torch.dtype) -> dict[str, list[int]]:
+    """Message sizes of the baseline: the refit's 256 MiB bucket plan, and 1 GiB messages of the same bytes."""
+    metas = [TensorMeta(n, dtype_name(wire), tuple(p.shape)) for n, p in model.named_parameters()]
+    total = sum(m.nbytes for m in metas)
+    return {
+        "raw NCCL broadcast, 256 MiB buckets": [b.nbytes for b in plan_buckets(metas, 256 << 20)],
+        "raw NCCL broadcast, 1 GiB messages": [min(1 << 30, total - s) for s in range(0, total, 1 << 30)],
+    }
+
+
+def raw_rounds(group, plans: dict[str, list[int]], device, rank: int) -> dict[str, list[float]]:
+    """Both ends: every plan `ROUNDS` times from rank 0, each ended by a broadcast back from rank 1."""
+    size = max(max(p) for p in plans.values())
+    bufs = [torch.ones(size, dtype=torch.uint8, device=device) for _ in range(2)]
+    done = torch.zeros(1, device=device)
+    times: dict[str, list[float]] = {}
+    for r in range(ROUNDS):
+        for name, plan in plans.items():
+            sync(device)
+            t0 = time.perf_counter()
+            for k, n in enumerate(plan):
+                group.broadcast(bufs[k % 2][:n], src=0)
+            group.broadcast(done, src=1).wait()
+            sync(device)
+            if r:
+                times.setdefault(name, []).append(time.perf_counter() - t0)
+    return times
+
+
+def engine_main(run_dir: Path, port: int, shape: str, dry: bool) -> int:
+    """The engine process: build the model, be the baseline's receiver, then serve as engine 0."""
+    from molt_hpc.engine.main import serve
+    from molt_hpc.log import setup_logging
+
+    setup_logging("engine 0")
+    run = RunDir(run_dir)
+    cfg = load_config(run.config)
+    device = "cpu" if dry else "cuda"
+    dtype = getattr(torch, cfg.model.dtype)
+    model = build_model(shape, dtype, device, seed=1)
+    store = connect_store("127.0.0.1", port, 600)
+    group = new_group("gloo" if dry else "nccl", store, "raw/", 1, 2, 600)
+    raw_rounds(group, raw_plans(model, dtype), torch.device(device), 1)
+    del group, store
+    asyncio.run(serve(cfg, run, 0, model=model))
+    return 0
+
+
+async def engine_answer(url: str, token: str) -> tuple[list[int], list[float], int]:
+    sp = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    async with aiohttp.ClientSession() as s:
+        out = await generate(s, url, PROMPT, sp, token=token)
+    return out.token_ids, out.logprobs, out.weight_version
+
+
+def trainer_diff(model, url: str, token: str, device) -> tuple[float, int]:
+    """Max |engine log-prob − trainer log-prob| on the engine's greedy tokens, and the engine's version."""
+    from molt_hpc.algorithm import logprobs_from_logits
+
+    tokens, logprobs, version = asyncio.run(engine_answer(url, token))
+    ids = torch.tensor([PROMPT + tokens], device=device)
+    with torch.no_grad():
+        mine, _ = logprobs_from_logits(model(input_ids=ids).logits, ids)
+    return float((mine[0, len(PROMPT) :].cpu() - torch.tensor(logprobs)).abs().max()), version
+
+
+def wait_url(run: RunDir, proc: subprocess.Popen, timeout: float = 600) -> str:
+    path = run.rendezvous / "engine-0.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return json.loads(path.read_text())["url"]
+        if proc.poll() is not None:
+            raise SystemExit(f"engine died:\n{(run.logs / 'engine-0.log').read_text()[-3000:]}")
+        time.sleep(0.2)
+    raise SystemExit("engine did not register")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU over gloo: checks the script")
+    ap.add_argument("--engine", nargs=2, metavar=("RUN_DIR", "PORT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    dry = args.dry_run
+    shape = "tiny" if dry else "7b"
+    if args.engine:
+        return engine_main(Path(args.engine[0]), int(args.engine[1]), shape, dry)
+    if not dry and torch.cuda.device_count() < 2:
+        print("gpu_refit: needs two CUDA GPUs (trainer on one, engine on the other); --dry-run on a CPU")
+        return 0
+
+    from molt_hpc.actor.parallelize import parallelize
+    from molt_hpc.actor.sync import EngineSync
+    from molt_hpc.actor.world import init_world
+
+    dev = "cpu" if dry else "cuda"
+    sets = ["model.dtype='bfloat16'", "refit.host='127.0.0.1'", f"actor.device='{dev}'", f"engines.device='{dev}'",
+            "engines.max_batch=8", "engines.max_model_len=256"]  # fmt: skip
+    cfg = load_config(None, sets)
+    run = create_run_dir(tempfile.mkdtemp(prefix="bench-gpu-refit-"), "run", to_toml(cfg))
+    store = host_store(600)
+    cmd = [sys.executable, __file__, "--engine", str(run.path), str(store.port)] + (["--dry-run"] if dry else [])
+    env = gpu_env() if dry else {**gpu_env(), "CUDA_VISIBLE_DEVICES": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(run.logs / "engine-0.log", "wb"), env=env)  # noqa: SIM115
+    try:
+        world = init_world(cfg.actor)
+        model = parallelize(build_model(shape, torch.float32, world.device, seed=0), world.mesh, cfg.actor,
+                            compute_dtype=torch.bfloat16)  # fmt: skip
+        group = new_group("gloo" if dry else "nccl", store, "raw/", 0, 2, 600)
+        plans = raw_plans(model, torch.bfloat16)
+        times = raw_rounds(group, plans, world.device, 0)
+        del group
+        url = wait_url(run, proc)
+        token = run.token()
+        before, _ = trainer_diff(model, url, token, world.device)
+        total = sum(plans["raw NCCL broadcast, 1 GiB messages"])
+        version = 0
+        for mb in (256, 1024):
+            engine_sync = EngineSync(load_config(None, [*sets, f"refit.bucket_mb={mb}"]), run.path, world)
+            for r in range(ROUNDS):
+                version += 1
+                dt = engine_sync.refit(model, version)
+                assert dt is not None, "the refit failed (see the log)"
+                if r:
+                    times.setdefault(f"refit end to end, {mb} MiB buckets", []).append(dt)
+            engine_sync.close()
+        after, served = trainer_diff(model, url, token, world.device)
+        assert served == version, f"the engine serves version {served}, not {version}"
+    finally:
+        proc.terminate()
+        proc.wait()
+    base = statistics.median(times["raw NCCL broadcast, 256 MiB buckets"])
+    for name, values in times.items():
+        med = statistics.median(values)
+        write_row(args.out, bench="refit", case=name, value=1000 * med, unit="ms", baseline=1000 * base,
+                  ratio=med / base, target="<= 1.5x" if name.startswith("refit") else None,
+                  note=f"{total / med / 1e9:.0f} GB/s, {total / 1e9:.2f} GB")  # fmt: skip
+    write_row(args.out, bench="refit", case="log-probs engine vs trainer, after the refits (bf16)", value=after,
+              unit="max abs", note=f"before the first refit: {before:.2f}; engine serves v{served}")  # fmt: skip
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

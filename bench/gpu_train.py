@@ -1,0 +1,270 @@
+"""Trainer RL step on two GPUs against the plain FSDP2 reference step, Qwen2 0.5B / 1.5B / 7B shapes, seq 4096.
+
+Every case trains on the same tokens: one group of samples of exactly 4096 tokens (512 prompt + 3584
+response), one sample per row, `mb` rows per GPU (4; 2 at 7B), one optimizer update per step.
+
+- reference: the plain FSDP2 step written here — `fully_shard` per decoder block and the root (bf16
+  params, fp32 reduce), HF forward, full-vocabulary cross-entropy on every position, backward, fused
+  AdamW;
+- reference loop + PPO loss: the same loop with the trainer's loss (`policy_logprobs` over action
+  tokens, `policy_loss`) in place of the cross-entropy, to separate the loss from the framework;
+- trainer: `molt_hpc.actor.step.train_step` on a model built the trainer's way (`parallelize`,
+  `build_optimizer`, LR schedule): experience, advantages, global token count, PPO loss, clip, step.
+
+MFU counts 6·N + 12·L·H·T FLOPs per token against 989 TFLOP/s per GPU; 2 warm-up + 4 timed steps,
+median. A last section times the loss alone on one GPU (0.5B vocabulary): cross-entropy against the
+trainer's chunked log-probs, from logits and from hidden states.
+
+    torchrun --nproc-per-node 2 bench/gpu_train.py [--shapes 0.5b 1.5b 7b] [--out rows.jsonl] [--dry-run]
+"""
+
+import argparse
+import gc
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from gpu_common import PEAK_BF16, build_model, flops_per_token, param_count, qwen2_config, sync, write_row
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from molt_hpc.trajectory import Group, Trajectory
+
+MICRO = {"0.5b": 4, "1.5b": 4, "7b": 2, "tiny": 2}
+WARMUP, TIMED = 2, 4
+
+
+def make_group(samples: int, seq: int, prompt: int, vocab: int) -> Group:
+    rng = random.Random(0)
+    out = []
+    for i in range(samples):
+        toks = [rng.randrange(1, vocab) for _ in range(seq)]
+        n = seq - prompt
+        lps = [-rng.uniform(0.5, 3.0) for _ in range(n)]
+        out.append(Trajectory(toks, prompt, [(prompt, seq)], lps, [0] * n, rng.random(), rollout_id=f"s{i}"))
+    return Group("g0", "p0", out)
+
+
+def step_times(step, world) -> float:
+    """Median seconds of `TIMED` steps after `WARMUP`, every rank in step."""
+    times = []
+    for i in range(WARMUP + TIMED):
+        sync(world.device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        sync(world.device)
+        dist.barrier()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def reference_model(shape: str, world):
+    model = build_model(shape, torch.float32, world.device, seed=0).train()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.model.layers:
+        fully_shard(block, mesh=world.mesh, mp_policy=mp)
+    fully_shard(model, mesh=world.mesh, mp_policy=mp)
+    fused = world.device.type == "cuda"
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
+
+
+def reference_step(model, opt, mb) -> None:
+    logits = model(input_ids=mb.sequences, position_ids=mb.position_ids).logits
+    vocab = logits.shape[-1]
+    loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), mb.sequences[:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def ppo_loss_step(model, opt, mb, exp, cfg, count: int, world) -> None:
+    from molt_hpc.actor.batch import policy_logprobs
+    from molt_hpc.algorithm import policy_loss
+
+    logp, ent = policy_logprobs(model, mb, cfg.rollout.temperature, cfg.actor.logprob_chunk)
+    loss, _ = policy_loss(logp, mb.action_log_probs, mb.advantages, mb.action_mask, cfg.algorithm, count,
+                          seq_index=mb.seq_index, n_samples=exp.num_samples, entropy=ent)  # fmt: skip
+    (loss * world.size).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def run_reference(shape: str, world, mb, exp, cfg, count: int) -> dict[str, tuple[float, float]]:
+    """The plain step and the plain loop with the PPO loss: (seconds per step, peak GiB) each."""
+    model, opt = reference_model(shape, world)
+    free()
+    out = {"reference FSDP2 step (CE)": (step_times(lambda: reference_step(model, opt, mb), world), peak_gib())}
+    free()
+    t = step_times(lambda: ppo_loss_step(model, opt, mb, exp, cfg, count, world), world)
+    out["reference loop + PPO loss"] = (t, peak_gib())
+    return out
+
+
+def run_trainer(shape: str, world, group: Group, cfg, profile: bool) -> tuple[float, float]:
+    """`train_step` on a model built the trainer's way (random weights instead of a checkpoint); with
+    `profile`, one more step under the torch profiler, its table printed."""
+    from molt_hpc.actor import build
+    from molt_hpc.actor.parallelize import parallelize
+    from molt_hpc.actor.state import Trainable
+    from molt_hpc.actor.step import Models, train_step
+
+    model = build_model(shape, torch.float32, world.device, seed=0).train()
+    build.disable_dropout(model)
+    parallelize(model, world.mesh, cfg.actor, compute_dtype=torch.bfloat16)
+    opt = build.build_optimizer(model, cfg.actor, cfg.actor.lr)
+    models = Models(policy=Trainable("policy", model, opt, build.build_scheduler(opt, cfg.actor, 10**6)))
+    free()
+    result = step_times(lambda: train_step([group], cfg, models, world, pad_id=0), world), peak_gib()
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as profiler
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if world.device.type == "cuda" else [])
+        with profiler(activities=acts) as prof:
+            train_step([group], cfg, models, world, pad_id=0)
+            sync(world.device)
+        if world.is_main:
+            key = "cuda_time_total" if world.device.type == "cuda" else "cpu_time_total"
+            print(prof.key_averages().table(sort_by=key, row_limit=30), flush=True)
+    return result
+
+
+def bench_shape(shape: str, seq: int, prompt: int, world, out: Path | None, profile: bool = False) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from molt_hpc.actor.batch import my_rows
+    from molt_hpc.algorithm import compute_advantages, experience_from_groups, global_token_count
+    from molt_hpc.config import load_config
+
+    mb_rows = MICRO[shape]
+    sets = [f"rollout.max_total_tokens={seq}", f"data.max_prompt_tokens={prompt}", f"engines.max_model_len={seq}",
+            f"actor.micro_batch_size={mb_rows}",
+            f"actor.device='{world.device.type}'", "model.dtype='bfloat16'", "actor.lr=1e-5"]  # fmt: skip
+    cfg = load_config(None, sets)
+    with torch.device("meta"):
+        params = param_count(AutoModelForCausalLM.from_config(qwen2_config(shape)))
+    vocab = qwen2_config(shape).vocab_size
+    group = make_group(world.size * mb_rows, seq, prompt, vocab)
+    exp = compute_advantages(experience_from_groups([group], max_len=seq, pad_id=0), cfg.algorithm)
+    mb = exp.rows(my_rows(torch.arange(exp.sequences.shape[0]), world)).to(world.device)
+    if world.is_main and profile:  # the step's CPU-side batch assembly, on its own
+        cpu_s = statistics.median(
+            timed_ms(lambda: compute_advantages(experience_from_groups([group], max_len=seq), cfg.algorithm), "cpu")
+            for _ in range(5)
+        )
+        write_row(out, bench="train", case=f"trainer step's CPU work: experience + advantages ({len(group.samples)} x "
+                  f"{seq} tokens)", value=cpu_s, unit="ms")  # fmt: skip
+    results = run_reference(shape, world, mb, exp, cfg, global_token_count(mb.action_mask))
+    free()
+    results["trainer train_step (molt_hpc.actor)"] = run_trainer(shape, world, group, cfg, profile)
+    free()
+    tokens = world.size * mb_rows * seq
+    flops = flops_per_token(shape, params, seq) * tokens
+    base = results["reference FSDP2 step (CE)"][0]
+    for name, (t, mem) in results.items():
+        if world.is_main:
+            note = f"{1000 * t:.0f} ms/step, {tokens / t / world.size:.0f} tok/s/GPU, peak {mem:.1f} GiB"
+            write_row(out, bench="train", case=f"{shape} ({params / 1e9:.2f}B), {name}",
+                      value=100 * flops / (t * world.size * PEAK_BF16), unit="% MFU",
+                      baseline=100 * flops / (base * world.size * PEAK_BF16), ratio=base / t,
+                      target=">= 1.0x" if name.startswith("trainer") else None, note=note)  # fmt: skip
+
+
+def loss_kernels(seq: int, prompt: int, rows: int, device, out: Path | None, vocab: int, hidden: int) -> None:
+    """Forward + backward of the loss alone on `rows × seq` positions: CE vs the trainer's log-probs."""
+    from molt_hpc.algorithm import logprobs_from_logits, token_logprobs
+
+    torch.manual_seed(0)
+    ids = torch.randint(1, vocab, (rows, seq), device=device)
+    mask = torch.zeros(rows, seq, dtype=torch.bool, device=device)
+    mask[:, prompt:] = True
+    logits = (torch.randn(rows, seq, vocab, device=device) * 2).to(torch.bfloat16).requires_grad_()
+    hid = torch.randn(rows, seq, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(vocab, hidden, device=device) * 0.02).to(torch.bfloat16).requires_grad_()
+
+    def ce():
+        F.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1)).backward()
+
+    def from_logits():
+        logp, _ = logprobs_from_logits(logits, ids, action_mask=mask)
+        logp.sum().backward()
+
+    def from_hidden():
+        logp, _ = token_logprobs(hid, weight, ids, action_mask=mask)
+        logp.sum().backward()
+
+    def hidden_ce():
+        F.cross_entropy((hid[:, :-1] @ weight.t()).float().reshape(-1, vocab), ids[:, 1:].reshape(-1)).backward()
+
+    cases = {
+        "CE on logits (reference)": ce,
+        "chunked log-probs from logits (trainer)": from_logits,
+        "lm_head + CE from hidden states": hidden_ce,
+        "chunked log-probs from hidden states": from_hidden,
+    }
+    times = {}
+    for name, fn in cases.items():
+        runs = []
+        for _ in range(6):  # the first is a warm-up
+            for t in (logits, hid, weight):
+                t.grad = None
+            runs.append(timed_ms(fn, device))
+        times[name] = statistics.median(runs[1:])
+    base = times["CE on logits (reference)"]
+    for name, t in times.items():
+        write_row(out, bench="loss", case=f"{name}, {rows}x{seq}, V={vocab}", value=t, unit="ms fwd+bwd",
+                  baseline=base, ratio=t / base)  # fmt: skip
+
+
+def timed_ms(fn, device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return 1000 * (time.perf_counter() - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b", "7b"])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU over gloo: checks the script")
+    args = ap.parse_args()
+    from molt_hpc.actor.world import init_world
+    from molt_hpc.config.train import ActorConfig
+
+    dry = args.dry_run
+    if not dry and torch.cuda.device_count() < 2:
+        print("gpu_train: needs two CUDA GPUs under torchrun --nproc-per-node 2; --dry-run on a CPU")
+        return 0
+    world = init_world(ActorConfig(device="cpu" if dry else "cuda"))
+    seq, prompt = (64, 8) if dry else (4096, 512)
+    for i, shape in enumerate(["tiny"] if dry else args.shapes):
+        bench_shape(shape, seq, prompt, world, args.out, profile=i == 0)
+    if world.is_main:
+        v, h = (1000, 128) if dry else (151936, 896)
+        loss_kernels(seq, prompt, MICRO["tiny" if dry else "0.5b"], world.device, args.out, v, h)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""CUDA graphs of the engine's decode step (on a GPU unless `engines.enforce_eager`).
+
+A decode step of a small model is hundreds of small kernels whose launch costs (Python, transformers,
+the driver) far exceed their run time. `DecodeGraphs` records the whole step, embedding to logits with
+the KV writes, once per (batch bucket, width bucket) and replays it. Rows are padded up to the batch
+bucket with dummy rows (token 0 at position 0 of free slots; their logits are dropped) and the
+attended width is rounded up to a multiple of `WIDTH_STEP` (the mask hides the extra columns), so a
+handful of graphs serve every step. Inputs live in static buffers that each step overwrites; the
+graphs share one memory pool and only one runs at a time (the scheduler thread). A refit copies new
+weights into the same tensors, so the graphs stay valid.
+
+A graph is recorded the first time its bucket is needed: one eager warm-up step (it writes the same
+K/V the replay will write, so it changes nothing) and the capture. A capture that fails leaves the
+runner eager for good, with a warning.
+"""
+
+import torch
+
+from molt_hpc.log import get_logger
+
+WIDTH_STEP = 128
+
+
+def batch_bucket(rows: int, most: int) -> int:
+    """Rows a graph runs for `rows` live rows: a power of two up to 16, then a multiple of 16."""
+    bucket = 1 << max(0, rows - 1).bit_length() if rows <= 16 else -(-rows // 16) * 16
+    return min(bucket, most)
+
+
+def width_bucket(width: int, capacity: int) -> int:
+    return min(-(-width // WIDTH_STEP) * WIDTH_STEP, capacity)
+
+
+class DecodeGraphs:
+    """The decode graphs of one `SlotRunner`, keyed by (batch bucket, width bucket)."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        slots = runner.slots
+        self.ids = torch.zeros(slots.slots, 1, dtype=torch.long, device=runner.device)
+        self.positions = torch.zeros(slots.slots, dtype=torch.long, device=runner.device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def run(self, last: list[int], positions: list[int]) -> torch.Tensor:
+        """Next-token logits `[len(last), V]` of one decode step (valid until the next step)."""
+        n, slots = len(last), self.runner.slots
+        b = batch_bucket(n, slots.slots)
+        width = width_bucket(max(positions) + 1, slots.capacity)
+        pad = [0] * (b - n)
+        staged = torch.tensor([last + pad, positions + pad]).to(self.ids.device)  # one host-to-device copy
+        self.ids[:b, 0].copy_(staged[0])
+        self.positions[:b].copy_(staged[1])
+        key = (b, width)
+        if key not in self.graphs:
+            recorded = self._capture(b, width)
+            if recorded is None:
+                return self.runner.step(self.ids[:b], self.positions[:b], width)[:n]
+            self.graphs[key] = recorded
+        graph, logits = self.graphs[key]
+        graph.replay()
+        return logits[:n]
+
+    def _capture(self, b: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        def step() -> torch.Tensor:
+            return self.runner.step(self.ids[:b], self.positions[:b], width)
+
+        side = torch.cuda.Stream(device=self.ids.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # warm-up outside the capture: library handles and workspaces come into being here
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                logits = step()
+        except RuntimeError:  # this model cannot be captured: serve it eagerly, as enforce_eager would
+            get_logger().warning("CUDA graph capture of the decode step failed; decoding eagerly", exc_info=True)
+            self.runner.graphs = None
+            return None
+        get_logger().info(
+            "captured the decode step for %d rows x %d columns (%d graphs)", b, width, len(self.graphs) + 1
+        )
+        return graph, logits

@@ -1,0 +1,160 @@
+"""The running batch's KV cache, preallocated: one slot per row, written in place, never re-allocated.
+
+`ModelRunner`'s `BatchCache` (kvcache.py) grows a transformers `DynamicCache` by concatenation at
+every decode step and re-pads it when rows join. `SlotCache` instead allocates once, per layer, K and
+V of `[max_batch · max_model_len, kv_heads, head_dim]` (slot-major): row i of the running batch lives
+in slot i, its token j at column j, so a row's column is its position id. A decode step writes each
+row's new K/V at (slot, position) with one `index_copy_` per layer and attends over the first
+`width` columns under an additive mask that hides each row's columns past its own length. Rows join
+by copying their prefill K/V into the next free slots and leave by moving later rows into the holes,
+so the batch is always slots `[0, rows)`. Fixed addresses and shapes are what lets `graphs.py` record
+the decode step as a CUDA graph.
+
+The model sees `SlotCache` only through the one method transformers' attention layers call on a
+cache, `update(key, value, layer_idx, ...)`, and through a ready 4-D mask, which transformers uses as
+it is (full-attention models with the `sdpa` or `eager` kernels).
+"""
+
+import torch
+
+from molt_hpc.engine.batch import ModelRunner
+from molt_hpc.engine.kvcache import BatchCache
+
+ATTENTION = ("sdpa", "eager")
+"""Attention kernels that take a 4-D additive mask (flash-attention 2 takes none)."""
+
+
+class SlotCache:
+    """K/V of every running row in fixed slots, plus the write indices of the step in flight."""
+
+    def __init__(self, config, slots: int, capacity: int, dtype: torch.dtype, device: torch.device):
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        shape = (slots * capacity, kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.slots, self.capacity, self.dtype = slots, capacity, dtype
+        self.rows = 0
+        """Running rows: slots [0, rows)."""
+        self.width = 0
+        """Columns the step in flight attends over."""
+        self._base = torch.arange(slots, device=device) * capacity
+        self._dst = torch.zeros(slots, dtype=torch.long, device=device)
+        self._cols = torch.arange(capacity, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def _view(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(self.slots, self.capacity, *t.shape[1:])
+
+    # -- the running batch ----------------------------------------------------------------------
+
+    def clear(self) -> None:
+        self.rows = 0
+
+    def join(self, part: BatchCache) -> None:
+        """Append the rows of a prefill (left-padded `DynamicCache` + mask) after the running rows."""
+        k, length = part.mask.shape
+        assert self.rows + k <= self.slots, "more rows than slots; the scheduler admits at most max_batch"
+        assert length <= self.capacity, "a context longer than max_model_len was admitted"
+        valid = part.mask.bool()
+        src = valid.reshape(-1).nonzero().squeeze(1)  # (row, column) of every real token, row-major
+        column = part.mask.long().cumsum(1) - 1  # a real token's position = its column in the slot
+        slot = torch.arange(self.rows, self.rows + k, device=column.device)[:, None]
+        dst = (slot * self.capacity + column)[valid].to(self._dst.device)
+        src = src.to(self._dst.device)
+        for mine, theirs in zip(self.keys + self.values, _layer_tensors(part.cache), strict=True):
+            flat = theirs.transpose(1, 2).reshape(k * length, *mine.shape[1:])
+            mine.index_copy_(0, dst, flat.index_select(0, src).to(mine.dtype))
+        self.rows += k
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows` (ascending), moving each kept row down into slot `new` from slot `old`."""
+        moves = [(new, old) for new, old in enumerate(rows) if new != old]
+        if moves:
+            dev = self._dst.device
+            new = torch.tensor([n for n, _ in moves], device=dev)
+            old = torch.tensor([o for _, o in moves], device=dev)
+            for t in self.keys + self.values:
+                view = self._view(t)
+                view.index_copy_(0, new, view.index_select(0, old))
+        self.rows = len(rows)
+
+    # -- one decode step ------------------------------------------------------------------------
+
+    def begin_step(self, positions: torch.Tensor, width: int) -> torch.Tensor:
+        """Set up a decode step of `len(positions)` rows (slots [0, b)) attending over `width` columns;
+        returns its additive mask `[b, 1, 1, width]` (0 where a row may look, the dtype's minimum elsewhere)."""
+        b = positions.shape[0]
+        assert width <= self.capacity
+        torch.add(self._base[:b], positions, out=self._dst[:b])
+        self.width = width
+        allowed = self._cols[:width][None, :] <= positions[:, None]
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
+        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None, None, :]
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """transformers' cache hook: store the step's K/V `[b, kv_heads, 1, head_dim]` at each row's
+        position and return the attended K/V `[b, kv_heads, width, head_dim]` (views, no copies)."""
+        b = key.shape[0]
+        assert key.shape[2] == 1, "the slot cache serves decode steps; prefill runs on a DynamicCache"
+        k_all, v_all = self.keys[layer_idx], self.values[layer_idx]
+        k_all.index_copy_(0, self._dst[:b], key[:, :, 0])
+        v_all.index_copy_(0, self._dst[:b], value[:, :, 0])
+        width = self.width
+        return (
+            self._view(k_all)[:b, :width].transpose(1, 2),
+            self._view(v_all)[:b, :width].transpose(1, 2),
+        )
+
+
+class SlotRunner(ModelRunner):
+    """A `ModelRunner` whose running batch lives in a `SlotCache`; on a GPU its decode steps may replay
+    CUDA graphs (`graphs=True`). Prefill is the plain runner's."""
+
+    def __init__(self, model, device: torch.device, *, max_batch: int, max_model_len: int, graphs: bool = False):
+        super().__init__(model, device)
+        attn = getattr(model.config, "_attn_implementation", "sdpa")
+        if attn not in ATTENTION:
+            raise ValueError(f"the slot cache needs attention {' or '.join(ATTENTION)}, not {attn!r}")
+        self.slots = SlotCache(model.config, max_batch, max_model_len, model.dtype, device)
+        self.graphs = None
+        if graphs:
+            from molt_hpc.engine.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self)
+
+    def join(self, batch: SlotCache | None, part: BatchCache) -> SlotCache:
+        if batch is None:  # a new batch (the last one ended or went stale): start from slot 0
+            self.slots.clear()
+        self.slots.join(part)
+        return self.slots
+
+    @torch.inference_mode()
+    def decode(self, batch: SlotCache, last: list[int], positions: list[int]) -> torch.Tensor:
+        assert batch is self.slots and batch.rows == len(last)
+        if self.graphs is not None:
+            return self.graphs.run(last, positions)
+        ids = torch.tensor(last, device=self.device)[:, None]
+        return self.step(ids, torch.tensor(positions, device=self.device), max(positions) + 1)
+
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
+        """One decode forward of rows [0, b): `ids [b, 1]` at `positions [b]`; next-token logits [b, V]."""
+        mask = self.slots.begin_step(positions, width)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions[:, None],
+            use_cache=True,
+            **{self._cache_kw: self.slots},
+        )
+        return out.logits[:, -1]
+
+
+def _layer_tensors(cache) -> list[torch.Tensor]:
+    """Keys of every layer, then values of every layer, of a transformers `DynamicCache`."""
+    layers = cache.layers
+    return [layer.keys for layer in layers] + [layer.values for layer in layers]
