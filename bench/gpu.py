@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-LIMIT_S = {"engine": 300, "refit": 300, "train": 420}
+LIMIT_S = {"engine": 180, "refit": 150, "train": 240}
 
 
 def command(name: str, out: Path, dry: bool) -> list[str]:
