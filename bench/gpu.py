@@ -3,8 +3,9 @@
 Runs `bench/gpu_engine.py`, `bench/gpu_refit.py` and `bench/gpu_train.py` (under torchrun, two ranks)
 one after the other, each in its own processes with a time limit, collects their rows and prints one
 Markdown table: what was measured, the baseline measured in the same run, their ratio and the target.
-Needs two CUDA GPUs; `--dry-run` runs the same scripts on the CPU with tiny shapes (a script check,
-not a measurement). Each benchmark's full output goes to `--logs`.
+Made for two CUDA GPUs; on one, the trainer runs as a world of one and the refit is timed without its
+NCCL broadcast (see `gpu_refit.py`). `--dry-run` runs the same scripts on the CPU with tiny shapes (a
+script check, not a measurement). Each benchmark's full output goes to `--logs`.
 
     python bench/gpu.py [--only engine refit train] [--logs DIR] [--dry-run]
 """
@@ -23,13 +24,13 @@ BENCH = Path(__file__).resolve().parent
 LIMIT_S = {"engine": 180, "refit": 150, "train": 240}
 
 
-def command(name: str, out: Path, dry: bool) -> list[str]:
+def command(name: str, out: Path, dry: bool, gpus: int) -> list[str]:
     script = str(BENCH / f"gpu_{name}.py")
     args = ["--out", str(out)] + (["--dry-run"] if dry else [])
     if name == "train":
         local = Path(sys.executable).parent / "torchrun"
         torchrun = str(local) if local.exists() else shutil.which("torchrun") or "torchrun"
-        return [torchrun, "--nproc-per-node", "2", script, *args]
+        return [torchrun, "--nproc-per-node", str(2 if dry else min(2, gpus)), script, *args]
     return [sys.executable, script, *args]
 
 
@@ -67,12 +68,16 @@ def main() -> int:
     out = logs / "rows.jsonl"
     out.unlink(missing_ok=True)
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "PYTHONUNBUFFERED": "1"}
+    import torch
+
+    gpus = torch.cuda.device_count()
+    print(f"== {gpus} GPU(s): {torch.cuda.get_device_name(0) if gpus else 'none'}", flush=True)
     failed = []
     for name in args.only:
         t0 = time.perf_counter()
         with open(logs / f"{name}.log", "wb") as log:
             try:
-                code = subprocess.run(command(name, out, args.dry_run), stdout=log, stderr=subprocess.STDOUT,
+                code = subprocess.run(command(name, out, args.dry_run, gpus), stdout=log, stderr=subprocess.STDOUT,
                                       env=env, timeout=LIMIT_S[name]).returncode  # fmt: skip
             except subprocess.TimeoutExpired:
                 code = "timeout"

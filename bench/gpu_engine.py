@@ -4,7 +4,8 @@
 - baseline: HF `generate` over the 64 prompts (128 tokens each) as one left-padded batch, sampling
   (`top_k=0`), exactly 256 new tokens, on GPU 0;
 - the engine as its own process (`jobs/engine.py`, HTTP on loopback, continuous batching, processed
-  log-probs, CUDA graphs for decode) on GPU 1, 64 concurrent requests; it loads while HF runs;
+  log-probs, CUDA graphs for decode) on GPU 1 (GPU 0 when there is one), 64 concurrent requests; it
+  loads while HF runs;
 - the engine's scheduler in this process without HTTP, eager and with CUDA graphs: tokens/s and the
   decode step's time against its memory-bandwidth floor (weights + the K/V it reads, over the
   measured device-copy bandwidth);
@@ -145,8 +146,9 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU: checks the script")
     args = ap.parse_args()
     dry = args.dry_run
-    if not dry and torch.cuda.device_count() < 2:
-        print("gpu_engine: needs two CUDA GPUs (HF on one, the engine process on the other); --dry-run on a CPU")
+    gpus = torch.cuda.device_count()
+    if not dry and gpus < 1:
+        print("gpu_engine: needs a CUDA GPU; --dry-run on a CPU")
         return 0
     shape, n, prompt_len, new = ("tiny", 8, 8, 16) if dry else ("0.5b", 64, 128, 256)
     device = torch.device("cpu" if dry else "cuda:0")
@@ -160,7 +162,8 @@ def main() -> int:
     sets = [f"model.path={json.dumps(str(tmp / 'model'))}", f"model.dtype='{str(dtype)[6:]}'",
             f"engines.max_batch={n}", "engines.max_model_len=512", f"engines.device='{device.type}'"]  # fmt: skip
     run = create_run_dir(tmp, "run", to_toml(load_config(None, sets)))
-    proc = start_engine(run, {**gpu_env(), "CUDA_VISIBLE_DEVICES": "1"} if not dry else gpu_env())
+    # The engine's own GPU when there are two; with one it shares it (it only loads while HF runs).
+    proc = start_engine(run, {**gpu_env(), "CUDA_VISIBLE_DEVICES": "1" if gpus > 1 else "0"} if not dry else gpu_env())
     try:
         hf_s = hf_generate(model, prompts, new, device)  # the engine process loads meanwhile
         url = engine_url(run, proc)

@@ -15,6 +15,11 @@ The engine's log-probs on a prompt are compared with the trainer's own forward b
 (different random weights) and after the last (the refit's weights), and the new version is checked
 in a generate answer.
 
+With one GPU (no NCCL group can join two processes on one device) it times what surrounds the wire
+on that GPU instead: the trainer side (full weights out of FSDP in bf16, packed into the buckets), both
+sides without the broadcast (+ the engine's load into its bf16 parameters), against a device copy of
+the same bytes; and the protocol's fixed cost as the whole refit of a tiny model on the CPU over gloo.
+
     python bench/gpu_refit.py [--out rows.jsonl] [--dry-run]
 """
 
@@ -30,7 +35,7 @@ from pathlib import Path
 
 import aiohttp
 import torch
-from gpu_common import build_model, gpu_env, sync, write_row
+from gpu_common import build_model, gpu_env, sync, timed, write_row
 
 from molt_hpc.config import load_config, to_toml
 from molt_hpc.engine.client import generate
@@ -120,25 +125,13 @@ def wait_url(run: RunDir, proc: subprocess.Popen, timeout: float = 600) -> str:
     raise SystemExit("engine did not register")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU over gloo: checks the script")
-    ap.add_argument("--engine", nargs=2, metavar=("RUN_DIR", "PORT"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    dry = args.dry_run
-    shape = "tiny" if dry else "7b"
-    if args.engine:
-        return engine_main(Path(args.engine[0]), int(args.engine[1]), shape, dry)
-    if not dry and torch.cuda.device_count() < 2:
-        print("gpu_refit: needs two CUDA GPUs (trainer on one, engine on the other); --dry-run on a CPU")
-        return 0
-
+def two_processes(out: Path | None, dry: bool, prefix: str = "") -> None:
+    """The refit from this process (trainer) to an engine process, and the raw broadcasts (see the top)."""
     from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.sync import EngineSync
     from molt_hpc.actor.world import init_world
 
-    dev = "cpu" if dry else "cuda"
+    shape, dev = ("tiny", "cpu") if dry else ("7b", "cuda")
     sets = ["model.dtype='bfloat16'", "refit.host='127.0.0.1'", f"actor.device='{dev}'", f"engines.device='{dev}'",
             "engines.max_batch=8", "engines.max_model_len=256"]  # fmt: skip
     cfg = load_config(None, sets)
@@ -177,12 +170,84 @@ def main() -> int:
     base = statistics.median(times["raw NCCL broadcast, 256 MiB buckets"])
     for name, values in times.items():
         med = statistics.median(values)
-        write_row(args.out, bench="refit", case=name, value=1000 * med, unit="ms", baseline=1000 * base,
+        write_row(out, bench="refit", case=prefix + name, value=1000 * med, unit="ms", baseline=1000 * base,
                   ratio=med / base, target="<= 1.5x" if name.startswith("refit") else None,
                   note=f"{total / med / 1e9:.0f} GB/s, {total / 1e9:.2f} GB")  # fmt: skip
-    write_row(args.out, bench="refit", case="log-probs engine vs trainer, after the refits (bf16)", value=after,
+    write_row(out, bench="refit", case=prefix + "log-probs engine vs trainer, after the refits (bf16)", value=after,
               unit="max abs", note=f"before the first refit: {before:.2f}; engine serves v{served}")  # fmt: skip
     torch.distributed.destroy_process_group()
+
+
+def one_gpu(out: Path | None, shape: str = "7b", device: str = "cuda") -> None:
+    """With one GPU no NCCL group can join two processes: time what surrounds the wire, on that GPU."""
+    from molt_hpc.actor.parallelize import parallelize
+    from molt_hpc.actor.weights import full_buckets
+    from molt_hpc.actor.world import init_world
+    from molt_hpc.refit.buckets import pack_into, unpack
+
+    cfg = load_config(None, [f"actor.device='{device}'", "model.dtype='bfloat16'"])
+    world = init_world(cfg.actor)
+    model = parallelize(build_model(shape, torch.float32, world.device, seed=0), world.mesh, cfg.actor,
+                        compute_dtype=torch.bfloat16)  # fmt: skip
+    engine_params = build_model(shape, torch.bfloat16, world.device, seed=1).state_dict(keep_vars=True)
+    names = [n for n, _ in model.named_parameters()]
+    metas = [TensorMeta(n, "bfloat16", tuple(p.shape)) for n, p in model.named_parameters()]
+    plan = plan_buckets(metas, cfg.refit.bucket_mb << 20)
+    total = sum(m.nbytes for m in metas)
+    bufs = [torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8, device=world.device) for _ in range(2)]
+
+    def refit_without_wire(load: bool) -> None:
+        """EngineSync's gather + RefitSender's packing (+ RefitReceiver's loading), with no broadcast."""
+        gathered = full_buckets(model, [[n] for n in names], keep=True, dtype=torch.bfloat16, device=world.device)
+        items = (item for bucket in gathered for item in bucket.items())
+        for k, bucket in enumerate(plan):
+            flat = pack_into(bufs[k % 2], bucket, [next(items)[1] for _ in bucket.metas])
+            if load:
+                with torch.no_grad():
+                    for name, tensor in unpack(flat, bucket):
+                        engine_params[name].copy_(tensor)
+
+    src = torch.ones(total, dtype=torch.uint8, device=world.device)
+    dst = torch.empty_like(src)
+    cases = {
+        "device copy of the same bytes, 256 MiB chunks": lambda: [
+            dst[s : s + (256 << 20)].copy_(src[s : s + (256 << 20)]) for s in range(0, total, 256 << 20)
+        ],
+        "trainer side: FSDP full weights (bf16) + pack into buckets": lambda: refit_without_wire(False),
+        "both sides without the wire: + load into the engine's bf16 params": lambda: refit_without_wire(True),
+    }
+    times = {}
+    for name, fn in cases.items():
+        runs = [timed(fn, world.device) for _ in range(ROUNDS)]
+        times[name] = statistics.median(runs[1:])
+    base = times["device copy of the same bytes, 256 MiB chunks"]
+    wire = total / (346 * 2**30)  # NCCL GPU0->GPU1 broadcast measured earlier on this kind of machine (notes)
+    for name, t in times.items():
+        write_row(out, bench="refit (1 GPU)", case=name, value=1000 * t, unit="ms", baseline=1000 * base,
+                  ratio=t / base, note=f"{total / t / 1e9:.0f} GB/s of {total / 1e9:.2f} GB; the NCCL broadcast "
+                  f"alone: {1000 * wire:.0f} ms at the 346 GiB/s measured earlier (not this run)")  # fmt: skip
+    torch.distributed.destroy_process_group()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU over gloo: checks the script")
+    ap.add_argument("--protocol", action="store_true", help="the tiny CPU run, reported as the protocol's cost")
+    ap.add_argument("--engine", nargs=2, metavar=("RUN_DIR", "PORT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    dry = args.dry_run or args.protocol
+    if args.engine:
+        return engine_main(Path(args.engine[0]), int(args.engine[1]), "tiny" if dry else "7b", dry)
+    gpus = torch.cuda.device_count()
+    if dry or gpus >= 2:
+        two_processes(args.out, dry, "protocol cost (tiny model, CPU, gloo): " if args.protocol else "")
+    elif gpus == 1:
+        one_gpu(args.out)
+        cmd = [sys.executable, __file__, "--protocol"] + (["--out", str(args.out)] if args.out else [])
+        subprocess.run(cmd, check=True, env={**gpu_env(), "CUDA_VISIBLE_DEVICES": ""})
+    else:
+        print("gpu_refit: needs CUDA GPUs (two for the refit itself); --dry-run on a CPU")
     return 0
 
 

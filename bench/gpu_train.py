@@ -1,7 +1,8 @@
 """Trainer RL step on two GPUs against the plain FSDP2 reference step, Qwen2 0.5B / 1.5B / 7B shapes, seq 4096.
 
 Every case trains on the same tokens: one group of samples of exactly 4096 tokens (512 prompt + 3584
-response), one sample per row, `mb` rows per GPU (4; 2 at 7B), one optimizer update per step.
+response), one sample per row, `mb` rows per GPU (4; 2 at 7B, 1 when a single GPU holds all of 7B's
+state), one optimizer update per step. A case that runs out of GPU memory is reported as nan.
 
 - reference: the plain FSDP2 step written here — `fully_shard` per decoder block and the root (bf16
   params, fp32 reduce), HF forward, full-vocabulary cross-entropy on every position, backward, fused
@@ -110,11 +111,21 @@ def run_reference(shape: str, world, mb, exp, cfg, count: int) -> dict[str, tupl
     """The plain step and the plain loop with the PPO loss: (seconds per step, peak GiB) each."""
     model, opt = reference_model(shape, world)
     free()
-    out = {"reference FSDP2 step (CE)": (step_times(lambda: reference_step(model, opt, mb), world), peak_gib())}
+    out = {"reference FSDP2 step (CE)": guarded(lambda: step_times(lambda: reference_step(model, opt, mb), world))}
     free()
-    t = step_times(lambda: ppo_loss_step(model, opt, mb, exp, cfg, count, world), world)
-    out["reference loop + PPO loss"] = (t, peak_gib())
+    out["reference loop + PPO loss"] = guarded(
+        lambda: step_times(lambda: ppo_loss_step(model, opt, mb, exp, cfg, count, world), world)
+    )
     return out
+
+
+def guarded(fn) -> tuple[float, float]:
+    """(fn(), peak GiB), or (nan, peak) when the case does not fit in GPU memory."""
+    try:
+        return fn(), peak_gib()
+    except torch.OutOfMemoryError:  # reported as a row, and the next case still runs
+        free()
+        return float("nan"), peak_gib()
 
 
 def run_trainer(shape: str, world, group: Group, cfg, profile: bool) -> tuple[float, float]:
@@ -131,7 +142,7 @@ def run_trainer(shape: str, world, group: Group, cfg, profile: bool) -> tuple[fl
     opt = build.build_optimizer(model, cfg.actor, cfg.actor.lr)
     models = Models(policy=Trainable("policy", model, opt, build.build_scheduler(opt, cfg.actor, 10**6)))
     free()
-    result = step_times(lambda: train_step([group], cfg, models, world, pad_id=0), world), peak_gib()
+    result = guarded(lambda: step_times(lambda: train_step([group], cfg, models, world, pad_id=0), world))
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as profiler
@@ -153,7 +164,7 @@ def bench_shape(shape: str, seq: int, prompt: int, world, out: Path | None, prof
     from molt_hpc.algorithm import compute_advantages, experience_from_groups, global_token_count
     from molt_hpc.config import load_config
 
-    mb_rows = MICRO[shape]
+    mb_rows = MICRO[shape] if world.size > 1 or shape != "7b" else 1  # one GPU holds all 122 GB of 7B state
     sets = [f"rollout.max_total_tokens={seq}", f"data.max_prompt_tokens={prompt}", f"engines.max_model_len={seq}",
             f"actor.micro_batch_size={mb_rows}",
             f"actor.device='{world.device.type}'", "model.dtype='bfloat16'", "actor.lr=1e-5"]  # fmt: skip
@@ -251,8 +262,8 @@ def main() -> int:
     from molt_hpc.config.train import ActorConfig
 
     dry = args.dry_run
-    if not dry and torch.cuda.device_count() < 2:
-        print("gpu_train: needs two CUDA GPUs under torchrun --nproc-per-node 2; --dry-run on a CPU")
+    if not dry and torch.cuda.device_count() < 1:
+        print("gpu_train: needs CUDA GPUs, under torchrun --nproc-per-node 2 (or 1); --dry-run on a CPU")
         return 0
     world = init_world(ActorConfig(device="cpu" if dry else "cuda"))
     seq, prompt = (64, 8) if dry else (4096, 512)
