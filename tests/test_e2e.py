@@ -86,12 +86,25 @@ def test_tiny_run_learns(tmp_path: Path) -> None:
     assert (run_dir / "plots" / "metrics.png").stat().st_size > 10_000
 
 
-def test_killed_trainer_resumes_and_killed_engine_restarts(tmp_path: Path) -> None:
-    settings = ["--set", "run.steps=14", "--set", "checkpoint.interval=4"]
+def test_interrupt_kill_and_resume_lose_nothing(tmp_path: Path) -> None:
+    """Ctrl-C checkpoints and exits 0; a kill -9 of a trainer rank stops the run with a clear message;
+    each resume continues from the last checkpoint; a killed engine is restarted; the ledger is exact."""
     run_dir = tmp_path / "tiny-cpu"
-    proc = launch(tmp_path, "configs/tiny_cpu.toml", *settings)
-    wait_for_step(run_dir, 6, proc)
-    torchrun = int(json.loads((run_dir / "processes.json").read_text())["actor pool"])
+    proc = launch(tmp_path, "configs/tiny_cpu.toml", "--set", "run.steps=14", "--set", "checkpoint.interval=4")
+    wait_for_step(run_dir, 2, proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "stopped after a checkpoint" in out
+    stopped_at = max(r["step"] for r in read_metrics(run_dir / "metrics.jsonl", source="actor"))
+    assert stopped_at <= 4, "the stop should land before the step-4 checkpoint this test counts on"
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at:06d}"
+    _, acked, _ = ledger(run_dir)
+    assert len(acked) == len(set(acked)) == stopped_at * 8
+
+    proc = launch(tmp_path, "--resume", str(run_dir))
+    wait_for_step(run_dir, 5, proc)
+    torchrun = json.loads((run_dir / "processes.json").read_text())["actor pool"]
     ranks = children_of(torchrun)
     assert ranks, "torchrun has no worker process"
     os.kill(ranks[0], signal.SIGKILL)
@@ -99,20 +112,20 @@ def test_killed_trainer_resumes_and_killed_engine_restarts(tmp_path: Path) -> No
     assert proc.returncode == 1, out
     assert "actor pool exited with code" in out and "molt-hpc run --resume" in out
     _, acked, _ = ledger(run_dir)
-    assert len(acked) == len(set(acked)) == 4 * 8  # only the checkpoint at step 4 committed its groups
-    # Resume; kill the engine once training is going again: its pool restarts it and the run finishes.
+    assert len(acked) == len(set(acked)) == 4 * 8  # the checkpoint at step 4 committed its groups, no more
+
     proc = launch(tmp_path, "--resume", str(run_dir))
     wait_for_step(run_dir, 9, proc)
-    engine_pid = int(json.loads((run_dir / "rendezvous" / "engine-0.json").read_text())["pid"])
+    engine_pid = json.loads((run_dir / "rendezvous" / "engine-0.json").read_text())["pid"]
     os.kill(engine_pid, signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
     pool_log = (run_dir / "logs" / "pool.log").read_text()
     assert "engine 0 died" in pool_log and "restarting it" in pool_log
     actor_log = (run_dir / "logs" / "actor.log").read_text()
-    assert "resumed from" in actor_log and "step 4" in actor_log
+    assert "resumed from" in actor_log and "step_000004" in actor_log
     steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl", source="actor")]
-    assert steps[-1] == 14 and steps[steps.index(4) + 1 :].count(5) == 2  # steps 5.. were redone once
+    assert steps[-1] == 14 and steps.count(5) == 2  # steps after the step-4 checkpoint were redone once
     put, acked, counts = ledger(run_dir)
     assert len(acked) == len(set(acked)) == 14 * 8, "a group was trained twice or lost from the ledger"
     assert set(acked) <= put
