@@ -99,6 +99,7 @@ def step_line(step: int, metrics: dict[str, Any]) -> str:
     for key, fmt in (
         ("reward", ".3f"),
         ("kl", ".4f"),
+        ("kl_rollout", ".4f"),
         ("entropy", ".3f"),
         ("grad_norm", ".3f"),
         ("refit_s", ".2f"),

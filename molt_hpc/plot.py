@@ -29,7 +29,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} has no training steps yet; nothing to plot")
     out = Path(out) if out else run_dir / "plots" / "metrics.png"
     out.parent.mkdir(parents=True, exist_ok=True)
-    panels = [("reward", "reward (mean)"), ("kl", "KL to reference"), ("tokens_per_s", "trainer tokens/s")]
+    kl = ("kl", "KL to reference") if any("kl" in r for r in records) else ("kl_rollout", "KL to the rollout policy")
+    panels = [("reward", "reward (mean)"), kl, ("tokens_per_s", "trainer tokens/s")]
     fig, axes = plt.subplots(len(panels), 2, figsize=(11, 8), squeeze=False)
     for row, (key, title) in enumerate(panels):
         steps, minutes, values = _series(records, key)

@@ -40,6 +40,8 @@ def test_ppo_clip_higher_and_dual_clip_hand_worked():
     assert m["clip_frac"].item() == pytest.approx(3 / 5)
     assert m["ratio_max"].item() == pytest.approx(4.0) and m["ratio_min"].item() == pytest.approx(0.5)
     assert m["ratio_mean"].item() == pytest.approx(sum(r) / 5)
+    # k3 of KL(current || rollout): with q/p = 1/r per token, (1/r - 1) - log(1/r)
+    assert m["kl_rollout"].item() == pytest.approx(sum(1 / x - 1 + math.log(x) for x in r) / 5)
 
 
 def test_gspo_uses_the_sequence_geometric_mean_ratio():

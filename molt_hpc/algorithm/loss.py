@@ -167,6 +167,8 @@ def policy_loss(
         "ratio_mean": _masked_mean(ratio, mask),
         "ratio_max": ratio[mask].max() if mask.any() else ratio.new_ones(()),
         "ratio_min": ratio[mask].min() if mask.any() else ratio.new_ones(()),
+        # k3 estimate of KL(current policy || rollout policy): how far training has moved from the sampler.
+        "kl_rollout": _masked_mean(torch.expm1(-log_ratio.detach()) + log_ratio.detach(), mask),
     }
     if cfg.kl_coef > 0 and not cfg.kl_in_reward:
         if base_log_probs is None:

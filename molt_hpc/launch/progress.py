@@ -70,6 +70,7 @@ def _postfix(rec: dict) -> str:
     for key, label, fmt in (
         ("reward", "reward", ".3f"),
         ("kl", "kl", ".4f"),
+        ("kl_rollout", "kl(rollout)", ".4f"),
         ("tokens_per_s", "tok/s", ".0f"),
         ("buffer_pending", "buffer", "d"),
     ):
