@@ -52,8 +52,8 @@ def raw_plans(model, wire: torch.dtype) -> dict[str, list[int]]:
     metas = [TensorMeta(n, dtype_name(wire), tuple(p.shape)) for n, p in model.named_parameters()]
     total = sum(m.nbytes for m in metas)
     return {
-        "raw NCCL broadcast, 256 MiB buckets": [b.nbytes for b in plan_buckets(metas, 256 << 20)],
-        "raw NCCL broadcast, 1 GiB messages": [min(1 << 30, total - s) for s in range(0, total, 1 << 30)],
+        "raw broadcast, 256 MiB buckets": [b.nbytes for b in plan_buckets(metas, 256 << 20)],
+        "raw broadcast, 1 GiB messages": [min(1 << 30, total - s) for s in range(0, total, 1 << 30)],
     }
 
 
@@ -151,7 +151,7 @@ def two_processes(out: Path | None, dry: bool, prefix: str = "") -> None:
         url = wait_url(run, proc)
         token = run.token()
         before, _ = trainer_diff(model, url, token, world.device)
-        total = sum(plans["raw NCCL broadcast, 1 GiB messages"])
+        total = sum(plans["raw broadcast, 1 GiB messages"])
         version = 0
         for mb in (256, 1024):
             engine_sync = EngineSync(load_config(None, [*sets, f"refit.bucket_mb={mb}"]), run.path, world)
@@ -167,7 +167,7 @@ def two_processes(out: Path | None, dry: bool, prefix: str = "") -> None:
     finally:
         proc.terminate()
         proc.wait()
-    base = statistics.median(times["raw NCCL broadcast, 256 MiB buckets"])
+    base = statistics.median(times["raw broadcast, 256 MiB buckets"])
     for name, values in times.items():
         med = statistics.median(values)
         write_row(out, bench="refit", case=prefix + name, value=1000 * med, unit="ms", baseline=1000 * base,
@@ -245,7 +245,9 @@ def main() -> int:
     elif gpus == 1:
         one_gpu(args.out)
         cmd = [sys.executable, __file__, "--protocol"] + (["--out", str(args.out)] if args.out else [])
-        subprocess.run(cmd, check=True, env={**gpu_env(), "CUDA_VISIBLE_DEVICES": ""})
+        dist_env = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # this world's, not its
+        env = {k: v for k, v in gpu_env().items() if k not in dist_env}
+        subprocess.run(cmd, check=True, env={**env, "CUDA_VISIBLE_DEVICES": ""})
     else:
         print("gpu_refit: needs CUDA GPUs (two for the refit itself); --dry-run on a CPU")
     return 0

@@ -30,13 +30,12 @@ def full_tensor(p: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torc
     """The whole of parameter `p` (gathered from its shards, a collective) at `dtype` if that is narrower,
     and whether the result is a fresh tensor (False: it shares memory with the parameter)."""
     fresh = False
+    if isinstance(p, DTensor) and p.device_mesh.size() == 1:
+        p = p.to_local()  # a world of one holds the whole tensor: nothing to gather, and plain-tensor ops
     if dtype is not None and dtype.itemsize < p.dtype.itemsize:
         p, fresh = p.to(dtype), True  # cast the shard before gathering: the gather moves fewer bytes
     if isinstance(p, DTensor):
-        if p.device_mesh.size() == 1:
-            p = p.to_local()  # a world of one holds the whole tensor: nothing to gather or copy
-        else:
-            p, fresh = p.full_tensor(), True
+        p, fresh = p.full_tensor(), True
     return p, fresh
 
 

@@ -37,8 +37,9 @@ class DecodeGraphs:
     def __init__(self, runner) -> None:
         self.runner = runner
         slots = runner.slots
-        self.ids = torch.zeros(slots.slots, 1, dtype=torch.long, device=runner.device)
-        self.positions = torch.zeros(slots.slots, dtype=torch.long, device=runner.device)
+        self.inputs = torch.zeros(2, slots.slots, dtype=torch.long, device=runner.device)
+        self.ids = self.inputs[0, :, None]  # [slots, 1] token ids
+        self.positions = self.inputs[1]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -48,9 +49,7 @@ class DecodeGraphs:
         b = batch_bucket(n, slots.slots)
         width = width_bucket(max(positions) + 1, slots.capacity)
         pad = [0] * (b - n)
-        staged = torch.tensor([last + pad, positions + pad]).to(self.ids.device)  # one host-to-device copy
-        self.ids[:b, 0].copy_(staged[0])
-        self.positions[:b].copy_(staged[1])
+        self.inputs[:, :b].copy_(torch.tensor([last + pad, positions + pad]))  # one host-to-device copy
         key = (b, width)
         if key not in self.graphs:
             recorded = self._capture(b, width)

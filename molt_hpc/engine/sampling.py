@@ -92,7 +92,10 @@ def processed_logprobs(
     Per-row parameters are 1-D tensors of length B: `temperature` (0 → 1 for the log-probs, the
     row is greedy), `top_k` (≤ 0 disables), `top_p` (1 disables), `min_p` (0 disables).
     """
-    x = logits.float() / torch.where(temperature > 0, temperature, 1.0).to(logits.device)[:, None]
+    t = torch.where(temperature > 0, temperature, 1.0)
+    x = logits.float()
+    if bool((t != 1).any()):  # dividing by 1 changes nothing: skip a pass over [B, V]
+        x = x / t.to(logits.device)[:, None]
     vocab = x.shape[-1]
     if bool((top_k > 0).any()):
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).to(x.device)
@@ -116,8 +119,10 @@ def sample(
     """One token per row ([B] int64 on the log-probs' device): argmax for greedy rows, else a draw with the
     row's own generator (seeded requests) or the engine's shared one. No host sync: on a GPU the caller
     reads the tokens back once, together with their log-probs."""
-    out = logprobs.argmax(-1)
     shared = [i for i, (g, gen) in enumerate(zip(greedy, generators, strict=True)) if not g and gen is None]
+    if len(shared) == len(greedy):  # the common case, every row on the shared generator: one draw, no scatter
+        return torch.multinomial(logprobs.exp(), 1, generator=default).view(-1)
+    out = logprobs.argmax(-1)
     if shared:
         idx = torch.tensor(shared, device=logprobs.device)
         out[idx] = torch.multinomial(logprobs[idx].exp(), 1, generator=default).view(-1)

@@ -12,16 +12,34 @@ the decode step as a CUDA graph.
 
 The model sees `SlotCache` only through the one method transformers' attention layers call on a
 cache, `update(key, value, layer_idx, ...)`, and through a ready 4-D mask, which transformers uses as
-it is (full-attention models with the `sdpa` or `eager` kernels).
+it is (full-attention models with the `sdpa` or `eager` kernels). For the decode step the runner
+switches the model to `decode_attention`, which folds the query heads that share a K/V head into the
+query length instead of copying K/V once per query head (what transformers' SDPA path does with a mask).
 """
 
 import torch
+import torch.nn.functional as F
 
 from molt_hpc.engine.batch import ModelRunner
 from molt_hpc.engine.kvcache import BatchCache
 
 ATTENTION = ("sdpa", "eager")
 """Attention kernels that take a 4-D additive mask (flash-attention 2 takes none)."""
+DECODE_ATTENTION = "molt_slot_decode"
+
+
+def decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """One query token per row over the slot cache: `query [b, heads, 1, d]`, `key`/`value`
+    `[b, kv_heads, width, d]`, the additive mask `[b, 1, 1, width]`; returns `([b, 1, heads, d], None)`
+    as transformers' attention functions do. Query heads of one K/V head attend together as a query of
+    length heads / kv_heads, so K/V are read in place (grouped-query attention without a repeat)."""
+    b, heads, q, d = query.shape
+    assert q == 1, "decode_attention serves one-token decode steps"
+    groups = key.shape[1]
+    out = F.scaled_dot_product_attention(
+        query.reshape(b, groups, heads // groups, d), key, value, attn_mask=attention_mask, scale=scaling
+    )
+    return out.reshape(b, heads, 1, d).transpose(1, 2), None
 
 
 class SlotCache:
@@ -120,6 +138,9 @@ class SlotRunner(ModelRunner):
         attn = getattr(model.config, "_attn_implementation", "sdpa")
         if attn not in ATTENTION:
             raise ValueError(f"the slot cache needs attention {' or '.join(ATTENTION)}, not {attn!r}")
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(DECODE_ATTENTION, decode_attention)
         self.slots = SlotCache(model.config, max_batch, max_model_len, model.dtype, device)
         self.graphs = None
         if graphs:
@@ -144,13 +165,19 @@ class SlotRunner(ModelRunner):
     def step(self, ids: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
         """One decode forward of rows [0, b): `ids [b, 1]` at `positions [b]`; next-token logits [b, V]."""
         mask = self.slots.begin_step(positions, width)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions[:, None],
-            use_cache=True,
-            **{self._cache_kw: self.slots},
-        )
+        config = self.model.config
+        prefill_attention = config._attn_implementation
+        config._attn_implementation = DECODE_ATTENTION  # this step only; prefill keeps the model's kernel
+        try:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions[:, None],
+                use_cache=True,
+                **{self._cache_kw: self.slots},
+            )
+        finally:
+            config._attn_implementation = prefill_attention
         return out.logits[:, -1]
 
 
