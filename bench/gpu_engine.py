@@ -29,7 +29,7 @@ from pathlib import Path
 
 import aiohttp
 import torch
-from gpu_common import build_model, gpu_env, hbm_bandwidth, sync, write_row
+from gpu_common import build_model, gpu_env, hbm_bandwidth, sync, timed, write_row
 
 from molt_hpc.config import load_config, to_toml
 from molt_hpc.engine.client import generate
@@ -115,6 +115,20 @@ def core_round(runner, prompts: list[list[int]], new: int) -> tuple[float, list[
     return dt, steps
 
 
+def step_parts(runner, n: int, position: int, device) -> tuple[float, float]:
+    """Median seconds of one recorded decode step's replay, and of sampling its logits (with the read-back)."""
+    from molt_hpc.engine.batch import Row, sample_rows
+
+    rows = [Row([1], SamplingParams(), Future()) for _ in range(n)]
+    gen = torch.Generator(device=device).manual_seed(0)
+    replay, sampling = [], []
+    for _ in range(20):
+        replay.append(timed(lambda: runner.decode(runner.slots, [1] * n, [position] * n), device))
+        logits = runner.decode(runner.slots, [1] * n, [position] * n)
+        sampling.append(timed(lambda out=logits: sample_rows(rows, out, gen), device))
+    return statistics.median(replay), statistics.median(sampling)
+
+
 def step_floor(model, rows: int, width: int, bandwidth: float) -> float:
     """Seconds of one decode step if it only read the weights and the attended K/V once."""
     c = model.config
@@ -196,6 +210,12 @@ def main() -> int:
         write_row(args.out, bench="engine", case=f"decode step, {n} rows, {name} (floor: weights + K/V once)",
                   value=1000 * step, unit="ms", baseline=1000 * floor, ratio=step / floor,
                   note=f"copy bandwidth {bandwidth / 1e12:.2f} TB/s r+w")  # fmt: skip
+        if graphs:
+            replay, sampling = step_parts(runner, n, prompt_len + new - 1, device)
+            floor_full = step_floor(model, n, prompt_len + new, bandwidth)
+            case = f"decode step, {n} rows at {prompt_len + new} columns: the graph replay alone (floor)"
+            write_row(args.out, bench="engine", case=case, value=1000 * replay, unit="ms", baseline=1000 * floor_full,
+                      ratio=replay / floor_full, note=f"then sampling: {1000 * sampling:.2f} ms")  # fmt: skip
         del runner
     mx, mean = logprob_diff(model, prompts, rounds[-1][1], device)
     write_row(args.out, bench="engine", case=f"log-probs, engine vs trainer recompute ({str(dtype)[6:]})",
