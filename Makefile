@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-# The embedded default: the tiny offline model learns to reverse short strings on the CPU (~5 min).
+# The embedded default: the tiny offline model learns to reverse short strings on the CPU (~4 min).
 demo: $(STAMP)
 	$(BIN)/molt-hpc run $(CONFIG)
 

@@ -89,7 +89,7 @@ class ActorConfig(Section):
     """Passes over each step's batch."""
     mini_batches: PositiveInt = 1
     """Optimizer steps per epoch (the batch is cut into this many mini-batches)."""
-    lr: PositiveFloat = 1e-3
+    lr: PositiveFloat = 5e-4
     """Peak learning rate of AdamW."""
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     """Floor of the decayed learning rate, as a fraction of `lr`."""
