@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from molt_hpc.actor.weights import full_buckets
+from molt_hpc.actor.weights import full_tensor
 from molt_hpc.actor.world import World, share
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import get_logger
@@ -94,9 +94,11 @@ class EngineSync:
         if not engines:
             return None
         t0 = time.perf_counter()
-        plan = [[name] for name, _ in model.named_parameters()]  # one full tensor in flight at a time
-        gathered = full_buckets(model, plan, keep=self.world.is_main, dtype=self.dtype, device=self.world.device)
-        tensors = (item for bucket in gathered for item in bucket.items())
+        # One full tensor in flight at a time. Several ranks gather shards cast to the wire dtype (fewer
+        # bytes on the link); a world of one hands its fp32 weights over as they are and the sender casts
+        # them while packing (one pass instead of two).
+        dtype = self.dtype if self.world.size > 1 else None
+        tensors = ((name, full_tensor(p.detach(), dtype)[0]) for name, p in model.named_parameters())
         ok = True
         if self.sender is not None:
             ok = self._push(engines, model, tensors, version)

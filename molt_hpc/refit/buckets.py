@@ -80,12 +80,23 @@ def plan_buckets(metas: Sequence[TensorMeta], bucket_bytes: int) -> list[Bucket]
     return buckets
 
 
-def pack_into(buffer: torch.Tensor, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Copy `tensors` (matching `bucket.metas`) into the uint8 `buffer`; returns the bucket's slice."""
+def bucket_views(buffer: torch.Tensor, bucket: Bucket) -> list[torch.Tensor]:
+    """Each tensor of `bucket` as a typed, shaped view into the uint8 `buffer` (no copies)."""
     assert buffer.dtype == torch.uint8 and buffer.numel() >= bucket.nbytes
-    for meta, offset, tensor in zip(bucket.metas, bucket.offsets, tensors, strict=True):
-        src = tensor.detach().contiguous().view(-1).view(torch.uint8)
-        buffer[offset : offset + meta.nbytes].copy_(src, non_blocking=True)
+    return [
+        buffer[offset : offset + meta.nbytes].view(dtype_from_name(meta.dtype)).view(meta.shape)
+        for meta, offset in zip(bucket.metas, bucket.offsets, strict=True)
+    ]
+
+
+def pack_into(
+    buffer: torch.Tensor, bucket: Bucket, tensors: Sequence[torch.Tensor], views: list[torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Copy `tensors` (matching `bucket.metas` in shape; cast to their dtypes) into the uint8 `buffer`, in
+    one multi-tensor copy; `views` are `bucket_views(buffer, bucket)` when the caller keeps them.
+    Returns the bucket's slice."""
+    views = bucket_views(buffer, bucket) if views is None else views
+    torch._foreach_copy_(views, [t.detach() for t in tensors])
     return buffer[: bucket.nbytes]
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from molt_hpc.log import get_logger
-from molt_hpc.refit.buckets import metas_from_info, plan_buckets, unpack
+from molt_hpc.refit.buckets import Bucket, bucket_views, metas_from_info, plan_buckets
 from molt_hpc.refit.group import RefitGroup, buffer_device, connect_store, new_group
 
 INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size")
@@ -23,6 +23,8 @@ class RefitReceiver:
     def __init__(self) -> None:
         self.group: RefitGroup | None = None
         self._buffers: list[torch.Tensor] = []
+        self._views: dict[tuple[int, Bucket], list[torch.Tensor]] = {}
+        """Typed views of each bucket inside each buffer, kept while the buffers are."""
 
     def init(self, init_info: dict[str, Any]) -> dict[str, Any]:
         """Join (or re-join under a new prefix) the group described by vLLM-style `init_info`."""
@@ -63,14 +65,15 @@ class RefitReceiver:
         loaded = 0
         pending = self._post(plan, 0)
         for k, bucket in enumerate(plan):
-            buf, work = pending
-            work.wait()
+            pending.wait()
             pending = self._post(plan, k + 1)  # bucket k+1 arrives while bucket k is loaded
             if problem is None:
-                with torch.no_grad():
-                    for name, tensor in unpack(buf, bucket):
-                        params[name].copy_(tensor)
-                        loaded += 1
+                views = self._views.get((k % 2, bucket))
+                if views is None:
+                    views = self._views[(k % 2, bucket)] = bucket_views(self._buffers[k % 2], bucket)
+                with torch.no_grad():  # one multi-tensor copy per bucket
+                    torch._foreach_copy_([params[m.name] for m in bucket.metas], views)
+                loaded += len(views)
         if self._buffers and self._buffers[0].is_cuda:  # "loaded": in the parameters, not queued on the GPU
             torch.cuda.current_stream(self._buffers[0].device).synchronize()
         if problem is not None:
@@ -78,12 +81,11 @@ class RefitReceiver:
         return loaded
 
     def _post(self, plan, k: int):
-        """Start receiving bucket `k` into buffer `k % 2`; (buffer view, work), or None past the end."""
+        """Start receiving bucket `k` into buffer `k % 2`; its work, or None past the end."""
         if k >= len(plan):
             return None
         assert self.group is not None
-        buf = self._buffers[k % 2][: plan[k].nbytes]
-        return buf, self.group.broadcast(buf, src=0)
+        return self.group.broadcast(self._buffers[k % 2][: plan[k].nbytes], src=0)
 
     def _ensure_buffers(self, nbytes: int) -> None:
         """Two receive buffers, kept across updates (fresh pages make the first refit slow)."""
@@ -91,6 +93,7 @@ class RefitReceiver:
         dev = buffer_device(self.group.backend)
         if not self._buffers or self._buffers[0].numel() < nbytes or self._buffers[0].device != dev:
             self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(2)]
+            self._views = {}
 
 
 def _check_targets(metas, params: dict[str, torch.Tensor]) -> str | None:

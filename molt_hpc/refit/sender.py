@@ -27,7 +27,15 @@ import torch
 
 from molt_hpc.config.infra import RefitConfig
 from molt_hpc.log import get_logger
-from molt_hpc.refit.buckets import TensorMeta, pack_into, plan_buckets, update_info
+from molt_hpc.refit.buckets import (
+    Bucket,
+    TensorMeta,
+    bucket_views,
+    dtype_from_name,
+    pack_into,
+    plan_buckets,
+    update_info,
+)
 from molt_hpc.refit.group import RefitGroup, buffer_device, host_store, new_group, resolve_backend
 from molt_hpc.rundir import RunDir, atomic_write
 
@@ -91,6 +99,7 @@ class RefitSender:
         self._group: RefitGroup | None = None
         self._generation = 0
         self._buffers: list[torch.Tensor] = []
+        self._views: dict[tuple[int, Bucket], list[torch.Tensor]] = {}
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="refit-http")
 
     @property
@@ -194,25 +203,23 @@ class RefitSender:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _send_buckets(self, plan, items, calls: list[Future]) -> None:
-        """Pack bucket k+1 while bucket k is on the wire (two buffers, reused across pushes)."""
+        """Pack bucket k+1 while bucket k is on the wire (two buffers and their views, reused across pushes)."""
         assert self._group is not None
         size = max((b.nbytes for b in plan), default=0)
         if not self._buffers or self._buffers[0].numel() < size:
             dev = buffer_device(self.backend)
             self._buffers = [torch.empty(size, dtype=torch.uint8, device=dev) for _ in range(2)]
+            self._views = {}
         pending: list = [None, None]
         for k, bucket in enumerate(plan):
             slot = k % 2
             if pending[slot] is not None:
                 pending[slot].wait()
-            tensors = []
-            for meta in bucket.metas:
-                name, tensor = next(items)
-                got = TensorMeta.of(name, tensor)
-                if got != meta:
-                    raise ValueError(f"refit tensor {got} does not match its announced metadata {meta}")
-                tensors.append(tensor)
-            flat = pack_into(self._buffers[slot], bucket, tensors)
+            tensors = [_checked(next(items), meta) for meta in bucket.metas]
+            views = self._views.get((slot, bucket))
+            if views is None:
+                views = self._views[(slot, bucket)] = bucket_views(self._buffers[slot], bucket)
+            flat = pack_into(self._buffers[slot], bucket, tensors, views)
             self._check_calls(calls)
             pending[slot] = self._group.broadcast(flat)
         for work in pending:
@@ -241,3 +248,14 @@ class RefitSender:
         if errors:
             raise RuntimeError(f"{what} failed on {len(errors)} engine(s): " + "; ".join(errors))
         return results
+
+
+def _checked(item: tuple[str, torch.Tensor], meta: TensorMeta) -> torch.Tensor:
+    """The tensor of `item` if it is the one `meta` announced: same name and shape, and the same dtype or
+    another floating one (packing casts it, e.g. fp32 master weights sent as bf16)."""
+    name, tensor = item
+    want = dtype_from_name(meta.dtype)
+    same_kind = tensor.dtype == want or (tensor.dtype.is_floating_point and want.is_floating_point)
+    if name != meta.name or tuple(tensor.shape) != meta.shape or not same_kind:
+        raise ValueError(f"refit tensor {TensorMeta.of(name, tensor)} does not match its announced metadata {meta}")
+    return tensor
