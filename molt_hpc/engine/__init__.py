@@ -4,6 +4,8 @@ client.py     async client of the HTTP protocol (generate, pause, resume, health
 sampling.py   request validation and the per-token processing (temperature, top-k, top-p, min-p)
 kvcache.py    the batch KV cache: rows join (left padding), leave, and are re-prefilled
 batch.py      rows, the prefill and decode forwards, sampling a batch
+slots.py      on a GPU: the preallocated KV cache (one slot per row) and its runner
+graphs.py     on a GPU: the decode step recorded and replayed as CUDA graphs (unless enforce_eager)
 scheduler.py  the scheduler thread: admission, pause modes, atomic weight updates
 http.py       token check, error middleware, JSON bodies (shared with the router; no torch)
 server.py     the aiohttp app: validation, the generate and control routes
