@@ -154,6 +154,8 @@ def policy_loss(
     if seq_index is None:
         seq_index = row_seq_index(mask)
     n = n_samples if n_samples is not None else int(seq_index.max().item()) + 1
+    # Chat-mode samples carry no engine log-probs (NaN): they are on-policy by definition, so ratio 1.
+    rollout_log_probs = torch.where(rollout_log_probs.isnan(), log_probs.detach(), rollout_log_probs)
     log_ratio = _masked((log_probs - rollout_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), mask)
     adv = _masked(advantages.to(log_probs.dtype), mask)
 
