@@ -179,5 +179,7 @@ def test_tokens_without_rollout_logprobs_are_on_policy(policy_loss_kind):
         results.append((loss.item(), logp.grad[0].tolist()))
     assert results[0][0] == pytest.approx(results[1][0]) and not math.isnan(results[0][0])
     assert results[0][1] == pytest.approx(results[1][1])
-    # ratio 1 everywhere: the loss is -mean(advantage) over the action tokens
-    assert results[0][0] == pytest.approx(-adv.mean().item())
+    # ratio 1 everywhere: the gradient is -A/n (and PPO's and GSPO's loss is -mean(A); CISPO's is -mean(A·logp))
+    assert results[0][1] == pytest.approx((-adv[0] / 4).tolist())
+    if policy_loss_kind != "cispo":
+        assert results[0][0] == pytest.approx(-adv.mean().item())
