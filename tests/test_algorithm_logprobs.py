@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from molt_hpc.algorithm.logprobs import logprobs_from_logits, token_logprobs
+from molt_hpc.algorithm.logprobs import _spans, logprobs_from_logits, token_logprobs
 
 B, T, H, V = 3, 7, 16, 50
 
@@ -149,3 +149,74 @@ def test_bad_arguments():
         token_logprobs(hidden, weight, seqs, chunk=0)
     with pytest.raises(ValueError, match="hidden size"):
         token_logprobs(hidden, weight[:, :3], seqs)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("use", ["both", "logp", "entropy"])
+def test_logits_path_fp32_slices_and_gathers(masked, use):
+    """Unmasked rows are read and written as slices of the logits (no gather); masked rows are gathered.
+    Either way: equal to the naive recipe, and the caller's logits are left untouched."""
+    g = torch.Generator().manual_seed(8)
+    logits = (torch.randn(B, T, V, generator=g) * 2).requires_grad_(True)
+    before = logits.detach().clone()
+    seqs = torch.randint(0, V, (B, T), generator=g)
+    up = torch.randn(2, B, T, generator=g)
+    mask = (torch.rand(B, T, generator=g) < 0.6) if masked else torch.ones(B, T, dtype=torch.bool)
+    mask[:, 0] = False
+    if use == "logp":
+        up[1] = 0
+    if use == "entropy":
+        up[0] = 0
+    logp, ent = logprobs_from_logits(logits, seqs, temperature=1.0, chunk=4, action_mask=mask if masked else None)
+    assert torch.equal(logits.detach(), before)
+    if use == "logp":
+        (logp * up[0] * mask).sum().backward()
+    elif use == "entropy":
+        (ent * up[1] * mask).sum().backward()
+    else:
+        backward(logp, ent, up, mask)
+    got = logits.grad.clone()
+    logits.grad = None
+    ref_logp, ref_ent = naive(logits, seqs, 1.0)
+    assert torch.allclose(logp[mask], ref_logp[mask].detach(), atol=1e-5)
+    assert torch.allclose(ent[mask], ref_ent[mask].detach(), atol=1e-5)
+    backward(ref_logp, ref_ent, up, mask)
+    assert torch.allclose(got, logits.grad, atol=1e-5, rtol=0), (got - logits.grad).abs().max()
+
+
+def test_peaked_distribution_where_target_probability_underflows():
+    """Logits spread over hundreds of nats: p(target) is 0 in fp32, log p(target) must still be exact."""
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(1, 6, V, generator=g) * 60
+    seqs = torch.randint(0, V, (1, 6), generator=g)
+    logp, ent = logprobs_from_logits(logits, seqs, chunk=2)
+    all64 = torch.log_softmax(logits.double(), -1)[:, :-1]
+    ref_logp = all64.gather(2, seqs[:, 1:, None]).squeeze(2)
+    ref_ent = -(all64.exp() * all64).sum(-1)
+    assert (ref_logp < -110).any()  # exp of it is below fp32's smallest subnormal
+    assert torch.allclose(logp[:, 1:].double(), ref_logp, atol=1e-5, rtol=1e-6)
+    # entropy = lse - E_p[z] cancels: its error is bounded by fp32 rounding of the logits' magnitude
+    ulp_scale = torch.finfo(torch.float32).eps * logits.abs().max().item()
+    assert torch.allclose(ent[:, 1:].double(), ref_ent, atol=ulp_scale), (ent[:, 1:] - ref_ent).abs().max()
+
+
+def test_gradcheck_float64_single_outputs_and_mask():
+    g = torch.Generator().manual_seed(10)
+    logits = torch.randn(2, 5, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    seqs = torch.randint(0, 7, (2, 5), generator=g)
+    mask = torch.tensor([[0, 1, 1, 0, 1], [0, 1, 1, 1, 1]], dtype=torch.bool)
+    for out in (0, 1):
+
+        def f(x, out=out):
+            return logprobs_from_logits(x, seqs, temperature=0.6, chunk=2, action_mask=mask)[out]
+
+        assert torch.autograd.gradcheck(f, (logits,), fast_mode=True)
+
+
+def test_spans_are_slices_only_where_rows_are_consecutive():
+    idx = torch.tensor([0, 1, 2, 4, 5, 6, 7, 9])
+    spans = _spans(idx, 3)
+    assert [s for s, _ in spans] == [0, 3, 6]
+    assert spans[0][1] == slice(0, 3) and spans[1][1] == slice(4, 7)
+    assert torch.equal(spans[2][1], torch.tensor([7, 9]))
+    assert _spans(idx[:0], 3) == []

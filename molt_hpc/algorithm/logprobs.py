@@ -19,29 +19,35 @@ from torch import Tensor
 
 
 def _chunk_forward(z: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(log p(target), entropy, logsumexp) of logits `z [n, V]`, with one `[n, V]` temporary."""
-    lse = torch.logsumexp(z, dim=-1)
+    """(log p(target), logsumexp, E_p[z]) of fp32 logits `z [n, V]`, which it may overwrite.
+
+    One fused softmax gives p; lse = max - log p(argmax) is exact to fp32 rounding (p(argmax) >= 1/V
+    never underflows), so no separate logsumexp pass is needed. Entropy is lse - E_p[z]."""
+    top, arg = z.max(-1, keepdim=True)
+    p = torch.softmax(z, -1)
+    lse = (top - p.gather(1, arg).log_()).squeeze(1)
     logp = z.gather(1, targets[:, None]).squeeze(1) - lse
-    p = (z - lse[:, None]).exp_()
-    ent = lse - p.mul_(z).sum(-1)
-    return logp, ent, lse
+    mean_z = p.mul_(z).sum(-1)
+    return logp, lse, mean_z
 
 
-def _chunk_grad(z: Tensor, lse: Tensor, targets: Tensor, g_logp: Tensor | None, g_ent: Tensor | None) -> Tensor:
-    """d/dz of `g_logp · log p_y + g_ent · H`, reusing `z`'s storage:
-    d log p_y / dz = onehot(y) - p and dH / dz = -p (z - E_p[z])."""
-    p = (z - lse[:, None]).exp_()
-    if g_ent is None:
-        coef = g_logp[:, None].to(z.dtype).expand_as(z)
-    else:
-        mean_z = (p * z).sum(-1, keepdim=True)
-        coef = z.sub_(mean_z).mul_(g_ent[:, None].to(z.dtype))
-        if g_logp is not None:
-            coef.add_(g_logp[:, None].to(z.dtype))
-    dz = p.mul_(coef).neg_()
-    if g_logp is not None:
-        dz.scatter_add_(1, targets[:, None], g_logp[:, None].to(z.dtype))
-    return dz
+def _chunk_grad(
+    z: Tensor, lse: Tensor, mean_z: Tensor, targets: Tensor, gl: Tensor | None, ge: Tensor | None, temp: float, out
+) -> Tensor:
+    """d/dx of `gl · log p_y + ge · H` for logits `z = x / temp`, written into `out` (any float dtype).
+
+    d log p_y / dz = onehot(y) - p and dH / dz = -p (z - E_p[z]), so with per-row scalars
+    a = -ge / temp and b = (ge E_p[z] - gl) / temp: dx = p (a z + b) + onehot(y) gl / temp.
+    `z` is overwritten with p; the target column is fixed up in fp32 so `out` is rounded once."""
+    gl = torch.zeros_like(lse) if gl is None else gl.to(z.dtype)
+    b = (-gl if ge is None else ge.to(z.dtype) * mean_z - gl).div_(temp)[:, None]
+    t = b if ge is None else torch.addcmul(b, z, ge.to(z.dtype)[:, None], value=-1.0 / temp)
+    p = z.sub_(lse[:, None]).exp_()
+    torch.mul(p, t, out=out)
+    col = targets[:, None]
+    t_y = t if ge is None else t.gather(1, col)
+    at_y = p.gather(1, col).mul_(t_y).add_(gl[:, None], alpha=1.0 / temp)
+    return out.scatter_(1, col, at_y.to(out.dtype))
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -50,32 +56,42 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, source, weight, idx, targets, temperature, chunk):
         n, dtype = idx.shape[0], _compute_dtype(source, weight)
-        logp, ent, lse = (torch.empty(n, dtype=dtype, device=source.device) for _ in range(3))
-        for s in range(0, n, chunk):
-            z = _chunk_logits(source, weight, idx[s : s + chunk], temperature)
-            logp[s : s + chunk], ent[s : s + chunk], lse[s : s + chunk] = _chunk_forward(z, targets[s : s + chunk])
-        ctx.save_for_backward(source, weight, idx, targets, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        logp, lse, mean_z = (torch.empty(n, dtype=dtype, device=source.device) for _ in range(3))
+        spans = _spans(idx, chunk)
+        for s, rows in spans:
+            z = _chunk_logits(source, weight, rows, temperature)
+            part = slice(s, s + z.shape[0])
+            logp[part], lse[part], mean_z[part] = _chunk_forward(z, targets[part])
+        ctx.save_for_backward(source, weight, targets, lse, mean_z)
+        ctx.temperature, ctx.spans = temperature, spans
         ctx.set_materialize_grads(False)
-        return logp, ent
+        return logp, lse - mean_z
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        source, weight, idx, targets, lse = ctx.saved_tensors
-        temperature, chunk = ctx.temperature, ctx.chunk
+        source, weight, targets, lse, mean_z = ctx.saved_tensors
+        temperature = ctx.temperature
         grad_src = torch.zeros_like(source) if ctx.needs_input_grad[0] else None
         grad_w = None
         if weight is not None and ctx.needs_input_grad[1]:
             grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)  # accumulated in fp32
-        for s in range(0, idx.shape[0] if g_logp is not None or g_ent is not None else 0, chunk):
-            rows, part = idx[s : s + chunk], slice(s, s + chunk)
+        for s, rows in ctx.spans if g_logp is not None or g_ent is not None else []:
             z = _chunk_logits(source, weight, rows, temperature)
+            part = slice(s, s + z.shape[0])
             gl = None if g_logp is None else g_logp[part]
             ge = None if g_ent is None else g_ent[part]
-            dz = _chunk_grad(z, lse[part], targets[part], gl, ge).div_(temperature)
-            dz = dz.to(source.dtype if weight is None else weight.dtype)
+            if weight is None and grad_src is None:
+                continue
+            # logits: straight into the gradient when the rows are one slice of it
+            direct = weight is None and isinstance(rows, slice)
+            out = (
+                grad_src[rows]
+                if direct
+                else torch.empty_like(z, dtype=source.dtype if weight is None else weight.dtype)
+            )
+            dz = _chunk_grad(z, lse[part], mean_z[part], targets[part], gl, ge, temperature, out)
             if weight is None:
-                if grad_src is not None:
+                if not direct:
                     grad_src[rows] = dz
                 continue
             if grad_src is not None:
@@ -84,6 +100,23 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 grad_w += (dz.t() @ source[rows].to(dz.dtype)).to(grad_w.dtype)
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         return grad_src, grad_w, None, None, None, None
+
+
+def _spans(idx: Tensor, chunk: int) -> list[tuple[int, slice | Tensor]]:
+    """(offset, rows) per chunk of `idx` (increasing): a slice where the rows are consecutive, so no
+    gather copies them, else the index tensor. One host sync per call."""
+    n = idx.shape[0]
+    if n == 0:
+        return []
+    starts = torch.arange(0, n, chunk, device=idx.device)
+    ends = (starts + chunk).clamp_(max=n) - 1
+    consecutive = (idx[ends] - idx[starts]) == (ends - starts)
+    firsts = idx[starts]
+    spans: list[tuple[int, slice | Tensor]] = []
+    for s, first, whole in zip(range(0, n, chunk), firsts.tolist(), consecutive.tolist(), strict=True):
+        m = min(chunk, n - s)
+        spans.append((s, slice(first, first + m) if whole else idx[s : s + m]))
+    return spans
 
 
 def _compute_dtype(source: Tensor, weight: Tensor | None) -> torch.dtype:
@@ -96,7 +129,8 @@ def _chunk_logits(source: Tensor, weight: Tensor | None, rows: Tensor, temperatu
     x = source[rows]
     if weight is not None:
         x = x.to(weight.dtype) @ weight.t()
-    return x.to(_compute_dtype(source, weight)) / temperature
+    z = x.to(_compute_dtype(source, weight), copy=True)  # a copy: callers overwrite it
+    return z.div_(temperature) if temperature != 1.0 else z
 
 
 def _positions(sequences: Tensor, action_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
