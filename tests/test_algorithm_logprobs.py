@@ -200,6 +200,17 @@ def test_peaked_distribution_where_target_probability_underflows():
     assert torch.allclose(ent[:, 1:].double(), ref_ent, atol=ulp_scale), (ent[:, 1:] - ref_ent).abs().max()
 
 
+def test_wide_vocabulary_matches_float64():
+    """A 32k vocabulary: the normaliser summed over many terms keeps log-probs and entropy within 1e-5."""
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(1, 9, 32000, generator=g) * 3).to(torch.bfloat16)
+    seqs = torch.randint(0, 32000, (1, 9), generator=g)
+    logp, ent = logprobs_from_logits(logits, seqs, temperature=0.7, chunk=4)
+    all64 = torch.log_softmax(logits.double() / 0.7, -1)[:, :-1]
+    assert torch.allclose(logp[:, 1:].double(), all64.gather(2, seqs[:, 1:, None]).squeeze(2), atol=1e-5, rtol=0)
+    assert torch.allclose(ent[:, 1:].double(), -(all64.exp() * all64).sum(-1), atol=1e-5, rtol=0)
+
+
 def test_gradcheck_float64_single_outputs_and_mask():
     g = torch.Generator().manual_seed(10)
     logits = torch.randn(2, 5, 7, dtype=torch.float64, generator=g, requires_grad=True)

@@ -21,13 +21,15 @@ from torch import Tensor
 def _chunk_forward(z: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(log p(target), logsumexp, E_p[z]) of fp32 logits `z [n, V]`, which it may overwrite.
 
-    One fused softmax gives p; lse = max - log p(argmax) is exact to fp32 rounding (p(argmax) >= 1/V
-    never underflows), so no separate logsumexp pass is needed. Entropy is lse - E_p[z]."""
+    One fused softmax gives p; lse = max - log p(argmax) + log sum(p) (p(argmax) >= 1/V never
+    underflows), so no separate logsumexp pass is needed. Entropy is lse - E_p[z]."""
     top, arg = z.max(-1, keepdim=True)
     p = torch.softmax(z, -1)
-    lse = (top - p.gather(1, arg).log_()).squeeze(1)
+    # softmax's own normaliser is summed less accurately than torch.sum on CPU: divide it out
+    total = p.sum(-1)
+    lse = (top - p.gather(1, arg).log_()).squeeze(1) + total.log()
     logp = z.gather(1, targets[:, None]).squeeze(1) - lse
-    mean_z = p.mul_(z).sum(-1)
+    mean_z = p.mul_(z).sum(-1).div_(total)
     return logp, lse, mean_z
 
 
