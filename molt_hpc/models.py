@@ -101,7 +101,9 @@ def resolve_model(cfg: ModelConfig, cache_dir: str | Path) -> Path:
 
         return resolve_smollm2(cache_dir)
     if cfg.path != "builtin:tiny-char":
-        raise ValueError(f"model.path = {cfg.path!r}: the builtin models are 'builtin:tiny-char' and 'builtin:smollm2'")
+        raise ValueError(
+            f"model.path = {cfg.path!r}: the only builtin models are 'builtin:tiny-char' and 'builtin:smollm2'"
+        )
     key = hashlib.sha256(json.dumps(cfg.tiny.model_dump(), sort_keys=True).encode()).hexdigest()[:12]
     final = Path(cache_dir) / f"tiny-char-{key}"
     if (final / "config.json").is_file():
