@@ -79,7 +79,6 @@ def write_converted(gguf_file: str | Path, out_dir: str | Path) -> Path:
         raise ValueError(f"GGUF file {gguf_file} has no chat template (tokenizer.chat_template is missing)")
     if tokenizer.pad_token is None:  # batched prompts are padded; the EOS token is the usual stand-in
         tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
