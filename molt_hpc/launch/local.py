@@ -9,6 +9,7 @@ step boundary (`control/stop`), wait for it, stop the pool. A second Ctrl-C stop
 
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
@@ -34,6 +35,35 @@ def prepare_run(cfg: MoltConfig) -> RunDir:
     return run
 
 
+def visible_gpus() -> list[str]:
+    """GPU ids this launcher may hand out: `CUDA_VISIBLE_DEVICES`, or every GPU torch sees."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g for g in env.split(",") if g.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def split_gpus(cfg: MoltConfig, gpus: list[str]) -> tuple[list[str], list[str]]:
+    """(actor pool GPUs, engine pool GPUs): disjoint when there are enough, else both share them all."""
+    actor_n = 0 if cfg.actor.device == "cpu" else cfg.actor.ranks
+    engine_n = 0 if cfg.engines.device == "cpu" else cfg.engines.count * cfg.engines.tensor_parallel
+    if not gpus or actor_n + engine_n == 0:
+        return [], []
+    if len(gpus) >= actor_n + engine_n:
+        return gpus[:actor_n], gpus[actor_n : actor_n + engine_n]
+    get_logger().warning(
+        "%d GPU(s) for %d trainer rank(s) and %d engine GPU(s): the pools share them", len(gpus), actor_n, engine_n
+    )
+    return gpus[: max(actor_n, 1)] if actor_n else [], gpus if engine_n else []
+
+
+def _gpu_env(gpus: list[str]) -> dict[str, str]:
+    # An empty list hides every GPU, so a CPU-only pool never grabs one by accident.
+    return {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+
+
 def actor_child(cfg: MoltConfig, run: RunDir) -> Child:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -49,6 +79,12 @@ def run_local(cfg: MoltConfig) -> int:
     log.info("run directory %s", run.path)
     pool = Child("engine pool", job_command("engine.py", str(run.path), "--role", "pool"), run.logs / "pool.log")
     actor = actor_child(cfg, run)
+    gpus = visible_gpus()
+    if gpus:
+        actor_gpus, pool_gpus = split_gpus(cfg, gpus)
+        actor.env.update(_gpu_env(actor_gpus))
+        pool.env.update(_gpu_env(pool_gpus))
+        log.info("GPUs: actor pool %s, engine pool %s", actor_gpus or "none", pool_gpus or "none")
     children = [pool.start(), actor.start()]
     atomic_write(run.path / "processes.json", json.dumps({c.name: c.pid for c in children}))
     progress = Progress(cfg, run)
