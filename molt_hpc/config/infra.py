@@ -32,7 +32,7 @@ class RunConfig(Section):
     """Run name; the run directory is `<root>/<name>`."""
     root: str = "runs"
     """Directory holding run directories (on the shared filesystem for Slurm runs)."""
-    steps: PositiveInt = 480
+    steps: PositiveInt = 400
     """Training steps (optimizer updates of the policy) before the run ends."""
     seed: int = 0
     """Seed of everything random: data order, sampling, initialisation."""
