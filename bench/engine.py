@@ -38,7 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 N, NEW = 32, 64
 
 
-def start_engine(run, threads: int) -> tuple[subprocess.Popen, str]:
+def start_engine(run, threads: int = 1, timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
+    """One engine process for the run directory `run`; returns it and its URL once it has registered."""
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "jobs" / "engine.py"), str(run.path), "--role", "engine", "--index", "0"],
         stdout=subprocess.DEVNULL,
@@ -46,7 +47,7 @@ def start_engine(run, threads: int) -> tuple[subprocess.Popen, str]:
         env={**os.environ, "OMP_NUM_THREADS": str(threads)},
     )
     path = run.rendezvous / "engine-0.json"
-    for _ in range(1200):
+    for _ in range(int(timeout_s * 10)):
         if path.exists() and json.loads(path.read_text())["pid"] == proc.pid:
             return proc, json.loads(path.read_text())["url"]
         if proc.poll() is not None:

@@ -14,7 +14,6 @@ import argparse
 import datetime
 import json
 import multiprocessing as mp
-import os
 import statistics
 import subprocess
 import sys
@@ -33,25 +32,14 @@ from molt_hpc.refit import RefitSender
 from molt_hpc.refit.buckets import TensorMeta, plan_buckets
 from molt_hpc.rundir import create_run_dir
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine import start_engine as start_engine_process  # bench/engine.py
+
 SHAPE = TinyModelConfig(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=2048)
 
 
 def start_engine(run) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "jobs" / "engine.py"), str(run.path), "--role", "engine", "--index", "0"],
-        stdout=subprocess.DEVNULL,
-        stderr=open(run.logs / "engine-0.log", "wb"),  # noqa: SIM115 - the child owns it
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    path = run.rendezvous / "engine-0.json"
-    for _ in range(1800):
-        if path.exists() and json.loads(path.read_text())["pid"] == proc.pid:
-            return proc, json.loads(path.read_text())["url"]
-        if proc.poll() is not None:
-            raise SystemExit(f"engine died:\n{(run.logs / 'engine-0.log').read_text()}")
-        time.sleep(0.1)
-    raise SystemExit("engine did not start")
+    return start_engine_process(run, threads=1, timeout_s=180.0)
 
 
 def raw_group(port: int, rank: int) -> dist.ProcessGroupGloo:
