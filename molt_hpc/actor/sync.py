@@ -64,7 +64,11 @@ class EngineSync:
         self.connected: list[Engine] = []
         self.retry_at: float | None = None
         self.sender = None
-        if world.is_main:
+        if world.is_main and cfg.engines.kind == "vllm":
+            from molt_hpc.refit.vllm_sender import VllmRefitSender
+
+            self.sender = VllmRefitSender(cfg.refit, self.run.token(), device=world.device)
+        elif world.is_main:
             from molt_hpc.refit import RefitSender
 
             self.sender = RefitSender(run_dir, cfg.refit, self.run.token(), device=world.device)

@@ -79,6 +79,10 @@ class MoltConfig(Section):
                 f"data.max_prompt_tokens ({self.data.max_prompt_tokens}) leaves no room to generate "
                 f"within rollout.max_total_tokens ({ro.max_total_tokens})"
             )
+        if self.engines.kind == "vllm" and act.device == "cpu":
+            raise ValueError(
+                "engines.kind = 'vllm' refits over NCCL from a GPU: set actor.device = 'cuda' (or 'auto' on a GPU node)"
+            )
         self._check_tiny_model()
         self._check_slurm()
         return self

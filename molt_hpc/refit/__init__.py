@@ -4,6 +4,7 @@
     group.py     the dedicated refit communicator (gloo on CPU, NCCL on GPUs) on a prefixed TCPStore
     sender.py    `RefitSender`: the trainer side (hosts the store, drives the engines' HTTP routes)
     receiver.py  `RefitReceiver`: the engine side (joins the group, receives buckets, loads by name)
+    vllm_sender.py  `VllmRefitSender`: the trainer side for `vllm serve` engines (vLLM's own helpers)
 
 The protocol follows vLLM's native weight-transfer API (init → start → update → finish, packed
 buckets, one rank offset per engine), so a `vllm serve` engine can take the same refit.

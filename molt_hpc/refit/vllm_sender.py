@@ -1,0 +1,222 @@
+"""The trainer side of a refit into `vllm serve` engines, through vLLM's own weight-transfer API.
+
+    sender = VllmRefitSender(cfg.refit, token)
+    sender.connect(engine_urls)                     # every engine's workers + trainer rank 0, one NCCL group
+    sender.push(named_tensors, version, metas)      # pause → start → update (packed) → finish → reset → resume
+
+vLLM 0.26's NCCL rendezvous is its own `StatelessProcessGroup`: a TCPStore the trainer hosts, through
+which the NCCL unique id travels pickled as a vLLM ctypes type. Speaking that wire format without vLLM
+would mean copying its private types, so this side imports vLLM's trainer helpers
+(`NCCLWeightTransferEngine.trainer_init` / `trainer_send_weights`): the packing, buffer count and
+unique-id exchange then match the engines by construction. The actor pool needs the `gpu` extra.
+
+An engine is a tensor-parallel group of `world_size` workers (its `/get_world_size`); engine i's
+workers take ranks `1 + (sizes of engines before i)`. A push pauses every engine in `keep` mode
+(in-flight requests freeze), streams the weights while the engines' `/update_weights` calls are in
+flight, stamps the version (`/finish_weight_update`, read by our front), resets the prefix cache with
+running requests preempted (their KV is recomputed with the new weights) and resumes.
+"""
+
+import json
+import socket
+import time
+import urllib.request
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import torch
+
+from molt_hpc.config.infra import RefitConfig
+from molt_hpc.log import get_logger
+from molt_hpc.refit.buckets import TensorMeta, dtype_from_name
+from molt_hpc.refit.sender import RefitStats, advertised_host, post_json
+
+NUM_BUFFERS = 2
+"""Packed buffers in flight (vLLM's double buffering); both ends must agree, so it travels in update_info."""
+
+
+def import_vllm_transfer():
+    """vLLM's NCCL weight-transfer engine class, or a `ValueError` saying how to get it."""
+    try:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+    except ImportError as err:
+        raise ValueError(
+            f"engines.kind = 'vllm' needs vLLM on the actor pool too (it speaks vLLM's weight-transfer protocol): "
+            f"pip install 'molt-hpc[gpu]' ({err})"
+        ) from None
+    return NCCLWeightTransferEngine
+
+
+def free_port() -> int:
+    """A TCP port free right now (vLLM's trainer helper binds the port it is given)."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def get_json(url: str, token: str, timeout_s: float) -> dict[str, Any]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.loads(resp.read() or b"{}")
+
+
+def vllm_update_info(metas: Sequence[TensorMeta], bucket_bytes: int) -> dict[str, Any]:
+    """The `update_info` of vLLM's `/update_weights` for packed NCCL buckets of `bucket_bytes`."""
+    return {
+        "names": [m.name for m in metas],
+        "dtype_names": [m.dtype for m in metas],
+        "shapes": [list(m.shape) for m in metas],
+        "packed": True,
+        "packed_buffer_size_bytes": bucket_bytes,
+        "packed_num_buffers": NUM_BUFFERS,
+    }
+
+
+def rank_offsets(sizes: Sequence[int]) -> list[int]:
+    """First rank of each engine's workers in the refit group (the trainer is rank 0)."""
+    offsets, nxt = [], 1
+    for size in sizes:
+        offsets.append(nxt)
+        nxt += size
+    return offsets
+
+
+class VllmRefitSender:
+    """Pushes full weights from trainer rank 0 to `vllm serve` engines (same interface as `RefitSender`)."""
+
+    def __init__(self, cfg: RefitConfig, token: str, device: str | torch.device = "cuda"):
+        self.cfg = cfg
+        self.token = token
+        self.host = advertised_host(cfg.host)
+        dev = torch.device(device)
+        self.device_index = dev.index if dev.index is not None else torch.cuda.current_device()
+        self.urls: list[str] = []
+        self._group = None
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="vllm-refit-http")
+
+    def connect(self, engine_urls: Sequence[str]) -> None:
+        """Form a new NCCL group with exactly `engine_urls` (each engine with all its TP workers)."""
+        if not engine_urls:
+            raise ValueError("connect() needs at least one engine URL")
+        transfer = import_vllm_transfer()
+        self._group = None
+        t0 = time.perf_counter()
+        sizes = [
+            int(get_json(f"{u.rstrip('/')}/get_world_size?include_dp=false", self.token, 30.0)["world_size"])
+            for u in engine_urls
+        ]
+        world, port = 1 + sum(sizes), free_port()
+        calls = [
+            self._post(url, "/init_weight_transfer_engine", {
+                "init_info": {"master_address": self.host, "master_port": port, "rank_offset": off, "world_size": world}
+            })
+            for url, off in zip(engine_urls, rank_offsets(sizes), strict=True)
+        ]  # fmt: skip
+        forming = self._pool.submit(self._trainer_init, transfer, port, world)
+        # An engine that cannot join fails its call at once, while the group would wait for it: stop early.
+        done, _ = wait([forming, *calls], timeout=self.cfg.timeout_s, return_when=FIRST_EXCEPTION)
+        if forming not in done:
+            self._wait(calls, engine_urls, "init_weight_transfer_engine")
+            raise RuntimeError(f"the vLLM refit group did not form within {self.cfg.timeout_s:.0f}s")
+        self._wait(calls, engine_urls, "init_weight_transfer_engine")
+        self._group, self.urls = forming.result(), list(engine_urls)
+        get_logger().info(
+            "vLLM refit group formed: %d engines, %d workers, %.2fs", len(sizes), sum(sizes), time.perf_counter() - t0
+        )
+
+    def _trainer_init(self, transfer, port: int, world: int):
+        torch.cuda.set_device(self.device_index)  # the current device is per thread; vLLM's helper reads it
+        return transfer.trainer_init({"master_address": self.host, "master_port": port, "world_size": world})
+
+    def push(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        metas: Sequence[TensorMeta] | None = None,
+    ) -> RefitStats:
+        """Send full tensors (HF names) to every engine and make `version` what they serve next."""
+        if self._group is None:
+            raise ValueError("VllmRefitSender.push() without a group: call connect(engine_urls) first")
+        transfer = import_vllm_transfer()
+        items: Iterable[tuple[str, torch.Tensor]] = named_tensors
+        if metas is None:
+            items = list(named_tensors)
+            metas = [TensorMeta.of(name, t) for name, t in items]
+        bucket_bytes = self.cfg.bucket_mb << 20
+        t0 = time.perf_counter()
+        try:
+            self._round("/pause?mode=keep")
+            self._round("/start_weight_update")
+            info = vllm_update_info(metas, bucket_bytes)
+            wire_dtypes = {m.name: dtype_from_name(m.dtype) for m in metas}
+            calls = [self._post(url, "/update_weights", {"update_info": info}) for url in self.urls]
+            with torch.cuda.device(self.device_index):
+                args = {
+                    "group": self._group,
+                    "packed": True,
+                    "packed_buffer_size_bytes": bucket_bytes,
+                    "packed_num_buffers": NUM_BUFFERS,
+                    "post_iter_func": lambda item: self._wire_tensor(item, wire_dtypes[item[0]], calls),
+                }
+                transfer.trainer_send_weights(_checked(iter(items), metas), args)
+                torch.cuda.synchronize()
+            self._wait(calls, self.urls, "update_weights")
+            self._round("/finish_weight_update", {"version": version})
+            self._round("/reset_prefix_cache?reset_running_requests=true")
+            self._round("/resume")
+        except BaseException:
+            # The engines stay paused until a complete push; the next one forms a new group first.
+            self._group = None
+            raise
+        total = sum(m.nbytes for m in metas)
+        stats = RefitStats(version, time.perf_counter() - t0, total, -(-total // bucket_bytes), len(self.urls))
+        get_logger().info(
+            "refit v%d: %.1f MB to %d vLLM engines, %.2fs (%.2f GB/s)",
+            version,
+            total / 1e6,
+            len(self.urls),
+            stats.seconds,
+            stats.gb_per_s,
+        )
+        return stats
+
+    def _wire_tensor(self, item: tuple[str, torch.Tensor], dtype: torch.dtype, calls: list[Future]) -> torch.Tensor:
+        """The bytes vLLM receives: the announced dtype, on this GPU. An engine that already refused the
+        update would leave the broadcast hanging, so check the calls before each tensor."""
+        for url, call in zip(self.urls, calls, strict=True):
+            if call.done() and call.exception() is not None:
+                raise RuntimeError(f"engine {url} refused the weight update: {call.exception()}")
+        return item[1].to(device=f"cuda:{self.device_index}", dtype=dtype).contiguous()
+
+    def close(self) -> None:
+        self._group = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _round(self, path: str, body: dict[str, Any] | None = None) -> None:
+        self._wait([self._post(url, path, body or {}) for url in self.urls], self.urls, path.lstrip("/"))
+
+    def _post(self, url: str, path: str, body: dict[str, Any]) -> Future:
+        return self._pool.submit(post_json, url.rstrip("/") + path, body, self.token, self.cfg.timeout_s)
+
+    def _wait(self, calls: list[Future], urls: Sequence[str], what: str) -> None:
+        errors = []
+        for url, call in zip(urls, calls, strict=True):
+            try:
+                call.result()
+            except (RuntimeError, OSError) as err:  # collect every engine's failure into one message
+                errors.append(f"{url}: {err}")
+        if errors:
+            raise RuntimeError(f"{what} failed on {len(errors)} engine(s): " + "; ".join(errors))
+
+
+def _checked(
+    items: Iterator[tuple[str, torch.Tensor]], metas: Sequence[TensorMeta]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors in announced order, each checked against its metadata (a mismatch would corrupt the
+    engines' weights silently: vLLM unpacks by the announced shapes)."""
+    for meta in metas:
+        name, tensor = next(items)
+        if name != meta.name or tuple(tensor.shape) != meta.shape or not tensor.dtype.is_floating_point:
+            raise ValueError(f"refit tensor {TensorMeta.of(name, tensor)} does not match its announced metadata {meta}")
+        yield name, tensor
