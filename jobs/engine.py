@@ -13,7 +13,10 @@ from pathlib import Path
 
 
 def run_engine(cfg, run_dir: Path, args: argparse.Namespace) -> int:
-    from molt_hpc.engine.main import main
+    if cfg.engines.kind == "vllm":
+        from molt_hpc.engine.vllm_main import main
+    else:
+        from molt_hpc.engine.main import main
 
     return main(cfg, run_dir, args.index)
 

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from molt_hpc.config.base import Section
 
@@ -72,6 +72,20 @@ class EnginesConfig(Section):
     host: str = "127.0.0.1"
     """Address the engines and the router listen on (ports come from the kernel). `0.0.0.0` listens on
     every interface and registers the node's hostname (multi-node runs)."""
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    """Log-probs a vLLM engine returns: `processed_logprobs` are taken after temperature/top-k/top-p,
+    what the trainer recomputes (the importance ratio needs them); `raw_logprobs` come before them."""
+    startup_timeout_s: PositiveFloat = 900.0
+    """Seconds a vLLM engine may take to load, compile and capture graphs before `/health` answers."""
+
+    @model_validator(mode="after")
+    def _check_vllm_device(self) -> "EnginesConfig":
+        if self.kind == "vllm" and self.device == "cpu":
+            raise ValueError(
+                "engines.kind = 'vllm' runs on GPUs but engines.device = 'cpu': set engines.device = 'cuda' "
+                "(or 'auto'), or use engines.kind = 'builtin' on a CPU"
+            )
+        return self
 
 
 class RouterConfig(Section):

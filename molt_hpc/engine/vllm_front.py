@@ -1,0 +1,183 @@
+"""The front of a vLLM engine: our token check and weight-version stamping in front of `vllm serve`.
+
+vLLM's dev routes (/pause, the weight-transfer routes) are not token-guarded, so `vllm serve` listens
+on 127.0.0.1 only and every outside call comes through here. Generate requests get vLLM's sampling
+settings for our protocol (the sampled token's log-prob, no detokenizing) and their answers the
+weight version(s) that produced them, which vLLM does not report; `/finish_weight_update` sets that
+version. Everything else is forwarded as it is. No torch here: this process only relays.
+"""
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from molt_hpc.engine.http import error, errors_middleware, read_json, token_middleware
+
+GENERATE_PATH = "/inference/v1/generate"
+FORWARDED = (
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/update_weights",
+    "/reset_prefix_cache",
+    "/get_world_size",
+)
+# The builtin engine's default (engine/sampling.py); vLLM's server would default to the rest of max_model_len.
+DEFAULT_MAX_TOKENS = 16
+HEALTH_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Front:
+    """What the handlers share: where vLLM listens, the token, and the weight version we stamp."""
+
+    upstream: str
+    token: str
+    index: int
+    version: int = 0
+    on_version: Callable[[int], None] | None = None
+    session: aiohttp.ClientSession | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+
+def normalise_generate(body: object) -> dict[str, Any]:
+    """A generate body as vLLM should get it: the sampled token's log-prob always returned
+    (`logprobs` 0 when unset), top-k off spelled -1, no detokenizing (we send and read token ids)."""
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object with 'token_ids' and 'sampling_params'")
+    if body.get("stream"):
+        raise ValueError("stream = true is not supported: the engine protocol answers whole completions")
+    sp = body.get("sampling_params")
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, dict):
+        raise ValueError(f"sampling_params must be a JSON object, got {sp!r}")
+    sp = dict(sp)
+    if sp.get("logprobs") is None:
+        sp["logprobs"] = 0
+    if sp.get("top_k") == 0:
+        sp["top_k"] = -1
+    sp.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+    sp["detokenize"] = False
+    out = {k: v for k, v in body.items() if k != "output_mode"}  # ours only: vLLM always answers tokens
+    out["sampling_params"] = sp
+    return out
+
+
+def stamp_versions(data: dict[str, Any], start: int, now: int) -> dict[str, Any]:
+    """Add `weight_version` (now) and per-token `weight_versions` to vLLM's generate answer. A request
+    that straddled a weight update is stamped with its start version: staleness is judged on the oldest
+    weights that may have produced a token."""
+    data["weight_version"] = now
+    for choice in data.get("choices") or []:
+        choice["weight_versions"] = [start] * len(choice.get("token_ids") or [])
+    return data
+
+
+def upstream_message(raw: bytes) -> str:
+    """The message of a vLLM error body (`{"error": {"message"}}`, FastAPI's `{"detail"}`, or text)."""
+    text = raw.decode(errors="replace")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:  # not JSON: the raw text is the message
+        return text
+    if isinstance(data, dict):
+        err = data.get("error", data.get("detail"))
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if err is not None:
+            return err if isinstance(err, str) else json.dumps(err)
+    return text
+
+
+async def call_upstream(
+    front: Front, method: str, path_qs: str, content_type: str | None = None, **kwargs: Any
+) -> tuple[int, bytes, str]:
+    """(status, body, content type) of one call to vLLM; a refused connection is a 502 answer."""
+    assert front.session is not None, "the front's client session opens on startup"
+    headers = {**front.headers, **({"Content-Type": content_type} if content_type else {})}
+    try:
+        async with front.session.request(method, front.upstream + path_qs, headers=headers, **kwargs) as resp:
+            return resp.status, await resp.read(), resp.headers.get("Content-Type", "application/json")
+    except aiohttp.ClientConnectionError as err:  # vLLM down: answer 502 so callers retry another engine
+        return (
+            502,
+            json.dumps({"error": f"vLLM at {front.upstream} is not answering: {err}"}).encode(),
+            "application/json",
+        )
+
+
+def relay(status: int, body: bytes, content_type: str) -> web.Response:
+    return web.Response(status=status, body=body, headers={"Content-Type": content_type})
+
+
+def build_front(front: Front) -> web.Application:
+    """The aiohttp app of one front; its client session opens on startup and closes on cleanup."""
+    app = web.Application(middlewares=[token_middleware(front.token), errors_middleware], client_max_size=1 << 30)
+
+    async def open_session(_app: web.Application) -> None:
+        # No total timeout: /update_weights blocks for a whole transfer, a long generate for minutes.
+        front.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
+        )
+
+    async def close_session(_app: web.Application) -> None:
+        if front.session is not None:
+            await front.session.close()
+
+    async def generate(request: web.Request) -> web.Response:
+        body = normalise_generate(await read_json(request))
+        start = front.version
+        status, raw, _ = await call_upstream(front, "POST", GENERATE_PATH, json=body)
+        if status >= 300:
+            return error(status, upstream_message(raw))
+        return web.json_response(stamp_versions(json.loads(raw), start, front.version))
+
+    async def health(request: web.Request) -> web.Response:
+        status, raw, _ = await call_upstream(
+            front, "GET", "/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+        )
+        if status != 200:
+            return error(503, f"vLLM at {front.upstream} is not healthy (HTTP {status}): {upstream_message(raw)}")
+        return web.json_response(
+            {"status": "ok", "index": front.index, "kind": "vllm", "weight_version": front.version}
+        )
+
+    async def finish(request: web.Request) -> web.Response:
+        body = await read_json(request)
+        body = body if isinstance(body, dict) else {}
+        version = body.get("version", front.version + 1)
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"'version' must be an integer, got {version!r}")
+        status, raw, ctype = await call_upstream(front, "POST", "/finish_weight_update", json=body)
+        if status >= 300:
+            return relay(status, raw, ctype)
+        front.version = version
+        if front.on_version is not None:
+            front.on_version(version)
+        answer = json.loads(raw) if raw else {}
+        return web.json_response({**(answer if isinstance(answer, dict) else {}), "weight_version": version})
+
+    async def forward(request: web.Request) -> web.Response:
+        raw = await request.read()
+        ctype = request.headers.get("Content-Type") if raw else None
+        return relay(*await call_upstream(front, request.method, request.path_qs, ctype, data=raw))
+
+    app.on_startup.append(open_session)
+    app.on_cleanup.append(close_session)
+    app.router.add_post(GENERATE_PATH, generate)
+    app.router.add_get("/health", health)
+    app.router.add_post("/finish_weight_update", finish)
+    for path in FORWARDED:
+        app.router.add_route("*", path, forward)
+    app.router.add_route("*", "/v1/{tail:.*}", forward)
+    return app

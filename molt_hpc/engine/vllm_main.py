@@ -1,0 +1,234 @@
+"""The vLLM engine process (`engines.kind = "vllm"`): check vLLM, run `vllm serve` on loopback, serve its front.
+
+One process per engine, started by the pool like the builtin engine (`CUDA_VISIBLE_DEVICES` already
+narrowed to its GPUs). It checks that vLLM is installed and matches torch (from package metadata:
+importing vLLM is heavy and needs CUDA), starts `python -m vllm.entrypoints.openai.api_server` as a
+child listening on 127.0.0.1 (its dev routes are not token-guarded), waits for its `/health`, then
+serves the front (`vllm_front.py`) on `engines.host` and registers `rendezvous/engine-<index>.json`.
+SIGTERM/SIGINT: unregister, stop vLLM, exit 0. vLLM dying: unregister, exit 1 (the pool restarts us).
+"""
+
+import asyncio
+import contextlib
+import ctypes
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+from molt_hpc.config import MoltConfig
+from molt_hpc.engine.main import engine_file, public_url
+from molt_hpc.log import get_logger, setup_logging
+from molt_hpc.rundir import RunDir, atomic_write
+
+TESTED_VLLM = "0.26.0"
+FIX = "pip install 'molt-hpc[gpu]' (vllm==0.26.0, which pins torch 2.11), or set engines.kind = 'builtin'"
+STOP_GRACE_S = 20.0
+PR_SET_PDEATHSIG = 1
+
+
+def check_vllm_torch(vllm_version: str, required_torch: str | None, torch_version: str) -> None:
+    """Refuse a torch other than the one vLLM pins (`torch==X` in its requirements); the local part
+    of torch's version (`+cu130`) does not count."""
+    have = torch_version.split("+", 1)[0]
+    if required_torch is not None and have != required_torch:
+        raise ValueError(
+            f"vLLM {vllm_version} requires torch=={required_torch} but this environment has torch {torch_version}: "
+            f"{FIX}"
+        )
+
+
+def required_torch(requirements: list[str] | None) -> str | None:
+    """The version X of the unconditional `torch==X` requirement, if vLLM pins one."""
+    for req in requirements or []:
+        match = re.fullmatch(r"torch\s*==\s*([^\s;,]+)\s*(;.*)?", req.strip())
+        if match and "extra" not in (match.group(2) or ""):
+            return match.group(1)
+    return None
+
+
+def check_vllm() -> str:
+    """vLLM's version, after checking it is installed and matches this torch; else a `ValueError` naming the fix."""
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(f"engines.kind = 'vllm' but vLLM is not installed in {sys.prefix}: {FIX}") from None
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"vLLM {version} has package metadata but cannot be imported from {sys.prefix}: {FIX}")
+    import torch
+
+    check_vllm_torch(version, required_torch(importlib.metadata.requires("vllm")), torch.__version__)
+    return version
+
+
+def vllm_command(cfg: MoltConfig, model_dir: str | Path, port: int, index: int) -> list[str]:
+    """`vllm serve` for engine `index` on 127.0.0.1:`port`. The token goes in the environment
+    (`vllm_env`), not here: a command line is readable by every user of the node."""
+    eng, model = cfg.engines, cfg.model
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", model.path, "--dtype", model.dtype]
+    cmd += ["--tensor-parallel-size", str(eng.tensor_parallel), "--max-model-len", str(eng.max_model_len)]
+    cmd += ["--gpu-memory-utilization", str(eng.gpu_memory_utilization), "--max-num-seqs", str(eng.max_batch)]
+    cmd += ["--seed", str(cfg.run.seed * 1000 + index)]
+    if eng.enforce_eager:
+        cmd.append("--enforce-eager")
+    cmd.append("--enable-prefix-caching" if eng.prefix_caching else "--no-enable-prefix-caching")
+    # Token ids in and out (the tiny char tokenizer is not one vLLM can load); the request's sampling
+    # parameters, not the model's generation_config defaults; refit over NCCL through the dev routes.
+    cmd += ["--logprobs-mode", eng.logprobs_mode, "--skip-tokenizer-init", "--generation-config", "vllm"]
+    cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    return cmd + list(eng.extra_args)
+
+
+def vllm_env(token: str) -> dict[str, str]:
+    """vLLM's environment: ours, plus the API key, the dev routes (pause, weight transfer), no NVLink multicast."""
+    env = {**os.environ, "VLLM_API_KEY": token, "VLLM_SERVER_DEV_MODE": "1", "NCCL_NVLS_ENABLE": "0"}
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # its sampler needs flashinfer, not a vLLM dependency
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    # vLLM lives in its own session (a stop reaches its workers); if we are killed outright, it gets SIGTERM.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_vllm(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )  # fmt: skip
+
+
+def stop_vllm(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int:
+    """SIGTERM vLLM's process group, SIGKILL it after `grace_s`; its exit code."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError):  # the group is already gone
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # still running: escalate
+            return proc.wait(timeout=wait)
+    raise AssertionError("unreachable: wait() without a timeout returns")
+
+
+def vllm_log(run: RunDir, index: int) -> Path:
+    return run.logs / f"vllm-{index}.log"
+
+
+def tail(log: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log written)"
+
+
+async def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float, stop: asyncio.Event) -> bool:
+    """Poll vLLM's `/health` until 200 (True) or a stop is asked (False); raise if it exits or times out."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while not stop.is_set():
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM exited with {proc.returncode} before it was ready; end of {log}:\n{tail(log)}"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"vLLM did not answer /health within engines.startup_timeout_s = {timeout_s}; end of {log}:\n"
+                    f"{tail(log)}"
+                )
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):  # not listening yet: poll again
+                async with session.get(url + "/health") as resp:
+                    if resp.status == 200:
+                        return True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+    return False
+
+
+async def serve_front(
+    cfg: MoltConfig, run: RunDir, index: int, proc: subprocess.Popen, upstream: str, stop: asyncio.Event
+) -> int:
+    """Serve the front and stay registered until a stop (0) or vLLM's death (1)."""
+    from aiohttp import web
+
+    from molt_hpc.engine.vllm_front import Front, build_front
+
+    log = get_logger()
+    front = Front(upstream, run.token(), index)
+    runner = web.AppRunner(build_front(front), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    sock = socket.create_server((cfg.engines.host, 0))  # port 0: the kernel picks a free one
+    await web.SockSite(runner, sock).start()
+    url = public_url(cfg.engines.host, sock.getsockname()[1])
+
+    def register(version: int) -> None:
+        record = {"url": url, "index": index, "pid": os.getpid(), "version": version, "kind": "vllm"}
+        atomic_write(engine_file(run, index), json.dumps(record))
+
+    front.on_version = register
+    register(front.version)
+    log.info("serving %s at %s (vLLM at %s)", cfg.model.path, url, upstream)
+    try:
+        while not stop.is_set():
+            if proc.poll() is not None:
+                log.error(
+                    "vLLM exited with %s while serving; end of its log:\n%s",
+                    proc.returncode,
+                    tail(vllm_log(run, index)),
+                )
+                return 1
+            with contextlib.suppress(TimeoutError):  # a second passed: look at vLLM again
+                await asyncio.wait_for(stop.wait(), 1.0)
+        log.info("stopping")
+        return 0
+    finally:
+        with contextlib.suppress(FileNotFoundError):  # already removed: nothing to unregister
+            os.unlink(engine_file(run, index))
+        await runner.cleanup()
+
+
+async def serve(cfg: MoltConfig, run: RunDir, index: int) -> int:
+    """Check vLLM, start it, wait for it, serve its front; the process's exit code."""
+    from molt_hpc.models import resolve_model
+
+    log = get_logger()
+    version = check_vllm()  # before anything slow: a missing vLLM fails in seconds
+    if version != TESTED_VLLM:
+        log.warning("vLLM %s: the engine protocol and the refit were verified with vLLM %s", version, TESTED_VLLM)
+    model_dir = resolve_model(cfg.model, run.models)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    port = free_port()
+    upstream = f"http://127.0.0.1:{port}"
+    proc = start_vllm(vllm_command(cfg, model_dir, port, index), vllm_env(run.token()), vllm_log(run, index))
+    log.info("started vLLM %s (pid %d) on %s, log %s", version, proc.pid, upstream, vllm_log(run, index))
+    try:
+        if not await wait_healthy(proc, upstream, vllm_log(run, index), cfg.engines.startup_timeout_s, stop):
+            return 0
+        log.info("vLLM is ready")
+        return await serve_front(cfg, run, index, proc, upstream, stop)
+    finally:
+        log.info("vLLM stopped (exit %s)", stop_vllm(proc))
+
+
+def main(cfg: MoltConfig, run_dir: str | Path, index: int) -> int:
+    """Run vLLM engine `index` of the run in `run_dir` until SIGTERM (0) or vLLM's death (1)."""
+    setup_logging(f"engine {index}", cfg.logging.level)
+    return asyncio.run(serve(cfg, RunDir(Path(run_dir)), index))
