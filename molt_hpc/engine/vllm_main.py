@@ -1,10 +1,11 @@
 """The vLLM engine process (`engines.kind = "vllm"`): check vLLM, run `vllm serve` on loopback, serve its front.
 
 One process per engine, started by the pool like the builtin engine (`CUDA_VISIBLE_DEVICES` already
-narrowed to its GPUs). It checks that vLLM is installed and matches torch (from package metadata:
-importing vLLM is heavy and needs CUDA), starts `python -m vllm.entrypoints.openai.api_server` as a
-child listening on 127.0.0.1 (its dev routes are not token-guarded), waits for its `/health`, then
-serves the front (`vllm_front.py`) on `engines.host` and registers `rendezvous/engine-<index>.json`.
+narrowed to its GPUs). It checks that vLLM is installed and matches torch from package metadata
+(importing vLLM is heavy and needs CUDA; this process never imports torch), starts
+`python -m vllm.entrypoints.openai.api_server` as a child listening on 127.0.0.1 (its dev routes are
+not token-guarded), waits for its `/health`, then serves the front (`vllm_front.py`) on
+`engines.host` and registers `rendezvous/engine-<index>.json`.
 SIGTERM/SIGINT: unregister, stop vLLM, exit 0. vLLM dying: unregister, exit 1 (the pool restarts us).
 """
 
@@ -64,9 +65,12 @@ def check_vllm() -> str:
         raise ValueError(f"engines.kind = 'vllm' but vLLM is not installed in {sys.prefix}: {FIX}") from None
     if importlib.util.find_spec("vllm") is None:
         raise ValueError(f"vLLM {version} has package metadata but cannot be imported from {sys.prefix}: {FIX}")
-    import torch
-
-    check_vllm_torch(version, required_torch(importlib.metadata.requires("vllm")), torch.__version__)
+    try:
+        # The installed wheel's version is torch.__version__ (with its +cu… part) without importing torch here.
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(f"vLLM {version} is installed but torch is not: {FIX}") from None
+    check_vllm_torch(version, required_torch(importlib.metadata.requires("vllm")), torch_version)
     return version
 
 
