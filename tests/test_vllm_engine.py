@@ -141,7 +141,8 @@ def test_generate_body_normalised_for_vllm() -> None:
     assert body["sampling_params"] == {"top_k": 0, "max_tokens": 3}, "the caller's body is not modified"
     kept = normalise_generate({"token_ids": [1], "sampling_params": {"logprobs": 5, "top_k": 20}})
     assert kept["sampling_params"]["logprobs"] == 5 and kept["sampling_params"]["top_k"] == 20
-    assert normalise_generate({"token_ids": [1], "sampling_params": None})["sampling_params"]["logprobs"] == 0
+    bare = normalise_generate({"token_ids": [1], "sampling_params": None})["sampling_params"]
+    assert bare == {"logprobs": 0, "max_tokens": 16, "detokenize": False}, "the builtin engine's max_tokens default"
     with pytest.raises(ValueError, match="stream"):
         normalise_generate({"token_ids": [1], "stream": True})
     with pytest.raises(ValueError, match="sampling_params"):

@@ -102,13 +102,13 @@ def upstream_message(raw: bytes) -> str:
 async def call_upstream(
     front: Front, method: str, path_qs: str, content_type: str | None = None, **kwargs: Any
 ) -> tuple[int, bytes, str]:
-    """(status, body, content type) of one call to vLLM; a refused connection is a 502 answer."""
+    """(status, body, content type) of one call to vLLM; no connection (or a timeout the caller set) is a 502."""
     assert front.session is not None, "the front's client session opens on startup"
     headers = {**front.headers, **({"Content-Type": content_type} if content_type else {})}
     try:
         async with front.session.request(method, front.upstream + path_qs, headers=headers, **kwargs) as resp:
             return resp.status, await resp.read(), resp.headers.get("Content-Type", "application/json")
-    except aiohttp.ClientConnectionError as err:  # vLLM down: answer 502 so callers retry another engine
+    except (aiohttp.ClientConnectionError, TimeoutError) as err:  # vLLM down or stuck: a 502 callers can retry
         return (
             502,
             json.dumps({"error": f"vLLM at {front.upstream} is not answering: {err}"}).encode(),
