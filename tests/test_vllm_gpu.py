@@ -120,14 +120,15 @@ def test_refit_changes_what_vllm_serves(tmp_path) -> None:
     assert not (run.path / "rendezvous" / "engine-0.json").exists()  # a clean stop unregisters
 
 
-def test_local_run_with_vllm_engine(tmp_path) -> None:
-    """`molt-hpc run` with `engines.kind = "vllm"`: the trainer on GPU 0 refits vLLM on GPU 1 every step and
-    the engine ends on the trainer's last version."""
-    steps = 12
+def test_local_run_with_vllm_engine_learns(tmp_path) -> None:
+    """`molt-hpc run` with `engines.kind = "vllm"`: the trainer on GPU 0 refits vLLM on GPU 1 every step, the
+    reward rises (the CPU end-to-end test's recipe) and the engine ends on the trainer's last version."""
+    steps = 120
     sets = [
         *VLLM_SETS,
         f"run.root={tmp_path}",
         f"run.steps={steps}",
+        "actor.lr=1e-3",
         "checkpoint.interval=50",
         "logging.progress=lines",
     ]
@@ -137,6 +138,10 @@ def test_local_run_with_vllm_engine(tmp_path) -> None:
     run_dir = tmp_path / "tiny-cpu"
     actor = read_metrics(run_dir / "metrics.jsonl", source="actor")
     assert [r["step"] for r in actor] == list(range(1, steps + 1))
+    rewards = [r["reward"] for r in actor]
+    q = steps // 4
+    first, last = sum(rewards[:q]) / q, sum(rewards[-q:]) / q
+    assert last > first + 0.1, f"reward did not rise: first quarter {first:.3f}, last quarter {last:.3f}"
     assert sum(1 for r in actor if r.get("refit_s") is not None) == steps
     finished = read_metrics(run_dir / "metrics.jsonl", source="launcher")[-1]
     assert finished["engine_versions"] == {"engine-0": steps}
