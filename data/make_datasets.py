@@ -61,7 +61,8 @@ def math_rows(rng: random.Random) -> list[dict]:
         else:
             text, value = f"{a} / {c}", Fraction(a, c)
         label = str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
-        prompt = f"Compute {text}. Put the final answer in <answer></answer>."
+        # An example of the format lifts SmolLM2-135M's well-formed answers from ~2% to ~9% of samples.
+        prompt = f"Compute {text}. Write the final answer as <answer>number</answer>, e.g. <answer>12</answer>."
         rows.append({"id": f"math-train-{i:05d}", "prompt": prompt, "label": label})
     return rows
 
