@@ -3,9 +3,10 @@ well-formed answer (`<answer>…</answer>`, `\\boxed{…}`) with a wrong value s
 no answer scores 0. Grading is `envs/math.py`'s (`molt_hpc.agents.grading`).
 
 A 135M-parameter model sampled at temperature 1 writes the asked-for `<answer>` tag in 2-9% of
-samples (depending on the prompt) and almost never the right value, so a correctness-only reward leaves GRPO with groups of
-equal rewards (no advantage, filtered by dynamic sampling). The bonus is the common way out: it
-teaches the format first, and the arithmetic earns the rest once the format holds.
+samples (depending on the prompt) and almost never the right value, so a correctness-only reward
+leaves GRPO with groups of equal rewards (no advantage, filtered by dynamic sampling). The bonus is
+the common way out: it teaches the format first, and the arithmetic earns the rest once the format
+holds.
 """
 
 from molt_hpc.agents import Env, Result, State
