@@ -122,3 +122,19 @@ def test_special_tokens_cannot_spell_an_answer() -> None:
     good = tok.decode(ids, skip_special_tokens=True)
     result = env.step(State(prompt="p", label="42", action_text=good))
     assert result.reward == 1.0 and result.terminated
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    "answer",
+    ["a" * 60 + "1", "ab." * 30 + "7", "The result is twenty nine because nine plus twenty is 29", "cm" * 40 + "%5"],
+)
+def test_grading_is_fast_on_long_words(answer: str) -> None:
+    """Answers made of words (their spaces removed by normalisation) grade at once: a unit-suffix pattern with
+    nested repetition once backtracked exponentially on them, stalling the whole rollout process."""
+    import time
+
+    t0 = time.perf_counter()
+    for _ in range(10):
+        assert grade(f"<answer>{answer}</answer>", "29")[0] == 0.0
+    assert time.perf_counter() - t0 < 5.0

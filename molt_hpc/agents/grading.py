@@ -27,7 +27,9 @@ NUMBER_RE = re.compile(rf"[+-]?{DECIMAL}")
 FRACTION_RE = re.compile(rf"([+-]?)\(?([+-]?{DECIMAL})\)?/\(?([+-]?{DECIMAL})\)?")
 SCI_RE = re.compile(rf"([+-]?{DECIMAL})\*10\*\*\(?([+-]?\d{{1,3}})\)?")
 THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
-UNIT_TAIL_RE = re.compile(r"(?:%|°|[A-Za-z]+\.?|\*\*\(?[23]\)?)+$")
+# One letter per repetition: `([A-Za-z]+\.?)+` matches the same tails but backtracks exponentially on a
+# long run of letters that is not at the end (a reply's words with the spaces removed), holding the GIL.
+UNIT_TAIL_RE = re.compile(r"(?:%|°|[A-Za-z]\.?|\*\*\(?[23]\)?)+$")
 LATEX_DROP = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "~", "$", "\\(", "\\)", "\\[", "\\]", "\\%")
 MAX_ANSWER_CHARS = 100
 
