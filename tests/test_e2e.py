@@ -31,6 +31,19 @@ def launch(run_root: Path, *args: str) -> subprocess.Popen:
     )
 
 
+def steps_and_rising_reward(run_dir: Path, steps: int) -> list[dict]:
+    """The actor's records of a finished tiny run, checked: every step once, and the reward risen."""
+    actor = read_metrics(run_dir / "metrics.jsonl", source="actor")
+    assert [r["step"] for r in actor] == list(range(1, steps + 1))
+    rewards = [r["reward"] for r in actor]
+    q = steps // 4
+    first, last = sum(rewards[:q]) / q, sum(rewards[-q:]) / q
+    # An untrained policy scores ~0.03 and a prompt-ignoring one at most 0.22 on this data; a rise of
+    # 0.1 in the mean over a quarter of the steps is far outside the step-to-step noise of an unchanged policy.
+    assert last > first + 0.1, f"reward did not rise: first quarter {first:.3f}, last quarter {last:.3f}"
+    return actor
+
+
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -63,14 +76,7 @@ def test_tiny_run_learns(tmp_path: Path) -> None:
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     run_dir = tmp_path / "tiny-cpu"
-    actor = read_metrics(run_dir / "metrics.jsonl", source="actor")
-    assert [r["step"] for r in actor] == list(range(1, steps + 1))
-    rewards = [r["reward"] for r in actor]
-    q = steps // 4
-    first, last = sum(rewards[:q]) / q, sum(rewards[-q:]) / q
-    # An untrained policy scores ~0.03 and a prompt-ignoring one at most 0.22 on this data; a rise of
-    # 0.1 in the mean over 25 steps is far outside the step-to-step noise of an unchanged policy.
-    assert last > first + 0.1, f"reward did not rise: first quarter {first:.3f}, last quarter {last:.3f}"
+    actor = steps_and_rising_reward(run_dir, steps)
     # Every step refits; the engines must serve exactly the trainer's last version.
     finished = read_metrics(run_dir / "metrics.jsonl", source="launcher")[-1]
     refits = sum(1 for r in actor if r.get("refit_s") is not None)

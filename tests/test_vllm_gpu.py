@@ -22,6 +22,7 @@ from molt_hpc.log import read_metrics
 from molt_hpc.rundir import create_run_dir
 from tests.conftest import BIN, ROOT
 from tests.test_actor_refit import _call, _engine
+from tests.test_e2e import steps_and_rising_reward
 
 VLLM_SETS = [
     "model.path='builtin:tiny-char'", "model.tiny.num_heads=2", "model.dtype='bfloat16'",
@@ -136,12 +137,7 @@ def test_local_run_with_vllm_engine_learns(tmp_path) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     run_dir = tmp_path / "tiny-cpu"
-    actor = read_metrics(run_dir / "metrics.jsonl", source="actor")
-    assert [r["step"] for r in actor] == list(range(1, steps + 1))
-    rewards = [r["reward"] for r in actor]
-    q = steps // 4
-    first, last = sum(rewards[:q]) / q, sum(rewards[-q:]) / q
-    assert last > first + 0.1, f"reward did not rise: first quarter {first:.3f}, last quarter {last:.3f}"
+    actor = steps_and_rising_reward(run_dir, steps)
     assert sum(1 for r in actor if r.get("refit_s") is not None) == steps
     finished = read_metrics(run_dir / "metrics.jsonl", source="launcher")[-1]
     assert finished["engine_versions"] == {"engine-0": steps}

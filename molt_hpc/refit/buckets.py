@@ -107,16 +107,18 @@ def unpack(buffer: torch.Tensor, bucket: Bucket) -> Iterator[tuple[str, torch.Te
         yield meta.name, raw.view(dtype_from_name(meta.dtype)).view(meta.shape)
 
 
-def update_info(metas: Sequence[TensorMeta], bucket_bytes: int, version: int) -> dict[str, Any]:
-    """The `/update_weights` body's `update_info` (vLLM's field names, plus the bucket size)."""
+def tensor_lists(metas: Sequence[TensorMeta]) -> dict[str, list]:
+    """Names, dtype names and shapes in order: the tensor part of vLLM's `update_info`."""
     return {
         "names": [m.name for m in metas],
         "dtype_names": [m.dtype for m in metas],
         "shapes": [list(m.shape) for m in metas],
-        "packed": True,
-        "bucket_bytes": bucket_bytes,
-        "version": version,
     }
+
+
+def update_info(metas: Sequence[TensorMeta], bucket_bytes: int, version: int) -> dict[str, Any]:
+    """The `/update_weights` body's `update_info` (vLLM's field names, plus the bucket size)."""
+    return {**tensor_lists(metas), "packed": True, "bucket_bytes": bucket_bytes, "version": version}
 
 
 def metas_from_info(info: dict[str, Any]) -> list[TensorMeta]:

@@ -12,16 +12,14 @@ Call `connect` again when the set of engines changes (an engine restarted): it f
 under a new prefix.
 """
 
+import functools
 import json
 import socket
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -36,6 +34,7 @@ from molt_hpc.refit.buckets import (
     plan_buckets,
     update_info,
 )
+from molt_hpc.refit.calls import EngineCalls
 from molt_hpc.refit.group import RefitGroup, buffer_device, host_store, new_group, resolve_backend
 from molt_hpc.rundir import RunDir, atomic_write
 
@@ -69,22 +68,6 @@ def advertised_host(setting: str) -> str:
     return name
 
 
-def post_json(url: str, body: dict[str, Any], token: str, timeout_s: float) -> dict[str, Any]:
-    """POST `body` to `url` with the run's token; a non-2xx answer raises `RuntimeError` with its message."""
-    req = urllib.request.Request(
-        url,
-        data=json.dumps(body).encode(),
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as err:
-        detail = err.read().decode(errors="replace")
-        raise RuntimeError(f"{url}: HTTP {err.code}: {detail}") from None
-
-
 class RefitSender:
     """Pushes full weights from trainer rank 0 to every engine of the pool."""
 
@@ -100,7 +83,7 @@ class RefitSender:
         self._generation = 0
         self._buffers: list[torch.Tensor] = []
         self._views: dict[tuple[int, Bucket], list[torch.Tensor]] = {}
-        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="refit-http")
+        self._calls = EngineCalls(token, cfg.timeout_s)
 
     @property
     def store_port(self) -> int:
@@ -120,7 +103,7 @@ class RefitSender:
         world = 1 + len(engine_urls)
         t0 = time.perf_counter()
         calls = [
-            self._post(
+            self._calls.post(
                 url,
                 "/init_weight_transfer_engine",
                 {
@@ -137,15 +120,9 @@ class RefitSender:
             )
             for i, url in enumerate(engine_urls)
         ]
-        forming = self._pool.submit(new_group, self.backend, self._store, prefix, 0, world, self.cfg.timeout_s)
-        # An engine that cannot join fails its call at once, while the group would wait for it until
-        # the timeout: stop at the first failed call (the abandoned group times out on its own).
-        done, _ = wait([forming, *calls], timeout=self.cfg.timeout_s, return_when=FIRST_EXCEPTION)
-        if forming not in done:
-            self._wait(calls, engine_urls, "init_weight_transfer_engine")
-            raise RuntimeError(f"refit group {prefix} did not form within {self.cfg.timeout_s:.0f}s")
-        self._wait(calls, engine_urls, "init_weight_transfer_engine")
-        self._group, self.urls = forming.result(), list(engine_urls)
+        join = functools.partial(new_group, self.backend, self._store, prefix, 0, world, self.cfg.timeout_s)
+        self._group = self._calls.form(join, calls, engine_urls, f"refit group {prefix}")
+        self.urls = list(engine_urls)
         get_logger().info(
             "refit group %d formed with %d engines in %.2fs", self._generation, len(self.urls), time.perf_counter() - t0
         )
@@ -173,12 +150,12 @@ class RefitSender:
         bucket_bytes = self.cfg.bucket_mb << 20
         plan = plan_buckets(metas, bucket_bytes)
         try:
-            self._broadcast_round("start_weight_update", {})
+            self._calls.round(self.urls, "/start_weight_update")
             info = update_info(metas, bucket_bytes, version)
-            calls = [self._post(url, "/update_weights", {"update_info": info}) for url in self.urls]
+            calls = [self._calls.post(url, "/update_weights", {"update_info": info}) for url in self.urls]
             self._send_buckets(plan, iter(items), calls)
-            self._wait(calls, self.urls, "update_weights")
-            self._broadcast_round("finish_weight_update", {"version": version})
+            self._calls.wait(calls, self.urls, "update_weights")
+            self._calls.round(self.urls, "/finish_weight_update", {"version": version})
         except BaseException:
             # Dropping the group closes its connections, so engines blocked in a receive fail now
             # instead of at the timeout; they stay paused until a complete push (re-connect first).
@@ -200,7 +177,7 @@ class RefitSender:
     def close(self) -> None:
         self._group = None
         self._store = None
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._calls.close()
 
     def _send_buckets(self, plan, items, calls: list[Future]) -> None:
         """Pack bucket k+1 while bucket k is on the wire (two buffers and their views, reused across pushes)."""
@@ -220,34 +197,11 @@ class RefitSender:
             if views is None:
                 views = self._views[(slot, bucket)] = bucket_views(self._buffers[slot], bucket)
             flat = pack_into(self._buffers[slot], bucket, tensors, views)
-            self._check_calls(calls)
+            self._calls.check(calls, self.urls)
             pending[slot] = self._group.broadcast(flat)
         for work in pending:
             if work is not None:
                 work.wait()
-
-    def _check_calls(self, calls: list[Future]) -> None:
-        """An engine that refused the update early would leave the broadcast hanging: fail now instead."""
-        for url, call in zip(self.urls, calls, strict=True):
-            if call.done() and call.exception() is not None:
-                raise RuntimeError(f"engine {url} refused the weight update: {call.exception()}")
-
-    def _broadcast_round(self, route: str, body: dict[str, Any]) -> None:
-        self._wait([self._post(url, "/" + route, body) for url in self.urls], self.urls, route)
-
-    def _post(self, url: str, path: str, body: dict[str, Any]) -> Future:
-        return self._pool.submit(post_json, url.rstrip("/") + path, body, self.token, self.cfg.timeout_s)
-
-    def _wait(self, calls: list[Future], urls: Sequence[str], what: str) -> list[dict[str, Any]]:
-        results, errors = [], []
-        for url, call in zip(urls, calls, strict=True):
-            try:
-                results.append(call.result())
-            except (RuntimeError, OSError) as err:  # collect every engine's failure into one message
-                errors.append(f"{url}: {err}")
-        if errors:
-            raise RuntimeError(f"{what} failed on {len(errors)} engine(s): " + "; ".join(errors))
-        return results
 
 
 def _checked(item: tuple[str, torch.Tensor], meta: TensorMeta) -> torch.Tensor:

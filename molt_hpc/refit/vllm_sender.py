@@ -17,20 +17,22 @@ flight, stamps the version (`/finish_weight_update`, read by our front), resets 
 running requests preempted (their KV is recomputed with the new weights) and resumes.
 """
 
+import functools
 import json
 import socket
 import time
 import urllib.request
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from molt_hpc.config.infra import RefitConfig
 from molt_hpc.log import get_logger
-from molt_hpc.refit.buckets import TensorMeta, dtype_from_name
-from molt_hpc.refit.sender import RefitStats, advertised_host, post_json
+from molt_hpc.refit.buckets import TensorMeta, dtype_from_name, tensor_lists
+from molt_hpc.refit.calls import EngineCalls
+from molt_hpc.refit.sender import RefitStats, advertised_host
 
 NUM_BUFFERS = 2
 """Packed buffers in flight (vLLM's double buffering); both ends must agree, so it travels in update_info."""
@@ -63,14 +65,8 @@ def get_json(url: str, token: str, timeout_s: float) -> dict[str, Any]:
 
 def vllm_update_info(metas: Sequence[TensorMeta], bucket_bytes: int) -> dict[str, Any]:
     """The `update_info` of vLLM's `/update_weights` for packed NCCL buckets of `bucket_bytes`."""
-    return {
-        "names": [m.name for m in metas],
-        "dtype_names": [m.dtype for m in metas],
-        "shapes": [list(m.shape) for m in metas],
-        "packed": True,
-        "packed_buffer_size_bytes": bucket_bytes,
-        "packed_num_buffers": NUM_BUFFERS,
-    }
+    packing = {"packed": True, "packed_buffer_size_bytes": bucket_bytes, "packed_num_buffers": NUM_BUFFERS}
+    return {**tensor_lists(metas), **packing}
 
 
 def rank_offsets(sizes: Sequence[int]) -> list[int]:
@@ -93,7 +89,7 @@ class VllmRefitSender:
         self.device_index = dev.index if dev.index is not None else torch.cuda.current_device()
         self.urls: list[str] = []
         self._group = None
-        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="vllm-refit-http")
+        self._calls = EngineCalls(token, cfg.timeout_s)
 
     def connect(self, engine_urls: Sequence[str]) -> None:
         """Form a new NCCL group with exactly `engine_urls` (each engine with all its TP workers)."""
@@ -108,19 +104,14 @@ class VllmRefitSender:
         ]
         world, port = 1 + sum(sizes), free_port()
         calls = [
-            self._post(url, "/init_weight_transfer_engine", {
+            self._calls.post(url, "/init_weight_transfer_engine", {
                 "init_info": {"master_address": self.host, "master_port": port, "rank_offset": off, "world_size": world}
             })
             for url, off in zip(engine_urls, rank_offsets(sizes), strict=True)
         ]  # fmt: skip
-        forming = self._pool.submit(self._trainer_init, transfer, port, world)
-        # An engine that cannot join fails its call at once, while the group would wait for it: stop early.
-        done, _ = wait([forming, *calls], timeout=self.cfg.timeout_s, return_when=FIRST_EXCEPTION)
-        if forming not in done:
-            self._wait(calls, engine_urls, "init_weight_transfer_engine")
-            raise RuntimeError(f"the vLLM refit group did not form within {self.cfg.timeout_s:.0f}s")
-        self._wait(calls, engine_urls, "init_weight_transfer_engine")
-        self._group, self.urls = forming.result(), list(engine_urls)
+        join = functools.partial(self._trainer_init, transfer, port, world)
+        self._group = self._calls.form(join, calls, engine_urls, "the vLLM refit group")
+        self.urls = list(engine_urls)
         get_logger().info(
             "vLLM refit group formed: %d engines, %d workers, %.2fs", len(sizes), sum(sizes), time.perf_counter() - t0
         )
@@ -146,11 +137,11 @@ class VllmRefitSender:
         bucket_bytes = self.cfg.bucket_mb << 20
         t0 = time.perf_counter()
         try:
-            self._round("/pause?mode=keep")
-            self._round("/start_weight_update")
+            self._calls.round(self.urls, "/pause?mode=keep")
+            self._calls.round(self.urls, "/start_weight_update")
             info = vllm_update_info(metas, bucket_bytes)
             wire_dtypes = {m.name: dtype_from_name(m.dtype) for m in metas}
-            calls = [self._post(url, "/update_weights", {"update_info": info}) for url in self.urls]
+            calls = [self._calls.post(url, "/update_weights", {"update_info": info}) for url in self.urls]
             with torch.cuda.device(self.device_index):
                 args = {
                     "group": self._group,
@@ -161,10 +152,10 @@ class VllmRefitSender:
                 }
                 transfer.trainer_send_weights(_checked(iter(items), metas), args)
                 torch.cuda.synchronize()
-            self._wait(calls, self.urls, "update_weights")
-            self._round("/finish_weight_update", {"version": version})
-            self._round("/reset_prefix_cache?reset_running_requests=true")
-            self._round("/resume")
+            self._calls.wait(calls, self.urls, "update_weights")
+            self._calls.round(self.urls, "/finish_weight_update", {"version": version})
+            self._calls.round(self.urls, "/reset_prefix_cache?reset_running_requests=true")
+            self._calls.round(self.urls, "/resume")
         except BaseException:
             # The engines stay paused until a complete push; the next one forms a new group first.
             self._group = None
@@ -184,30 +175,12 @@ class VllmRefitSender:
     def _wire_tensor(self, item: tuple[str, torch.Tensor], dtype: torch.dtype, calls: list[Future]) -> torch.Tensor:
         """The bytes vLLM receives: the announced dtype, on this GPU. An engine that already refused the
         update would leave the broadcast hanging, so check the calls before each tensor."""
-        for url, call in zip(self.urls, calls, strict=True):
-            if call.done() and call.exception() is not None:
-                raise RuntimeError(f"engine {url} refused the weight update: {call.exception()}")
+        self._calls.check(calls, self.urls)
         return item[1].to(device=f"cuda:{self.device_index}", dtype=dtype).contiguous()
 
     def close(self) -> None:
         self._group = None
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def _round(self, path: str, body: dict[str, Any] | None = None) -> None:
-        self._wait([self._post(url, path, body or {}) for url in self.urls], self.urls, path.lstrip("/"))
-
-    def _post(self, url: str, path: str, body: dict[str, Any]) -> Future:
-        return self._pool.submit(post_json, url.rstrip("/") + path, body, self.token, self.cfg.timeout_s)
-
-    def _wait(self, calls: list[Future], urls: Sequence[str], what: str) -> None:
-        errors = []
-        for url, call in zip(urls, calls, strict=True):
-            try:
-                call.result()
-            except (RuntimeError, OSError) as err:  # collect every engine's failure into one message
-                errors.append(f"{url}: {err}")
-        if errors:
-            raise RuntimeError(f"{what} failed on {len(errors)} engine(s): " + "; ".join(errors))
+        self._calls.close()
 
 
 def _checked(

@@ -1,0 +1,78 @@
+"""The HTTP side of a refit: the same call to every engine at once, one error naming every engine that failed.
+
+Both senders (the built-in engines' and vLLM's) drive their engines through these calls; the bytes go
+over the communicator meanwhile, so a call that blocks (`/update_weights`) runs in a thread.
+"""
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+
+def post_json(url: str, body: dict[str, Any], token: str, timeout_s: float) -> dict[str, Any]:
+    """POST `body` to `url` with the run's token; a non-2xx answer raises `RuntimeError` with its message."""
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        detail = err.read().decode(errors="replace")
+        raise RuntimeError(f"{url}: HTTP {err.code}: {detail}") from None
+
+
+class EngineCalls:
+    """Concurrent calls to engines with the run's token."""
+
+    def __init__(self, token: str, timeout_s: float):
+        self.token = token
+        self.timeout_s = timeout_s
+        self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="refit-http")
+
+    def post(self, url: str, path: str, body: dict[str, Any]) -> Future:
+        return self.pool.submit(post_json, url.rstrip("/") + path, body, self.token, self.timeout_s)
+
+    def wait(self, calls: list[Future], urls: Sequence[str], what: str) -> list[dict[str, Any]]:
+        """Every call's answer, or one `RuntimeError` listing each engine that failed."""
+        results, errors = [], []
+        for url, call in zip(urls, calls, strict=True):
+            try:
+                results.append(call.result())
+            except (RuntimeError, OSError) as err:  # collect every engine's failure into one message
+                errors.append(f"{url}: {err}")
+        if errors:
+            raise RuntimeError(f"{what} failed on {len(errors)} engine(s): " + "; ".join(errors))
+        return results
+
+    def round(self, urls: Sequence[str], path: str, body: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """The same POST to every engine, waited for."""
+        return self.wait([self.post(url, path, body or {}) for url in urls], urls, path.lstrip("/"))
+
+    def check(self, calls: list[Future], urls: Sequence[str]) -> None:
+        """An engine that refused the update early would leave the broadcast hanging: fail now instead."""
+        for url, call in zip(urls, calls, strict=True):
+            if call.done() and call.exception() is not None:
+                raise RuntimeError(f"engine {url} refused the weight update: {call.exception()}")
+
+    def form(self, join: Callable[[], Any], calls: list[Future], urls: Sequence[str], what: str) -> Any:
+        """Run `join` (this side's part of the group rendezvous) while the engines' init `calls` are in
+        flight; its result once every call succeeded. An engine that cannot join fails its call at once,
+        while the group would wait for it until the timeout: stop at the first failed call (the abandoned
+        group times out on its own)."""
+        forming = self.pool.submit(join)
+        done, _ = wait([forming, *calls], timeout=self.timeout_s, return_when=FIRST_EXCEPTION)
+        if forming not in done:
+            self.wait(calls, urls, "init_weight_transfer_engine")
+            raise RuntimeError(f"{what} did not form within {self.timeout_s:.0f}s")
+        self.wait(calls, urls, "init_weight_transfer_engine")
+        return forming.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
