@@ -5,6 +5,7 @@ Each process calls `setup_logging("actor r0")` (or `engine 1`, `router`, ...) on
 line, appended and flushed so a crash loses at most the line being written.
 """
 
+import faulthandler
 import json
 import logging
 import math
@@ -113,3 +114,25 @@ def step_line(step: int, metrics: dict[str, Any]) -> str:
 
 def interactive() -> bool:
     return sys.stderr.isatty() and os.environ.get("CI") is None
+
+
+class StallReport:
+    """Writes every thread's Python stack to stderr (the process log) when `beat()` has not been called
+    for `seconds`, and again each `seconds` while the stall lasts. It runs in faulthandler's C thread, so
+    it reports even a process frozen by code that holds the GIL (a runaway regular expression, a long C
+    call), which no Python watchdog could; the process itself is left alone."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._armed_at = -math.inf
+
+    def beat(self) -> None:
+        # Re-arming restarts faulthandler's thread: do it a few times per period, not on every loop turn.
+        now = time.monotonic()
+        if now - self._armed_at >= self.seconds / 4:
+            faulthandler.dump_traceback_later(self.seconds, repeat=True, file=sys.stderr)
+            self._armed_at = now
+
+    def stop(self) -> None:
+        faulthandler.cancel_dump_traceback_later()
+        self._armed_at = -math.inf

@@ -39,6 +39,10 @@ class RolloutConfig(Section):
     """Retries of a sample whose env failed (with `on_env_error = "retry"`) before its group is dropped."""
     request_timeout_s: PositiveFloat = 120.0
     """HTTP timeout of one generate call."""
+    stall_report_s: PositiveFloat = 300.0
+    """When the orchestrator's event loop has not turned for this long (an env holding the GIL: a runaway
+    regular expression, a long C call), every thread's stack goes to `logs/rollout.log`, again each period
+    while it lasts, so the stall can be traced; the run itself is not stopped."""
 
 
 class EnginesConfig(Section):

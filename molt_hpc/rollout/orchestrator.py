@@ -19,7 +19,7 @@ from typing import Any
 from molt_hpc.algorithm.filters import apply_overlong_penalty, has_signal
 from molt_hpc.config import MoltConfig
 from molt_hpc.data import Cursor, Position, PromptDataset
-from molt_hpc.log import MetricsWriter, get_logger
+from molt_hpc.log import MetricsWriter, StallReport, get_logger
 from molt_hpc.rollout.engines import EngineLink
 from molt_hpc.rollout.evaluation import evaluate
 from molt_hpc.rollout.group import GroupOutcome, Runner, run_group
@@ -29,6 +29,13 @@ from molt_hpc.rundir import RunDir
 from molt_hpc.trajectory import Group
 
 POLL_S = 0.25
+
+
+async def beat_while_running(stall: StallReport) -> None:
+    """Beat while the event loop turns: only a loop frozen by code holding the GIL lets the report fire."""
+    while True:
+        stall.beat()
+        await asyncio.sleep(1.0)
 
 
 def admits(accepted: int, in_flight: int, engine_version: int, max_staleness: int, groups_per_step: int) -> bool:
@@ -86,6 +93,8 @@ class Orchestrator:
     async def run_loop(self) -> None:
         if self.reissue:
             self.log.info("re-issuing %d group(s) that never reached the buffer", len(self.reissue))
+        stall = StallReport(self.cfg.rollout.stall_report_s)
+        heartbeat = asyncio.create_task(beat_while_running(stall))
         try:
             await self.link.wait_for_engines(self.stop)
             await self.link.poll_version()
@@ -102,6 +111,8 @@ class Orchestrator:
         except Stopping:
             pass
         finally:
+            heartbeat.cancel()
+            stall.stop()
             await self.shutdown()
 
     def should_stop(self) -> bool:
