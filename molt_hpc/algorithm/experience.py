@@ -22,6 +22,7 @@ Conventions every module of `molt_hpc.algorithm` shares:
   `truncated[n]` marks such samples and `stats` counts them and the action tokens dropped.
 """
 
+import array
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -277,7 +278,7 @@ class _Rows:
     def place(self, r: int, off: int, i: int, k: _Kept) -> None:
         """Write sample `i` into row `r` from column `off`."""
         n = len(k.tokens)
-        self.sequences[r, off : off + n] = torch.tensor(k.tokens, dtype=torch.long)
+        self.sequences[r, off : off + n] = _longs(k.tokens)
         self.position_ids[r, off : off + n] = torch.arange(n)
         self.seq_index[r, off : off + n] = i
         if self.routed_experts is not None:
@@ -286,9 +287,23 @@ class _Rows:
         for start, end in k.ranges:
             span = slice(off + start, off + end)
             self.action_mask[r, span] = True
-            self.action_log_probs[r, span] = torch.tensor(k.logprobs[a : a + end - start])
-            self.versions[r, span] = torch.tensor(k.versions[a : a + end - start], dtype=torch.long)
+            self.action_log_probs[r, span] = _floats(k.logprobs[a : a + end - start])
+            self.versions[r, span] = _longs(k.versions[a : a + end - start])
             a += end - start
+
+
+# Python lists to tensors through `array` (a C loop): 3-6x faster than `torch.tensor(list)`, which
+# was most of the trainer's per-step host work at 8 x 4096 tokens.
+def _longs(values: Sequence[int]) -> Tensor:
+    if not len(values):  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+
+
+def _floats(values: Sequence[float]) -> Tensor:
+    if not len(values):
+        return torch.empty(0)
+    return torch.frombuffer(array.array("f", values), dtype=torch.float32)
 
 
 def experience_from_groups(groups: Sequence[Group], **kwargs) -> Experience:
