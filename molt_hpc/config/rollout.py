@@ -15,7 +15,7 @@ class RolloutConfig(Section):
     declares one `Env` subclass or one `ChatAgent` subclass."""
     n_samples: PositiveInt = 8
     """Samples per prompt: the group size of GRPO-style advantages."""
-    groups_in_flight: PositiveInt = 8
+    groups_in_flight: PositiveInt = 16
     """Groups kept in flight through the router at once."""
     temperature: PositiveFloat = 1.0
     """Sampling temperature (engine log-probs are taken after it, so ratios stay exact)."""
