@@ -22,7 +22,7 @@ from molt_hpc.log import read_metrics
 from molt_hpc.models import load_tokenizer
 from molt_hpc.rollout import serve
 from molt_hpc.rollout.group import GroupOutcome
-from molt_hpc.rollout.orchestrator import admits, shape_group
+from molt_hpc.rollout.orchestrator import admits, over_drop_budget, shape_group
 from molt_hpc.rollout.state import RolloutState
 from molt_hpc.trajectory import Group, Trajectory
 from tests.test_rollout_procs import ROOT, base_overrides, make_run, shared_pool, spawn
@@ -64,6 +64,17 @@ def test_groups_are_shaped_then_filtered() -> None:
     assert why is None and kept.rewards == [1.0, 1.0]
     failed = GroupOutcome(Position(0, 0), None, failure="env_timeout")
     assert shape_group(failed, cfg) == (None, "env_timeout")
+    # With the drop budget spent, an equal-reward group is trained instead of dropped; a failure still drops.
+    kept, why = shape_group(outcome_with([4, 2], [1.0, 1.0]), cfg, over_budget=True)
+    assert why is None and kept.rewards == [1.0, 1.0]
+    assert shape_group(failed, cfg, over_budget=True) == (None, "env_timeout")
+
+
+def test_drop_budget() -> None:
+    # budget 4 with 8 groups a step: 32 drops of slack, then 4 more per accepted group
+    assert not over_drop_budget(31, 0, 4.0, 8) and over_drop_budget(32, 0, 4.0, 8)
+    assert not over_drop_budget(71, 10, 4.0, 8) and over_drop_budget(72, 10, 4.0, 8)
+    assert over_drop_budget(3, 0, 0.25, 8) and not over_drop_budget(1, 0, 0.25, 8)
 
 
 def read_state(run) -> RolloutState:

@@ -54,6 +54,11 @@ class AlgorithmConfig(Section):
     """Added to the group std before dividing (GRPO)."""
     dynamic_sampling: bool = True
     """Drop groups whose rewards are all equal (they carry no GRPO signal)."""
+    dynamic_sampling_budget: PositiveFloat = 4.0
+    """With `dynamic_sampling`: groups dropped per group trained, at most, over the run. Past it an
+    equal-reward group is trained (zero advantage: no gradient) instead of dropped, so a policy that
+    has converged on most prompts cannot starve the trainer: a step costs at most about 1 + budget
+    steps' worth of rollouts."""
     overlong_buffer: NonNegativeInt = 0
     """Soft over-long penalty: responses within this many tokens of the length cap are penalised
     linearly, up to `overlong_penalty`; 0 disables it."""

@@ -43,8 +43,9 @@ def admits(accepted: int, in_flight: int, engine_version: int, max_staleness: in
     return accepted + in_flight < (engine_version + max_staleness + 1) * groups_per_step
 
 
-def shape_group(outcome: GroupOutcome, cfg: MoltConfig) -> tuple[Group | None, str | None]:
-    """(the group to put, None) with the over-long penalty applied, or (None, why it is dropped)."""
+def shape_group(outcome: GroupOutcome, cfg: MoltConfig, over_budget: bool = False) -> tuple[Group | None, str | None]:
+    """(the group to put, None) with the over-long penalty applied, or (None, why it is dropped). An
+    equal-reward group is dropped under dynamic sampling unless the drop budget is spent (`over_budget`)."""
     if outcome.group is None:
         return None, outcome.failure
     alg, ro = cfg.algorithm, cfg.rollout
@@ -52,9 +53,14 @@ def shape_group(outcome: GroupOutcome, cfg: MoltConfig) -> tuple[Group | None, s
     if alg.overlong_buffer > 0:
         cap = ro.max_new_tokens if ro.max_turns == 1 else None  # one turn: the response cap is per turn
         group = apply_overlong_penalty(group, ro.max_total_tokens, alg.overlong_buffer, alg.overlong_penalty, cap)
-    if alg.dynamic_sampling and not has_signal(group):
+    if alg.dynamic_sampling and not over_budget and not has_signal(group):
         return None, "equal_rewards"
     return group, None
+
+
+def over_drop_budget(dropped: int, accepted: int, budget: float, groups_per_step: int) -> bool:
+    """Whether `dropped` groups exceed `budget` per accepted group (one step's worth of slack at the start)."""
+    return dropped >= budget * (accepted + groups_per_step)
 
 
 class Stopping(Exception):
@@ -157,13 +163,19 @@ class Orchestrator:
             self.reissue.append(pos)
             await self.link.wait_for_engines(self.stop)
             return
-        group, reason = shape_group(outcome, self.cfg)
+        alg, st = self.cfg.algorithm, self.state
+        spent = over_drop_budget(
+            st.groups_dropped, st.groups_accepted, alg.dynamic_sampling_budget, self.cfg.actor.groups_per_step
+        )
+        group, reason = shape_group(outcome, self.cfg, over_budget=spent)
         if group is None:
             self.log.info("group %s dropped: %s", pos.group_id, reason)
             if reason == "equal_rewards":
                 self.stats.filtered(reason)
             self.state.groups_dropped += 1
         else:
+            if spent and alg.dynamic_sampling and not has_signal(group):
+                self.stats.counts["groups_kept_over_drop_budget"] += 1
             group.meta["engine_version"] = self.link.version
             await self.put(group)
             self.state.groups_accepted += 1
