@@ -112,6 +112,14 @@ def step_line(step: int, metrics: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+def log_tail(path: str | Path, lines: int = 20) -> str:
+    """The last `lines` lines of a log file (for an error message about the process that wrote it)."""
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log written)"
+
+
 def interactive() -> bool:
     return sys.stderr.isatty() and os.environ.get("CI") is None
 

@@ -26,12 +26,12 @@ from molt_hpc.engine.vllm_front import normalise_generate, stamp_versions, upstr
 from molt_hpc.engine.vllm_main import (
     check_vllm,
     check_vllm_torch,
-    free_port,
     required_torch,
     serve_front,
     vllm_command,
     vllm_env,
 )
+from molt_hpc.net import free_port
 from tests.test_engine_procs import arun, make_run, spawn, start_engines, wait_registered
 
 PROMPT = [5, 6, 7, 8]

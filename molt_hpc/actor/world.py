@@ -5,7 +5,6 @@ a plain `python jobs/actor.py` runs a world of one.
 """
 
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -15,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from molt_hpc.config.train import ActorConfig
+from molt_hpc.net import free_port
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,7 @@ def _single_process_env() -> None:
     """Without torchrun, be rank 0 of a world of one on a free loopback port."""
     if "RANK" in os.environ:
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port("127.0.0.1")
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 

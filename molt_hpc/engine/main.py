@@ -1,6 +1,6 @@
 """The engine process: load the model, start the scheduler and the HTTP server, register, serve.
 
-Registration is `RUN_DIR/rendezvous/engine-<index>.json` = `{"url", "index", "pid", "version"}`,
+Registration is `RUN_DIR/rendezvous/engine-<index>.json` = `{"url", "index", "pid", "version", "kind"}`,
 written atomically once the server listens (the port comes from the kernel) and again after each
 weight update. A clean stop (SIGTERM/SIGINT) removes it, so the router drops the engine at once;
 after a crash the router's health checks take it out of the ring.
@@ -8,6 +8,7 @@ after a crash the router's health checks take it out of the ring.
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -37,6 +38,12 @@ def public_url(host: str, port: int) -> str:
 
 def engine_file(run: RunDir, index: int) -> Path:
     return run.rendezvous / f"engine-{index}.json"
+
+
+def register_engine(run: RunDir, index: int, url: str, version: int, kind: str) -> None:
+    """Write (atomically) the registration the router, the trainer and the launcher read."""
+    record = {"url": url, "index": index, "pid": os.getpid(), "version": version, "kind": kind}
+    atomic_write(engine_file(run, index), json.dumps(record))
 
 
 def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
@@ -101,12 +108,8 @@ async def serve(cfg: MoltConfig, run: RunDir, index: int, model=None) -> None:
     port = sock.getsockname()[1]
     url = public_url(cfg.engines.host, port)
 
-    def register(version: int) -> None:
-        record = {"url": url, "index": index, "pid": os.getpid(), "version": version}
-        atomic_write(engine_file(run, index), json.dumps(record))
-
-    sync.on_version = register
-    register(sched.version)
+    sync.on_version = functools.partial(register_engine, run, index, url, kind="builtin")
+    sync.on_version(sched.version)
     log.info("serving %s at %s (max_batch %d)", cfg.model.path, url, cfg.engines.max_batch)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -12,6 +12,7 @@ SIGTERM/SIGINT: unregister, stop vLLM, exit 0. vLLM dying: unregister, exit 1 (t
 import asyncio
 import contextlib
 import ctypes
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -27,9 +28,10 @@ from pathlib import Path
 import aiohttp
 
 from molt_hpc.config import MoltConfig
-from molt_hpc.engine.main import engine_file, public_url
-from molt_hpc.log import get_logger, setup_logging
-from molt_hpc.rundir import RunDir, atomic_write
+from molt_hpc.engine.main import engine_file, public_url, register_engine
+from molt_hpc.log import get_logger, log_tail, setup_logging
+from molt_hpc.net import free_port
+from molt_hpc.rundir import RunDir
 
 TESTED_VLLM = "0.26.0"
 FIX = "pip install 'molt-hpc[gpu]' (vllm==0.26.0, which pins torch 2.11), or set engines.kind = 'builtin'"
@@ -100,12 +102,6 @@ def vllm_env(token: str) -> dict[str, str]:
     return env
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _die_with_parent() -> None:
     # vLLM lives in its own session (a stop reaches its workers); if we are killed outright, it gets SIGTERM.
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -134,13 +130,6 @@ def vllm_log(run: RunDir, index: int) -> Path:
     return run.logs / f"vllm-{index}.log"
 
 
-def tail(log: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return "(no log written)"
-
-
 async def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float, stop: asyncio.Event) -> bool:
     """Poll vLLM's `/health` until 200 (True) or a stop is asked (False); raise if it exits or times out."""
     deadline = time.monotonic() + timeout_s
@@ -148,12 +137,12 @@ async def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: f
         while not stop.is_set():
             if proc.poll() is not None:
                 raise RuntimeError(
-                    f"vLLM exited with {proc.returncode} before it was ready; end of {log}:\n{tail(log)}"
+                    f"vLLM exited with {proc.returncode} before it was ready; end of {log}:\n{log_tail(log)}"
                 )
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"vLLM did not answer /health within engines.startup_timeout_s = {timeout_s}; end of {log}:\n"
-                    f"{tail(log)}"
+                    f"{log_tail(log)}"
                 )
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):  # not listening yet: poll again
                 async with session.get(url + "/health") as resp:
@@ -180,12 +169,8 @@ async def serve_front(
     await web.SockSite(runner, sock).start()
     url = public_url(cfg.engines.host, sock.getsockname()[1])
 
-    def register(version: int) -> None:
-        record = {"url": url, "index": index, "pid": os.getpid(), "version": version, "kind": "vllm"}
-        atomic_write(engine_file(run, index), json.dumps(record))
-
-    front.on_version = register
-    register(front.version)
+    front.on_version = functools.partial(register_engine, run, index, url, kind="vllm")
+    front.on_version(front.version)
     log.info("serving %s at %s (vLLM at %s)", cfg.model.path, url, upstream)
     try:
         while not stop.is_set():
@@ -193,7 +178,7 @@ async def serve_front(
                 log.error(
                     "vLLM exited with %s while serving; end of its log:\n%s",
                     proc.returncode,
-                    tail(vllm_log(run, index)),
+                    log_tail(vllm_log(run, index)),
                 )
                 return 1
             with contextlib.suppress(TimeoutError):  # a second passed: look at vLLM again
@@ -219,7 +204,7 @@ async def serve(cfg: MoltConfig, run: RunDir, index: int) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    port = free_port()
+    port = free_port("127.0.0.1")
     upstream = f"http://127.0.0.1:{port}"
     proc = start_vllm(vllm_command(cfg, model_dir, port, index), vllm_env(run.token()), vllm_log(run, index))
     log.info("started vLLM %s (pid %d) on %s, log %s", version, proc.pid, upstream, vllm_log(run, index))

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from molt_hpc.log import log_tail
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -72,10 +74,7 @@ class Child:
             return self.proc.wait()
 
     def tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return "(no log written)"
+        return log_tail(self.log, lines)
 
 
 def stop_all(children: list["Child"], grace_s: float = 10.0) -> None:

@@ -8,7 +8,6 @@ through the run directory. Node lists come from the het job's environment; addre
 """
 
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 from molt_hpc.config import MoltConfig
 from molt_hpc.config.infra import SlurmGroupConfig
 from molt_hpc.launch.procs import REPO, Child
+from molt_hpc.net import free_port
 
 ACTOR_STEP = "molt-actor-pool"
 POOL_STEP = "molt-engine-pool"
@@ -43,13 +43,6 @@ def node_addr(node: str) -> str:
         if key == "NodeAddr" and value:
             return value
     return node
-
-
-def free_port() -> int:
-    """A port free on this node right now; the driver runs on the actor group's first node."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def script_path(path: str) -> str:

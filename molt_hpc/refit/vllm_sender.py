@@ -19,7 +19,6 @@ running requests preempted (their KV is recomputed with the new weights) and res
 
 import functools
 import json
-import socket
 import time
 import urllib.request
 from collections.abc import Iterable, Iterator, Sequence
@@ -30,6 +29,7 @@ import torch
 
 from molt_hpc.config.infra import RefitConfig
 from molt_hpc.log import get_logger
+from molt_hpc.net import free_port
 from molt_hpc.refit.buckets import TensorMeta, dtype_from_name, tensor_lists
 from molt_hpc.refit.calls import EngineCalls
 from molt_hpc.refit.sender import RefitStats, advertised_host
@@ -48,13 +48,6 @@ def import_vllm_transfer():
             f"pip install 'molt-hpc[gpu]' ({err})"
         ) from None
     return NCCLWeightTransferEngine
-
-
-def free_port() -> int:
-    """A TCP port free right now (vLLM's trainer helper binds the port it is given)."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def get_json(url: str, token: str, timeout_s: float) -> dict[str, Any]:
