@@ -101,10 +101,8 @@ def pack_into(
 
 
 def unpack(buffer: torch.Tensor, bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
-    """Views of each tensor of `bucket` inside the received uint8 `buffer` (no copies)."""
-    for meta, offset in zip(bucket.metas, bucket.offsets, strict=True):
-        raw = buffer[offset : offset + meta.nbytes]
-        yield meta.name, raw.view(dtype_from_name(meta.dtype)).view(meta.shape)
+    """(name, view) of each tensor of `bucket` inside the received uint8 `buffer` (no copies)."""
+    yield from zip((m.name for m in bucket.metas), bucket_views(buffer, bucket), strict=True)
 
 
 def tensor_lists(metas: Sequence[TensorMeta]) -> dict[str, list]:
