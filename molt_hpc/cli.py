@@ -74,7 +74,7 @@ def build_tiny_cmd(out_dir: str, config: str | None, overrides: tuple[str, ...])
 @click.argument("out_dir")
 def convert_gguf_cmd(gguf_file: str, out_dir: str) -> None:
     """Convert a GGUF model file to an HF directory (fp32 safetensors, tokenizer, chat template) at OUT_DIR."""
-    from molt_hpc.model_sources import convert_gguf
+    from molt_hpc.models.gguf import convert_gguf
 
     click.echo(f"wrote {convert_gguf(gguf_file, out_dir)}")
 

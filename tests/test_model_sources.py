@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from molt_hpc.config.model import ModelConfig
-from molt_hpc.model_sources import INSTALL_HINT, find_package_gguf, load_gguf, resolve_smollm2
 from molt_hpc.models import resolve_model
+from molt_hpc.models.gguf import INSTALL_HINT, find_package_gguf, load_gguf, resolve_smollm2
 from tests.conftest import molt
 
 

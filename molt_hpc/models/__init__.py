@@ -1,0 +1,24 @@
+"""Model kinds and where they come from: one home for every model molt-hpc builds, converts or loads.
+
+- `load`: any HF-layout directory (checks, local files only, quiet transformers).
+- `resolve`: `model.path` to a directory; the `builtin:` registry, each built once into the model cache.
+- `tiny_char`: `builtin:tiny-char`, the offline character-level Qwen3 the CPU demo and tests train.
+- `gguf`: GGUF checkpoints from installed packages (`builtin:smollm2`), converted once to safetensors.
+"""
+
+from molt_hpc.models.load import check_model_dir, load_causal_lm, load_tokenizer, quiet_transformers
+from molt_hpc.models.resolve import BUILTINS, build_once, resolve_model
+from molt_hpc.models.tiny_char import SPECIALS, build_tiny, build_tiny_tokenizer
+
+__all__ = [
+    "BUILTINS",
+    "SPECIALS",
+    "build_once",
+    "build_tiny",
+    "build_tiny_tokenizer",
+    "check_model_dir",
+    "load_causal_lm",
+    "load_tokenizer",
+    "quiet_transformers",
+    "resolve_model",
+]

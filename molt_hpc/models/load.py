@@ -1,0 +1,41 @@
+"""Loading any HF-layout model directory: checks with a fix for users, quiet transformers, local files only."""
+
+from pathlib import Path
+
+
+def quiet_transformers() -> None:
+    """No per-shard progress bars or advisory warnings from transformers in our logs."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def check_model_dir(path: Path) -> None:
+    """A clear error when `path` is not an HF model directory."""
+    if not path.exists():
+        raise ValueError(
+            f"model.path {path} does not exist; point it at an HF model directory or use builtin:tiny-char"
+        )
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model.path {path} has no config.json; it is not a Hugging Face model directory")
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    quiet_transformers()
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def load_causal_lm(path: str | Path, *, dtype: str = "float32", device: str = "cpu", attn: str = "sdpa"):
+    """A transformers causal LM from an HF directory, in eval mode, on `device`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    quiet_transformers()
+    check_model_dir(Path(path))
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=getattr(torch, dtype), attn_implementation=attn, local_files_only=True
+    )
+    return model.to(device).eval()
