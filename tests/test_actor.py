@@ -76,6 +76,27 @@ def run_b(tmp_path_factory, tiny_model_dir, groups):
     return cfg, run
 
 
+@pytest.fixture(scope="module")
+def run_cp(tmp_path_factory, tiny_model_dir, groups):
+    """2 ranks as one CP group (actor.cp = 2), packed rows, activation checkpointing: run A's first step."""
+    sets = [*OVERRIDES, "run.steps=1", "checkpoint.interval=0", "actor.cp=2", "actor.packing='on'",
+            "actor.activation_checkpointing=true"]  # fmt: skip
+    cfg, run = make_run(tmp_path_factory.mktemp("cp"), "cp", tiny_model_dir, sets)
+    put_groups(cfg, run, groups[:2])
+    code, log = torchrun(run.path, 2)
+    assert code == 0, log[-4000:]
+    return cfg, run, log
+
+
+def test_context_parallel_with_packed_rows_gives_the_same_loss(run_a, run_cp) -> None:
+    a = read_metrics(run_a[1].metrics, "actor")
+    c = read_metrics(run_cp[1].metrics, "actor")
+    assert [r["step"] for r in c] == [1]
+    for key in ("loss", "policy_loss", "grad_norm", "entropy", "reward", "tokens"):
+        assert c[0][key] == pytest.approx(a[0][key], rel=1e-5, abs=1e-7), key
+    assert "micro-batches: packed" in run_cp[2] and "context parallel 2" in run_cp[2]
+
+
 def test_one_rank_and_two_ranks_give_the_same_loss(run_a, run_b) -> None:
     a = read_metrics(run_a[1].metrics, "actor")
     b = read_metrics(run_b[1].metrics, "actor")

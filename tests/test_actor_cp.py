@@ -174,8 +174,8 @@ def _rank_main(rank: int, port: int, out: str) -> None:
     from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.state import Trainable
     from molt_hpc.actor.step import Meter, Models, build_experience, update_policy
-    from molt_hpc.config.train import ActorConfig
     from molt_hpc.actor.world import init_world
+    from molt_hpc.config.train import ActorConfig
 
     world_cp = init_world(ActorConfig(device="cpu", cp=2))  # a (dp 1, cp 2) grid
     world_dp = dataclasses.replace(world_cp, grid=None)  # the same two ranks as data-parallel ranks

@@ -69,7 +69,7 @@ def document_attention(module, query, key, value, attention_mask, dropout=0.0, s
     layout = molt_layout
     assert layout is not None, "a model on document attention was called without molt_layout (batch.py passes it)"
     if sliding_window is not None or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise ValueError("document attention supports plain causal softmax attention (no sliding window, softcap, sinks)")
+        raise ValueError("document attention runs plain causal softmax attention: no sliding window, softcap, sinks")
     cp = layout.cp
     if cp is not None:
         r = kv_repeats(query.shape[1], key.shape[1], cp.size)

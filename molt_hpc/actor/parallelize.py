@@ -36,9 +36,7 @@ def parallelize(
     model attends within each sample of a row and splits rows over the CP group.
     """
     if cfg.ep > 1:
-        raise ValueError(
-            f"actor.ep = {cfg.ep}: expert parallelism is not implemented in this trainer yet; set it to 1"
-        )
+        raise ValueError(f"actor.ep = {cfg.ep}: expert parallelism is not implemented in this trainer yet; set it to 1")
     assert cfg.cp == 1 or (documents is not None and documents.cp is not None), "actor.cp > 1 needs its CP group"
     if documents is not None:
         use_document_attention(model, documents)
