@@ -242,3 +242,97 @@ def test_two_ranks_move_the_weights_as_one_plain_process(two_ranks, case) -> Non
     if r["want_base"] is not None:  # the reference model's log-probs, through rows_forward under CP
         assert torch.allclose(r["base"][mask], r["want_base"][mask], atol=1e-6, rtol=0)
     assert abs(r["loss"] - r["want_loss"]) < 1e-6  # the reported loss: counted once per CP group
+
+
+# ---- the hook, the checks and the config errors ---------------------------------------------------
+
+
+def test_cp_slices_any_per_token_tensor_like_the_tokens() -> None:
+    """`RowSlice.local` (the hook replayed MoE routing plugs into) pads a row to a multiple of cp and
+    gives each rank the same columns of every per-token tensor as of the ids."""
+    from molt_hpc.actor.attention import AttentionSetup
+    from molt_hpc.actor.context_parallel import ContextParallel
+
+    exp = experience_from_groups(groups(), max_len=64, pad_id=0)
+    mb = packed(exp, torch.tensor([0, 1, 2])).batch
+    t = mb.sequences.shape[1]
+    assert t % 3, "the row needs padding for cp = 3"
+    routed = torch.randint(0, 8, (1, t, 2, 2))
+    code = mb.sequences * 1000 + torch.arange(t)
+    parts = []
+    for rank in range(3):
+        rows = AttentionSetup("sdpa", ContextParallel(group=None, rank=rank, size=3)).rows(mb)
+        ids, lo = rows.inputs["input_ids"], rank * (-(-t // 3))
+        assert ids.shape[1] == -(-t // 3)
+        assert torch.equal(rows.local(code, -1)[ids >= 0][: max(0, t - lo)] // 1000, ids[0, : max(0, t - lo)])
+        parts.append(rows.local(routed, -1))
+    whole = torch.cat(parts, dim=1)
+    assert torch.equal(whole[:, :t], routed) and (whole[:, t:] == -1).all()
+    assert rows.layout.packed  # three samples in the row
+    assert rows.layout.cu_seqlens[-1] == whole.shape[1] and rows.layout.max_len == max(mb.position_ids[0]) + 1
+
+
+@pytest.mark.parametrize(("heads", "kv", "cp", "repeats"), [(4, 2, 2, 1), (4, 1, 2, 2), (8, 2, 4, 2), (6, 3, 2, 2),
+                                                            (4, 4, 4, 1), (12, 3, 4, 4)])  # fmt: skip
+def test_kv_heads_are_repeated_only_as_needed(heads, kv, cp, repeats) -> None:
+    from molt_hpc.actor.context_parallel import kv_repeats
+
+    assert kv_repeats(heads, kv, cp) == repeats
+    assert (kv * repeats) % cp == 0 and heads % (kv * repeats) == 0
+
+
+def test_what_cp_and_packing_cannot_run_is_refused_with_the_fix() -> None:
+    from transformers import MambaConfig, MambaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from molt_hpc.actor.attention import check_model
+    from molt_hpc.actor.context_parallel import kv_repeats
+    from molt_hpc.actor.packing import packing_on
+    from molt_hpc.actor.world import actor_meshes
+    from molt_hpc.config.train import ActorConfig
+
+    with pytest.raises(ValueError, match="does not divide the model's 6 attention heads"):
+        kv_repeats(6, 2, 4)
+    with pytest.raises(ValueError, match="'sdpa' or 'flash_attention_2', not 'eager'"):
+        check_model(tiny_model(), "eager", 2)
+    mamba = MambaForCausalLM(MambaConfig(vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=1))
+    with pytest.raises(ValueError, match=r"full softmax attention \(linear_attention\).*actor.packing = 'off'"):
+        check_model(mamba, "sdpa", 1)
+    sliding = Qwen2ForCausalLM(Qwen2Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
+                                           sliding_window=8, max_window_layers=0))  # fmt: skip
+    with pytest.raises(ValueError, match="sliding_attention"):
+        check_model(sliding, "sdpa", 2)
+    with pytest.raises(ValueError, match="cp = 2 does not divide the actor pool's 3 ranks"):
+        actor_meshes("cpu", 3, 2)
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert packing_on(ActorConfig(), "sdpa", gpu, tiny_model())  # auto: on GPUs
+    assert not packing_on(ActorConfig(), "sdpa", cpu, tiny_model())  # auto: padded rows on CPUs
+    assert not packing_on(ActorConfig(), "sdpa", gpu, mamba)  # auto: what cannot be packed is padded
+    assert not packing_on(ActorConfig(), "eager", gpu, tiny_model())
+    assert packing_on(ActorConfig(packing="on"), "sdpa", cpu, tiny_model())
+    with pytest.raises(ValueError, match="Mamba"):
+        packing_on(ActorConfig(packing="on"), "sdpa", cpu, mamba)
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["actor.cp=2", "model.attn_implementation='eager'"], "actor.cp = 2 needs model.attn_implementation"),
+        (["actor.packing='on'", "model.attn_implementation='eager'"], "actor.packing = 'on' needs"),
+        (["actor.max_tokens_per_micro_batch=100"], r"max_tokens_per_micro_batch \(100\) is below"),
+        (["actor.cp=3"], r"actor.cp = 3 does not divide model.tiny.num_heads \(4\)"),
+    ],
+)
+def test_config_errors_name_the_fix(sets, message) -> None:
+    from molt_hpc.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, sets)
+
+
+def test_a_local_run_refuses_ranks_that_cp_does_not_divide(tmp_path) -> None:
+    from tests.conftest import molt
+
+    res = molt("run", "--set", f'run.root="{tmp_path}"', "--set", "actor.cp=2", "--set", "actor.ranks=3")
+    assert res.returncode == 2 and "actor.ranks (3) is not a multiple of actor.cp (2)" in res.stderr
+    assert not any(tmp_path.iterdir())  # refused before a run directory was made

@@ -65,20 +65,16 @@ def kv_repeats(heads: int, kv_heads: int, cp: int) -> int:
     """How many times each KV head is repeated so that `cp` ranks can split the heads evenly.
 
     The q heads are split into `cp` consecutive blocks and so must the KV heads: with `r` repeats
-    (`repeat_interleave`, which keeps every q head next to its KV head) `kv_heads·r` must be a
-    multiple of `cp` and still divide `heads`. Raises a ValueError naming the fix otherwise."""
+    (`repeat_interleave`, which keeps every q head's KV head in its block) there are
+    `kv_heads·r = lcm(kv_heads, cp)` of them, which divides `heads` since both factors do.
+    Raises a ValueError naming the fix when `cp` does not divide `heads`."""
     if heads % cp:
         raise ValueError(
             f"actor.cp = {cp} does not divide the model's {heads} attention heads: Ulysses context "
             f"parallelism gives each rank heads / cp of them; choose cp among the divisors of {heads}"
         )
-    r = cp // math.gcd(kv_heads, cp)
-    if heads % (kv_heads * r):
-        raise ValueError(
-            f"actor.cp = {cp} cannot split the model's {kv_heads} key/value heads ({heads} query heads) "
-            "evenly, even with repeated KV heads; choose a cp that divides or is divided by the KV head count"
-        )
-    return r
+    assert heads % kv_heads == 0, f"{kv_heads} KV heads do not group {heads} query heads"
+    return cp // math.gcd(kv_heads, cp)
 
 
 def seq_to_head(x: Tensor, cp: ContextParallel) -> Tensor:
