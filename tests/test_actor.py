@@ -1,9 +1,10 @@
 """The actor pool end to end: `torchrun jobs/actor.py` worlds of 1 and 2 gloo ranks fed by a real buffer.
 
-Run A trains 2 steps on 2 ranks without interruption. Run B trains the same first step on 1 rank,
-is asked to checkpoint (SIGUSR1) and to stop (SIGTERM), then resumes on 2 ranks for step 2. The
-same global batch gives the same loss on 1 and 2 ranks, and the resumed run ends where run A
-ended: same weights, same optimizer state.
+Run A trains 2 steps on 2 ranks without interruption, one sample per padded row. Run B trains the
+same first step on 1 rank with packed rows (the default), is asked to checkpoint (SIGUSR1) and to
+stop (SIGTERM), then resumes on 2 ranks for step 2. The same global batch gives the same loss on 1
+and 2 ranks, packed or not, and the resumed run ends where run A ended: same weights, same
+optimizer state. Run CP trains run A's first step on the 2 ranks as one CP group.
 """
 
 import json
@@ -32,8 +33,9 @@ def groups(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory, tiny_model_dir, groups):
-    """2 ranks, 2 steps, a checkpoint after each."""
-    cfg, run = make_run(tmp_path_factory.mktemp("a"), "a", tiny_model_dir, [*OVERRIDES, "checkpoint.interval=1"])
+    """2 ranks, 2 steps, a checkpoint after each, padded rows."""
+    sets = [*OVERRIDES, "checkpoint.interval=1", "actor.packing='off'"]
+    cfg, run = make_run(tmp_path_factory.mktemp("a"), "a", tiny_model_dir, sets)
     put_groups(cfg, run, groups)
     code, log = torchrun(run.path, 2)
     assert code == 0, log[-4000:]

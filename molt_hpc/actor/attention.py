@@ -10,7 +10,7 @@ The function then runs:
 
 1. with CP, the sequence → head all-to-all of q, k, v (`context_parallel.seq_to_head`);
 2. the real kernel over whole rows, each document attending causally to itself only:
-   - `sdpa`: torch SDPA with a block-causal boolean mask (plain causal when no row holds two samples);
+   - `sdpa`: torch SDPA, causal, one document at a time (whole rows when no row holds two samples);
    - `sdpa` on CUDA in half precision: torch's varlen flash kernel over the documents (`cu_seqlens`),
      the kernel SDPA's flash backend runs, without a `[T, T]` mask or attention to other samples;
    - `flash_attention_2`: flash-attn's varlen kernel over the same `cu_seqlens`;
@@ -21,6 +21,7 @@ Refused with a message (a ValueError): `eager`/`flex_attention`, blocks without 
 """
 
 import inspect
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -36,31 +37,23 @@ HALF = (torch.float16, torch.bfloat16)
 
 
 class Layout:
-    """The documents of a micro-batch's whole rows (after CP padding). A plain class on purpose: FSDP
-    copies dataclass inputs per module, which would drop the cached mask."""
+    """The documents of a micro-batch's whole rows (after CP padding), found where position ids restart.
+    A plain class on purpose: FSDP would copy a dataclass input at every module."""
 
     def __init__(self, position_ids: Tensor, real: Tensor, kernel: str, cp: ContextParallel | None, device):
         pos = position_ids.cpu()
         restart = torch.ones_like(pos, dtype=torch.bool)
         restart[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1  # a sample (or the padding block) starts here
-        doc = restart.cumsum(1) - 1
+        later = restart.cumsum(1) > 1  # in a row's second document or after
         starts = restart.flatten().nonzero().flatten()
-        cu = torch.cat([starts, torch.tensor([pos.numel()])]).to(torch.int32)
-        self.packed = bool(((doc > 0) & real.cpu()).any())
-        """Some row holds real tokens of two documents: attention needs the document mask."""
-        self.max_len = int((cu[1:] - cu[:-1]).max())
-        self.doc = doc.to(device)
-        self.cu_seqlens = cu.to(device)
+        cu = torch.cat([starts, torch.tensor([pos.numel()])])
+        self.packed = bool((later & real.cpu()).any())
+        """Some row holds real tokens of two documents: attention must keep them apart."""
+        self.spans = list(itertools.pairwise(cu.tolist()))
+        """(start, end) of every document over the flattened `B·T` positions."""
+        self.max_len = max(hi - lo for lo, hi in self.spans)
+        self.cu_seqlens = cu.to(device=device, dtype=torch.int32)
         self.kernel, self.cp = kernel, cp
-        self._mask: Tensor | None = None
-
-    def mask(self) -> Tensor:
-        """`[B, 1, T, T]` bool: query i sees key j when both are in one document and j <= i (built once)."""
-        if self._mask is None:
-            t = self.doc.shape[1]
-            causal = torch.ones(t, t, dtype=torch.bool, device=self.doc.device).tril()
-            self._mask = (self.doc[:, None, :, None] == self.doc[:, None, None, :]) & causal
-        return self._mask
 
 
 def document_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
@@ -86,7 +79,7 @@ def document_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
 
 def _no_mask(*args, **kwargs):
-    return None  # the attention function builds its mask from the Layout, over whole rows
+    return None  # no [T, T] mask: the attention function keeps documents apart from the Layout
 
 
 def _expand_kv(x: Tensor, heads: int) -> Tensor:
@@ -95,13 +88,21 @@ def _expand_kv(x: Tensor, heads: int) -> Tensor:
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, layout: Layout, scaling, dropout: float) -> Tensor:
-    if layout.packed:
-        k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask(), dropout_p=dropout, scale=scaling)
-    else:  # padding only follows the sample: plain causal is exact for every real token
-        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    """Causal SDPA over whole rows, or one document at a time when a row holds several: the CPU's
+    varlen kernel. A `[T, T]` block-causal mask instead cost 2x the padded step's time in
+    `bench/packing.py` (SDPA computes every masked score); the loop computes only each sample's."""
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    if not layout.packed:  # padding only follows the sample: plain causal is exact for every real token
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, **gqa)
-    return out.transpose(1, 2)
+        return out.transpose(1, 2)
+    b, h, t, d = q.shape
+    qf, kf, vf = (_flat(x).transpose(0, 1)[None] for x in (q, k, v))  # [1, H, B·T, D]
+    outs = [
+        F.scaled_dot_product_attention(qf[:, :, lo:hi], kf[:, :, lo:hi], vf[:, :, lo:hi], dropout_p=dropout,
+                                       scale=scaling, is_causal=True, **gqa)[0]
+        for lo, hi in layout.spans
+    ]  # fmt: skip
+    return torch.cat(outs, dim=1).transpose(0, 1).reshape(b, t, h, d)
 
 
 def _flat(x: Tensor) -> Tensor:

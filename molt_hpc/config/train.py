@@ -92,8 +92,8 @@ class ActorConfig(Section):
     """Sequences per forward/backward on one rank, when rows are padded (not packed)."""
     packing: Literal["auto", "on", "off"] = "auto"
     """Pack several samples into one row per micro-batch, up to `max_tokens_per_micro_batch` tokens,
-    attention confined to each sample (instead of a row per sample, padded). `auto`: on GPUs, where the
-    varlen kernel makes it pay, off on CPUs (`bench/packing.py`) and for models it cannot pack exactly."""
+    attention confined to each sample (instead of a row per sample, padded). `auto`: on, unless the model
+    cannot be packed exactly (eager attention, sliding windows, linear attention or state-space layers)."""
     max_tokens_per_micro_batch: PositiveInt | None = None
     """Token budget of a packed micro-batch (a row, split over the CP group when `cp > 1`); unset:
     `micro_batch_size × rollout.max_total_tokens`, what a padded micro-batch may hold."""
