@@ -108,6 +108,29 @@ def test_packed_logprobs_equal_padded_ones() -> None:
     assert abs(float(got.detach()) - float(want.detach())) < 1e-6 and abs(float(want.detach())) > 1e-4
 
 
+def test_packed_critic_values_equal_padded_ones() -> None:
+    """The critic (a token-classification head) reads packed rows the same way: values at the own index."""
+    from transformers import AutoModelForTokenClassification
+
+    from molt_hpc.actor.batch import critic_values
+    from molt_hpc.actor.build import disable_dropout
+
+    config = tiny_model().config
+    config.num_labels = 1
+    torch.manual_seed(1)
+    plain = AutoModelForTokenClassification.from_config(config, attn_implementation="sdpa")
+    disable_dropout(plain)  # as the trainer loads it
+    exp = experience_from_groups(groups(), max_len=64, pad_id=0)
+    want = critic_values(plain, exp)
+    critic = copy.deepcopy(plain)
+    use_document_attention(critic, DocumentAttention("sdpa", CPU))
+    mb = packed(exp, torch.arange(exp.sequences.shape[0]))
+    got = torch.zeros_like(want)
+    mb.put(got, critic_values(critic, mb.batch))
+    mask = exp.action_mask
+    assert torch.allclose(got[mask], want[mask], atol=1e-6, rtol=0) and want[mask].abs().max() > 1e-3
+
+
 def test_a_leaked_attention_would_be_seen() -> None:
     """The check above can fail: the same packed row with one document per row (no mask) differs."""
     exp = experience_from_groups(groups(), max_len=64, pad_id=0)
