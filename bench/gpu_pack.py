@@ -120,17 +120,20 @@ def throughput(p: dict, plain, world, out: Path | None) -> None:
               note=f"|diff| {abs(pack_loss - pad_loss):.2e}")  # fmt: skip
 
 
-def planner_peak_gib(cfg, shape: str) -> float | None:
-    """The planner's predicted trainer peak on one GPU, where this checkout has `molt_hpc.plan`."""
+def planner_peak_gib(cfg, shape: str) -> tuple[float | None, str]:
+    """(the planner's predicted trainer peak on one GPU, a note): where this checkout has `molt_hpc.plan`."""
     try:
         from molt_hpc.plan import plan_config
     except ImportError:
-        return None
+        return None, "planner: not in this checkout"
     with tempfile.TemporaryDirectory() as d:
         qwen2_config(shape).save_pretrained(d)
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": d})})
-        plan, _ = plan_config(cfg, local=True, gpus=1)
-        return plan.trainer.peak.total / 2**30
+        try:
+            plan, _ = plan_config(cfg, local=True, gpus=1)
+            return plan.trainer.peak.total / 2**30, "baseline: the planner's prediction"
+        except (AttributeError, ValueError, OSError) as err:  # the row still reports the measurement
+            return None, f"planner failed: {err}"
 
 
 def memory(p: dict, plain, world, out: Path | None) -> None:
@@ -150,8 +153,7 @@ def memory(p: dict, plain, world, out: Path | None) -> None:
             peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
         except torch.OutOfMemoryError:
             peak = float("nan")
-        predicted = planner_peak_gib(cfg, p["shape"])
-        note = "baseline: the planner's prediction" if predicted is not None else "planner: not in this checkout"
+        predicted, note = planner_peak_gib(cfg, p["shape"])
         write_row(out, bench="pack", case=f"{p['shape']} peak memory, micro-batches of {n} tokens, "
                   f"activation checkpointing {'on' if ac else 'off'}", value=peak, unit="GiB",
                   baseline=predicted, ratio=peak / predicted if predicted else None, note=note)  # fmt: skip
