@@ -25,7 +25,7 @@ openai = pytest.importorskip("openai")  # the `chat` extra; `make test` installs
 pytestmark = pytest.mark.timeout(300)
 
 TWO_TURNS = """
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, AuthenticationError
 from molt_hpc.agents import ChatAgent, Result
 class TwoTurns(ChatAgent):
     async def run(self, ctx):
@@ -36,7 +36,15 @@ class TwoTurns(ChatAgent):
         second = first + [{"role": "assistant", "content": one}, {"role": "user", "content": "again"}]
         two = await ctx.openai.chat.completions.create(model=ctx.model, messages=second, max_tokens=5, seed=2)
         await own.close()
-        return Result(reward=float(len(two.choices[0].message.content)), info={"replies": [one, second]})
+        wrong = AsyncOpenAI(base_url=ctx.base_url, api_key="wrong", http_client=ctx.http_client, max_retries=0)
+        try:
+            await wrong.chat.completions.create(model=ctx.model, messages=first)
+            refused = 0.0
+        except AuthenticationError:  # the in-process path checks the token like the HTTP endpoint
+            refused = 1.0
+        await wrong.close()  # must not close the pool under the other episodes
+        reward = float(len(two.choices[0].message.content))
+        return Result(reward=reward, info={"replies": [one, second], "refused": refused})
 """
 
 
@@ -95,7 +103,7 @@ def test_two_openai_calls_whose_prompts_extend_form_one_trajectory(pool, tok, tm
     _, samples = run_agent(pool, tok, path, 5)
     for s in samples:
         one, second = s.info.pop("replies")
-        assert s.info["chat_calls"] == 2.0
+        assert s.info["chat_calls"] == 2.0 and s.info["refused"] == 1.0  # the refused call was not recorded
         text = tok.apply_chat_template(second, add_generation_prompt=True, tokenize=False)
         start, end = s.action_ranges[-1]
         assert s.tokens[:start] == tok(text, add_special_tokens=False)["input_ids"]

@@ -81,7 +81,7 @@ class ChatAgentRunner:
 
     def __init__(self, agent_cls: type[ChatAgent], server: Any, cfg: RolloutConfig, http: aiohttp.ClientSession):
         self.agent_cls, self.server, self.cfg, self.http = agent_cls, server, cfg, http
-        self.openai = OpenAIPool()
+        self.openai = OpenAIPool(server)
 
     async def close(self) -> None:
         await self.openai.close()
