@@ -5,6 +5,12 @@
   the training file.
 - `math_train.jsonl`: synthetic integer arithmetic (`+ - *`, and `/` with exact fraction labels),
   answers expected in `<answer>…</answer>`.
+- `reverse_sft_train.jsonl` / `reverse_sft_eval.jsonl`: the same strings as chat demonstrations
+  (`{"messages": [user "Reverse: abc", assistant "cba"]}`), for `molt-hpc sft`.
+- `reverse_prefs_train.jsonl` / `reverse_prefs_eval.jsonl`: preference pairs for `molt-hpc rm train`:
+  the right reversal is chosen, a near miss rejected (the string unreversed, one letter changed, two
+  neighbours swapped, a letter dropped or one added: the mistakes a policy learning the task makes).
+  Training pairs take one near miss per training string; evaluation pairs every kind per held-out string.
 
 Every row has a stable `id`. Re-running writes byte-identical files.
 """
@@ -67,6 +73,45 @@ def math_rows(rng: random.Random) -> list[dict]:
     return rows
 
 
+def sft_rows(rows: list[dict], kind: str) -> list[dict]:
+    return [
+        {"id": f"reverse-sft-{kind}-{i:05d}", "messages": [
+            {"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["label"]}]}
+        for i, r in enumerate(rows)
+    ]  # fmt: skip
+
+
+NEAR_MISSES = ("unreversed", "changed", "swapped", "dropped", "added")
+
+
+def near_miss(answer: str, kind: str, rng: random.Random) -> str:
+    """A wrong answer close to `answer` (may equal it for some strings; callers check)."""
+    i = rng.randrange(len(answer))
+    if kind == "unreversed":
+        return answer[::-1]
+    if kind == "changed":
+        return answer[:i] + rng.choice([c for c in REVERSE_ALPHABET if c != answer[i]]) + answer[i + 1 :]
+    if kind == "swapped":
+        j = rng.randrange(len(answer) - 1)
+        return answer[:j] + answer[j + 1] + answer[j] + answer[j + 2 :]
+    if kind == "dropped":
+        return answer[:i] + answer[i + 1 :]
+    return answer[:i] + rng.choice(REVERSE_ALPHABET) + answer[i:]
+
+
+def pref_rows(rows: list[dict], kind: str, rng: random.Random, every_kind: bool) -> list[dict]:
+    out = []
+    for r in rows:
+        kinds = list(NEAR_MISSES) if every_kind else [rng.choice(NEAR_MISSES)]
+        for k in kinds:
+            wrong = near_miss(r["label"], k, rng)
+            while wrong == r["label"]:  # a palindrome unreversed, a swap of equal letters: draw another miss
+                wrong = near_miss(r["label"], rng.choice(NEAR_MISSES[1:]), rng)
+            out.append({"id": f"reverse-prefs-{kind}-{len(out):05d}", "prompt": r["prompt"], "chosen": r["label"],
+                        "rejected": wrong})  # fmt: skip
+    return out
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r, separators=(", ", ": ")) + "\n" for r in rows))
 
@@ -78,6 +123,11 @@ def main(out_dir: Path) -> None:
     write_jsonl(out_dir / "reverse_train.jsonl", train)
     write_jsonl(out_dir / "reverse_eval.jsonl", evaluation)
     write_jsonl(out_dir / "math_train.jsonl", math_rows(random.Random(SEED + 1)))
+    write_jsonl(out_dir / "reverse_sft_train.jsonl", sft_rows(train, "train"))
+    write_jsonl(out_dir / "reverse_sft_eval.jsonl", sft_rows(evaluation, "eval"))
+    prefs = random.Random(SEED + 2)
+    write_jsonl(out_dir / "reverse_prefs_train.jsonl", pref_rows(train, "train", prefs, every_kind=False))
+    write_jsonl(out_dir / "reverse_prefs_eval.jsonl", pref_rows(evaluation, "eval", prefs, every_kind=True))
 
 
 if __name__ == "__main__":

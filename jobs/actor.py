@@ -23,7 +23,10 @@ def main() -> int:
     try:
         cfg = load_config(run_dir / "config.toml")
 
-        from molt_hpc.actor.trainer import main as train
+        if cfg.run.stage == "rl":
+            from molt_hpc.actor.trainer import main as train
+        else:  # SFT and reward-model training: the same trainer fed from a dataset
+            from molt_hpc.actor.supervised import main as train
 
         return train(cfg, run_dir, resume=args.resume)
     except ValueError as err:  # a user error (config, model, checkpoint): one line, not a traceback per rank

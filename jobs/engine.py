@@ -1,8 +1,9 @@
 """Entry point of the engine pool's processes: `python jobs/engine.py RUN_DIR --role engine --index I`.
 
-Roles: `engine` (one inference engine), `router` (the session-affine router), `pool` (a node's
-engines, plus the router and the rollout orchestrator on the pool's first node, supervised). Reads the resolved
-config from `RUN_DIR/config.toml`; heavy modules are imported after the arguments are parsed.
+Roles: `engine` (one inference engine), `scorer` (a reward-model scorer), `router` (the session-affine
+router), `pool` (a node's engines, plus the router, the rollout orchestrator and the scorers on the pool's
+first node, supervised). Reads the resolved config from `RUN_DIR/config.toml`; heavy modules are imported
+after the arguments are parsed.
 """
 
 import argparse
@@ -17,6 +18,12 @@ def run_engine(cfg, run_dir: Path, args: argparse.Namespace) -> int:
         from molt_hpc.engine.vllm_main import main
     else:
         from molt_hpc.engine.main import main
+
+    return main(cfg, run_dir, args.index)
+
+
+def run_scorer(cfg, run_dir: Path, args: argparse.Namespace) -> int:
+    from molt_hpc.scorer import main
 
     return main(cfg, run_dir, args.index)
 
@@ -36,14 +43,14 @@ def run_pool(cfg, run_dir: Path, args: argparse.Namespace) -> int:
     return pool(cfg, RunDir(run_dir), args.node_rank, cfg.engines.max_restarts)
 
 
-ROLES = {"engine": run_engine, "router": run_router, "pool": run_pool}
+ROLES = {"engine": run_engine, "router": run_router, "pool": run_pool, "scorer": run_scorer}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="the run directory (holds config.toml and rendezvous/)")
     parser.add_argument("--role", choices=sorted(ROLES), required=True)
-    parser.add_argument("--index", type=int, default=0, help="engine index (role engine)")
+    parser.add_argument("--index", type=int, default=0, help="engine or scorer index (roles engine, scorer)")
     parser.add_argument(
         "--node-rank",
         type=int,

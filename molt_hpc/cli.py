@@ -103,7 +103,66 @@ def run_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: str | No
         raise click.UsageError("give either CONFIG or --resume RUN_DIR (a resumed run keeps its own config)")
     cfg = resume_config(resume_dir, overrides) if resume_dir else _load(config, overrides)
     setup_logging("launcher", cfg.logging.level)
+    if cfg.run.stage != "rl":  # an SFT or reward-model config (or run directory): its own launcher
+        from molt_hpc.launch.stage import run_stage_local
+
+        sys.exit(run_stage_local(cfg))
     sys.exit(run_local(cfg))
+
+
+def _load_stage(stage: str, config: str | None, overrides: tuple[str, ...], resume_dir: str | None):
+    """The config of a `stage` command: CONFIG with `run.stage` set to it, or a run directory of that stage."""
+    from molt_hpc.config import ConfigError
+    from molt_hpc.config.load import read_toml
+    from molt_hpc.launch.local import resume_config
+    from molt_hpc.launch.stage import COMMANDS
+
+    if resume_dir and config:
+        raise click.UsageError("give either CONFIG or --resume RUN_DIR (a resumed run keeps its own config)")
+    if resume_dir:
+        cfg = resume_config(resume_dir, overrides)
+        given = cfg.run.stage
+    else:
+        raw = read_toml(config).get("run", {}) if config else {}
+        given = next((o.partition("=")[2].strip().strip("'\"") for o in overrides
+                      if o.partition("=")[0].strip() == "run.stage"), raw.get("stage", stage))  # fmt: skip
+    if given != stage:
+        where = f"run directory {resume_dir}" if resume_dir else "this config"
+        raise ConfigError(
+            f"{where} is for `{COMMANDS.get(given, given)}` (run.stage = {given!r}), not `{COMMANDS[stage]}`"
+        )
+    return cfg if resume_dir else _load(config, (*overrides, f"run.stage={stage}"))
+
+
+def _run_stage(cfg) -> None:
+    from molt_hpc.launch.stage import run_stage_local
+    from molt_hpc.log import setup_logging
+
+    setup_logging("launcher", cfg.logging.level)
+    sys.exit(run_stage_local(cfg))
+
+
+@main.command("sft")
+@click.argument("config", required=False)
+@click.option("--set", "overrides", multiple=True, help=SET_HELP)
+@click.option("--resume", "resume_dir", default=None, help="Continue the SFT run in this run directory.")
+def sft_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: str | None) -> None:
+    """Supervised fine-tuning on chat demonstrations ([sft]): the loss on the assistant replies only."""
+    _run_stage(_load_stage("sft", config, overrides, resume_dir))
+
+
+@main.group("rm")
+def rm_group() -> None:
+    """Reward models."""
+
+
+@rm_group.command("train")
+@click.argument("config", required=False)
+@click.option("--set", "overrides", multiple=True, help=SET_HELP)
+@click.option("--resume", "resume_dir", default=None, help="Continue the reward-model run in this run directory.")
+def rm_train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: str | None) -> None:
+    """Train a reward model on preference pairs ([rm]): Bradley-Terry; a sequence-classification checkpoint."""
+    _run_stage(_load_stage("rm", config, overrides, resume_dir))
 
 
 @main.command("status")
@@ -139,6 +198,14 @@ def buffer_stats_cmd(run_dir: str) -> None:
     click.echo("\n".join(stats_lines(run_dir)))
 
 
+def _rl_only(cfg) -> None:
+    if cfg.run.stage != "rl":
+        raise ValueError(
+            f"run.stage = {cfg.run.stage!r}: Slurm jobs run the RL loop; train this stage on a node of an "
+            "allocation instead (e.g. `srun --gpus-per-node=N molt-hpc sft CONFIG` with actor.ranks = N)"
+        )
+
+
 @main.command("submit")
 @click.argument("config", required=False)
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)
@@ -152,6 +219,7 @@ def submit_cmd(config: str | None, overrides: tuple[str, ...], dry_run: bool, re
     if resume_dir and config:
         raise click.UsageError("give either CONFIG or --resume RUN_DIR (a resumed run keeps its own config)")
     cfg = resume_config(resume_dir, overrides) if resume_dir else _load(config, overrides)
+    _rl_only(cfg)
     if dry_run:
         click.echo(slurm.dry_run_script(cfg), nl=False)
         return
@@ -169,7 +237,9 @@ def sbatch_cmd(config: str | None, overrides: tuple[str, ...], out: str) -> None
 
     from molt_hpc.launch import slurm
 
-    Path(out).write_text(slurm.standalone_script(_load(config, overrides)))
+    cfg = _load(config, overrides)
+    _rl_only(cfg)
+    Path(out).write_text(slurm.standalone_script(cfg))
     click.echo(f"wrote {out}; submit it with: sbatch {out}")
 
 

@@ -99,6 +99,11 @@ def step_line(step: int, metrics: dict[str, Any]) -> str:
     parts = [f"step {step}"]
     for key, fmt in (
         ("reward", ".3f"),
+        ("sft_loss", ".4f"),
+        ("rm_loss", ".4f"),
+        ("rm_accuracy", ".3f"),
+        ("eval_loss", ".4f"),
+        ("eval_accuracy", ".3f"),
         ("kl", ".4f"),
         ("kl_rollout", ".4f"),
         ("entropy", ".3f"),

@@ -7,6 +7,13 @@ from pathlib import Path
 
 from molt_hpc.log import read_metrics
 
+STAGE_PANELS = {  # the supervised stages' records (molt-hpc sft, molt-hpc rm train) have no reward
+    "sft_loss": [("sft_loss", "SFT loss (training rows)"), ("eval_loss", "SFT loss (held-out rows)"),
+                 ("tokens_per_s", "trainer tokens/s")],
+    "rm_loss": [("rm_loss", "reward-model loss (training pairs)"), ("eval_accuracy", "held-out pair accuracy"),
+                ("tokens_per_s", "trainer tokens/s")],
+}  # fmt: skip
+
 
 def _series(records: list[dict], key: str) -> tuple[list[float], list[float], list[float]]:
     rows = [r for r in records if r.get(key) is not None and "step" in r]
@@ -31,6 +38,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     kl = ("kl", "KL to reference") if any("kl" in r for r in records) else ("kl_rollout", "KL to the rollout policy")
     panels = [("reward", "reward (mean)"), kl, ("tokens_per_s", "trainer tokens/s")]
+    panels = next((p for key, p in STAGE_PANELS.items() if any(key in r for r in records)), panels)
     fig, axes = plt.subplots(len(panels), 2, figsize=(11, 8), squeeze=False)
     for row, (key, title) in enumerate(panels):
         steps, minutes, values = _series(records, key)

@@ -31,6 +31,21 @@ from molt_hpc.rundir import RunDir
 
 def resume_point(cfg: MoltConfig, run: RunDir, base: Path, required: bool) -> Path | None:
     """The verified checkpoint to resume from, per `checkpoint.resume` (rank 0)."""
+    latest = latest_to_resume(cfg, run, required)
+    if latest is None:
+        return None
+    build.check_checkpoint_model(latest / "policy", base)
+    if cfg.algorithm.uses_critic:
+        if not (latest / "critic").is_dir():
+            raise ValueError(
+                f"{latest} has no critic but algorithm.advantage = 'gae' needs one; resume with its algorithm"
+            )
+        build.check_checkpoint_model(latest / "critic", base, critic=True)
+    return latest
+
+
+def latest_to_resume(cfg: MoltConfig, run: RunDir, required: bool) -> Path | None:
+    """The run's latest checkpoint, verified, when `checkpoint.resume` allows resuming from it (rank 0)."""
     latest = ck.latest_checkpoint(run.checkpoints)
     mode = "required" if required else cfg.checkpoint.resume
     if latest is None:
@@ -43,13 +58,6 @@ def resume_point(cfg: MoltConfig, run: RunDir, base: Path, required: bool) -> Pa
             "use a new run.name, or set checkpoint.resume = 'auto' to continue it"
         )
     ck.verify(latest)
-    build.check_checkpoint_model(latest / "policy", base)
-    if cfg.algorithm.uses_critic:
-        if not (latest / "critic").is_dir():
-            raise ValueError(
-                f"{latest} has no critic but algorithm.advantage = 'gae' needs one; resume with its algorithm"
-            )
-        build.check_checkpoint_model(latest / "critic", base, critic=True)
     return latest
 
 

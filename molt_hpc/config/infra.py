@@ -38,6 +38,9 @@ class RunConfig(Section):
     """Seed of everything random: data order, sampling, initialisation."""
     sync: bool = False
     """Synchronous mode: rollouts wait for each refit (staleness 0); for debugging and comparison."""
+    stage: Literal["rl", "sft", "rm"] = "rl"
+    """What the run trains; the command sets it (`molt-hpc run`: rl, `molt-hpc sft`: sft,
+    `molt-hpc rm train`: rm), so a run directory knows how to be resumed."""
 
 
 class BufferConfig(Section):

@@ -16,6 +16,7 @@ from molt_hpc.config.infra import (
 )
 from molt_hpc.config.model import DataConfig, ModelConfig
 from molt_hpc.config.rollout import EnginesConfig, RolloutConfig, RouterConfig
+from molt_hpc.config.stages import RewardModelConfig, RewardTrainConfig, SftConfig
 from molt_hpc.config.train import ActorConfig, AlgorithmConfig, CheckpointConfig
 
 GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")
@@ -50,6 +51,12 @@ class MoltConfig(Section):
     """The heterogeneous Slurm job."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Logs and metrics."""
+    sft: SftConfig | None = None
+    """Supervised fine-tuning (`molt-hpc sft`; `[sft]` with at least `data`)."""
+    rm: RewardTrainConfig | None = None
+    """Reward-model training (`molt-hpc rm train`; `[rm]` with at least `data`)."""
+    reward_model: RewardModelConfig | None = None
+    """A trained reward model scoring the rollouts of `molt-hpc run` (`[reward_model]` with at least `path`)."""
 
     @model_validator(mode="after")
     def _cross_section_rules(self) -> "MoltConfig":
@@ -84,6 +91,7 @@ class MoltConfig(Section):
                 "engines.kind = 'vllm' refits over NCCL from a GPU: set actor.device = 'cuda' (or 'auto' on a GPU node)"
             )
         self._check_sequences()
+        self._check_stages()
         self._check_tiny_model()
         self._check_slurm()
         return self
@@ -97,10 +105,11 @@ class MoltConfig(Section):
                 "cannot confine attention to a packed sample or run on a CP slice)"
             )
         budget = act.max_tokens_per_micro_batch
-        if budget is not None and budget < self.rollout.max_total_tokens:
+        longest, what = self.longest_row
+        if budget is not None and budget < longest:
             raise ValueError(
-                f"actor.max_tokens_per_micro_batch ({budget}) is below rollout.max_total_tokens "
-                f"({self.rollout.max_total_tokens}): a packed micro-batch must hold the longest sample; raise it"
+                f"actor.max_tokens_per_micro_batch ({budget}) is below {what} ({longest}): a packed micro-batch "
+                "must hold the longest sample; raise it"
             )
         if self.model.path == "builtin:tiny-char" and act.cp > 1:
             tiny = self.model.tiny
@@ -109,6 +118,27 @@ class MoltConfig(Section):
                     f"actor.cp = {act.cp} does not divide model.tiny.num_heads ({tiny.num_heads}): each CP rank "
                     "runs heads / cp of them"
                 )
+
+    @property
+    def longest_row(self) -> tuple[int, str]:
+        """(tokens, what sets it) of the longest row the trainer may meet: a trajectory, an SFT row or a pair."""
+        if self.run.stage == "sft" and self.sft is not None:
+            return self.sft.max_tokens, "sft.max_tokens"
+        if self.run.stage == "rm" and self.rm is not None:
+            return 2 * self.rm.max_tokens, "2 × rm.max_tokens (a pair's two sides share a row)"
+        return self.rollout.max_total_tokens, "rollout.max_total_tokens"
+
+    def _check_stages(self) -> None:
+        stage = self.run.stage
+        if stage != "rl" and getattr(self, stage) is None:
+            command = "molt-hpc sft" if stage == "sft" else "molt-hpc rm train"
+            raise ValueError(f"`{command}` needs a [{stage}] section with at least `data` (the training file)")
+        rm = self.reward_model
+        if rm is not None and rm.kind == "vllm" and rm.device == "cpu":
+            raise ValueError(
+                "reward_model.kind = 'vllm' runs on GPUs but reward_model.device = 'cpu': set it to 'cuda' or "
+                "'auto', or use reward_model.kind = 'builtin'"
+            )
 
     def _check_tiny_model(self) -> None:
         tiny = self.model.tiny

@@ -49,6 +49,8 @@ def split_gpus(cfg: MoltConfig, gpus: list[str]) -> tuple[list[str], list[str]]:
     """(actor pool GPUs, engine pool GPUs): disjoint when there are enough, else both share them all."""
     actor_n = 0 if cfg.actor.device == "cpu" else cfg.actor.ranks
     engine_n = 0 if cfg.engines.device == "cpu" else cfg.engines.count * cfg.engines.tensor_parallel
+    rm = cfg.reward_model
+    engine_n += 0 if rm is None or rm.device == "cpu" else rm.count  # scorers come after the engines
     if not gpus or actor_n + engine_n == 0:
         return [], []
     if len(gpus) >= actor_n + engine_n:

@@ -1,7 +1,8 @@
 """The engine pool of one node: its engines and, on the pool's first node, the router and orchestrator.
 
 Run as `jobs/engine.py RUN_DIR --role pool` by both launchers (a local subprocess, or one
-`srun --het-group=1` task per node). A dead engine is restarted in place (the router takes it
+`srun --het-group=1` task per node), with a `[reward_model]`'s scorers on the first node. A dead
+engine (or scorer) is restarted in place (the router takes it
 out of the ring meanwhile, the trainer re-forms the refit group when it re-registers); a router
 or orchestrator that fails ends the pool with an error, which ends the run. The pool itself ends
 only when its launcher stops it (SIGTERM), so engines still answer after training is done.
@@ -34,13 +35,33 @@ def engine_env(cfg: MoltConfig, local_index: int) -> dict[str, str]:
     return env
 
 
+def scorer_env(cfg: MoltConfig, index: int) -> dict[str, str]:
+    """A reward-model scorer's threads and GPU: the node's first GPU after the engines', else the last one."""
+    rm = cfg.reward_model
+    assert rm is not None
+    env = {"OMP_NUM_THREADS": "1"}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if rm.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    elif visible:
+        gpus = visible.split(",")
+        after = cfg.engines.count * cfg.engines.tensor_parallel + index
+        env["CUDA_VISIBLE_DEVICES"] = gpus[after] if after < len(gpus) else gpus[-1]
+    return env
+
+
 def pool_children(cfg: MoltConfig, run: RunDir, node_rank: int) -> tuple[list[Child], list[Child]]:
-    """(engines, services) this node runs; services are the router and orchestrator on node 0."""
+    """(engines, services) this node runs: engines (and on node 0 the reward-model scorers) are restarted
+    when they die; services are the router and orchestrator on node 0."""
     engines = []
     for local in range(cfg.engines.count):
         index = node_rank * cfg.engines.count + local
         cmd = job_command("engine.py", str(run.path), "--role", "engine", "--index", str(index))
         engines.append(Child(f"engine {index}", cmd, run.logs / f"engine-{index}.log", engine_env(cfg, local)))
+    if node_rank == 0 and cfg.reward_model is not None:
+        for index in range(cfg.reward_model.count):
+            cmd = job_command("engine.py", str(run.path), "--role", "scorer", "--index", str(index))
+            engines.append(Child(f"scorer {index}", cmd, run.logs / f"scorer-{index}.log", scorer_env(cfg, index)))
     services = []
     if node_rank == 0:
         single = {"OMP_NUM_THREADS": "1"}

@@ -69,6 +69,10 @@ def _postfix(rec: dict) -> str:
     parts = []
     for key, label, fmt in (
         ("reward", "reward", ".3f"),
+        ("sft_loss", "loss", ".4f"),
+        ("rm_loss", "loss", ".4f"),
+        ("eval_loss", "eval loss", ".4f"),
+        ("eval_accuracy", "eval accuracy", ".3f"),
         ("kl", "kl", ".4f"),
         ("kl_rollout", "kl(rollout)", ".4f"),
         ("tokens_per_s", "tok/s", ".0f"),

@@ -36,10 +36,27 @@ BUILTINS: dict[str, Callable[[ModelConfig, Path], Path]] = {
 """Every `builtin:` model: name -> function(model config, cache dir) -> its HF directory."""
 
 
+def run_model(path: Path, part: str) -> Path:
+    """`path`, or when it is a run directory with checkpoints, its latest checkpoint's `part`
+    (`policy`, `reward`): a finished `molt-hpc sft` / `rm train` run is a model path as it is."""
+    from molt_hpc.checkpoint import latest_checkpoint
+
+    if (path / "config.json").is_file() or not (path / "checkpoints").is_dir():
+        return path
+    latest = latest_checkpoint(path / "checkpoints")
+    if latest is None:
+        raise ValueError(f"{path} is a run directory without a checkpoint yet; let its run finish, or name a model")
+    if not (latest / part).is_dir():
+        kinds = ", ".join(sorted(p.name for p in latest.iterdir() if (p / "config.json").is_file()))
+        raise ValueError(f"{latest} holds no {part} model (it has: {kinds or 'none'}); name the right run directory")
+    return latest / part
+
+
 def resolve_model(cfg: ModelConfig, cache_dir: str | Path) -> Path:
-    """The HF directory for `cfg.path`; a builtin model is built once into `cache_dir` (atomically)."""
+    """The HF directory for `cfg.path` (a run directory: its latest policy); a builtin model is built
+    once into `cache_dir` (atomically)."""
     if not cfg.is_builtin:
-        path = Path(cfg.path).expanduser()
+        path = run_model(Path(cfg.path).expanduser(), "policy")
         check_model_dir(path)
         return path
     if cfg.path not in BUILTINS:

@@ -7,6 +7,7 @@ chat_server.py   the OpenAI-compatible endpoint chat-mode agents talk to
 evaluation.py    greedy evaluation on held-out prompts
 state.py         the durable state (cursor, in-flight groups) that makes a restart exact
 metrics.py       the rollout records of metrics.jsonl
+scoring.py       a reward model's scores combined with the env's rewards, once per finished group
 """
 
 import asyncio
@@ -82,10 +83,25 @@ async def serve(cfg: MoltConfig, run: RunDir) -> int:
                 system_prompt=cfg.data.system_prompt,
                 seed=cfg.run.seed,
             )
+        scorer = reward_scorer(cfg, run, http, token, tokenizer)
         try:
-            await Orchestrator(cfg, run, dataset, runner, link, buffer, eval_prompts, stop).run_loop()
+            await Orchestrator(cfg, run, dataset, runner, link, buffer, eval_prompts, stop, scorer).run_loop()
         finally:
             if server is not None:
                 await runner.close()
                 await server.close()
     return 0
+
+
+def reward_scorer(cfg: MoltConfig, run: RunDir, http, token: str, tokenizer):
+    """The group scorer of `[reward_model]`, or None without one (checked before any rollout starts)."""
+    if cfg.reward_model is None:
+        return None
+    from molt_hpc.models.reward import check_reward_model
+    from molt_hpc.rollout.scoring import GroupScorer
+    from molt_hpc.scorer.client import ScorerClient
+
+    stats = check_reward_model(cfg.reward_model, tokenizer)
+    get_logger().info("reward model %s: combine %s, scores normalised by %s", cfg.reward_model.path,
+                      cfg.reward_model.combine, stats)  # fmt: skip
+    return GroupScorer(ScorerClient(http, run, token, cfg.reward_model), cfg.reward_model, stats)

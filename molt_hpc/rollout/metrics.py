@@ -3,7 +3,8 @@
 A record is written every `actor.groups_per_step` accepted groups (one training batch) and at
 shutdown: rewards and scores of the accepted samples, response lengths and turns, groups the
 filters dropped (`groups_filtered_<why>`) and groups that failed (`groups_failed_<why>`: env
-errors drop theirs, engine failures are issued again), retries, and throughput.
+errors drop theirs, engine failures are issued again), retries, and throughput; with a reward model,
+`env_reward_mean` and `rm_score_mean` (its raw score over the samples it scored) beside the reward.
 """
 
 import statistics
@@ -31,6 +32,8 @@ class RolloutStats:
         self.turns: list[float] = []
         self.counts: Counter = Counter()
         self.tokens = 0
+        self.reward_parts: dict[str, list[float]] = {"env_reward": [], "rm_score": []}
+        """With a reward model: the env's reward and the model's raw score of the accepted samples it scored."""
 
     def finished(self, outcome: GroupOutcome) -> None:
         """Count a group that came back (accepted or not), with its retries and env errors."""
@@ -55,6 +58,9 @@ class RolloutStats:
             self.scores.append(s.score if s.score is not None else s.reward)
             self.lengths.append(s.response_len)
             self.turns.append(float(s.info.get("turns", 1.0)))
+            for key, values in self.reward_parts.items():
+                if key in s.info:
+                    values.append(float(s.info[key]))
 
     def record(self, **extra: Any) -> dict[str, Any]:
         """The window as a metrics record; starts a new window."""
@@ -71,5 +77,8 @@ class RolloutStats:
             rec["response_len_mean"] = statistics.fmean(self.lengths)
             rec["response_len_max"] = max(self.lengths)
             rec["turns_mean"] = statistics.fmean(self.turns)
+        for key, values in self.reward_parts.items():
+            if values:
+                rec[f"{key}_mean"] = statistics.fmean(values)
         self._reset()
         return rec

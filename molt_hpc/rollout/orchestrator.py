@@ -78,6 +78,7 @@ class Orchestrator:
         buffer: Any,
         eval_prompts: list | None = None,
         stop: asyncio.Event | None = None,
+        scorer: Any = None,
     ):
         self.cfg, self.run, self.runner, self.link, self.buffer = cfg, run, runner, link, buffer
         self.state_path = run.path / "rollout" / "state.json"
@@ -93,6 +94,8 @@ class Orchestrator:
         self.stats = RolloutStats()
         self.metrics = MetricsWriter(run.metrics, source="rollout")
         self.stop = stop or asyncio.Event()
+        self.scorer = scorer
+        """A `molt_hpc.rollout.scoring.GroupScorer` when a reward model scores the groups."""
         self.log = get_logger()
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -151,9 +154,16 @@ class Orchestrator:
             self.state.groups_accepted += 1
             self.state.in_flight.remove(pos)
         else:
-            task = asyncio.create_task(run_group(self.runner, prompt, pos, self.cfg.rollout))
+            task = asyncio.create_task(self.rollout(prompt, pos))
             self.tasks[task] = pos
         self.state.save(self.state_path)
+
+    async def rollout(self, prompt, pos: Position) -> GroupOutcome:
+        """One group's samples, then (with a reward model) its scores: it waits for a scorer, the others go on."""
+        outcome = await run_group(self.runner, prompt, pos, self.cfg.rollout)
+        if self.scorer is not None and outcome.group is not None:
+            await self.scorer.score_group(outcome.group)
+        return outcome
 
     async def complete(self, task: asyncio.Task, pos: Position) -> None:
         outcome: GroupOutcome = task.result()  # anything but a sample failure is a bug: let it stop us

@@ -1,0 +1,97 @@
+"""Local mode of the supervised stages (`molt-hpc sft`, `molt-hpc rm train`): the actor pool alone.
+
+One child, the one `molt-hpc run` starts for training (`torchrun … jobs/actor.py RUN_DIR`, which
+runs the stage `run.stage` names); no engine pool. Ctrl-C / SIGTERM asks the trainer to checkpoint
+at the next step boundary and exit (`control/stop`); a second Ctrl-C stops at once. At the end it
+prints the stage's number (held-out loss or pair accuracy, first evaluation → last), where the
+trained model is, and the plot.
+"""
+
+import json
+import signal
+import time
+
+from molt_hpc.config import MoltConfig
+from molt_hpc.launch.local import _died, _gpu_env, actor_child, prepare_run, visible_gpus
+from molt_hpc.launch.progress import Progress
+from molt_hpc.log import get_logger, read_metrics
+from molt_hpc.rundir import RunDir, atomic_write
+
+COMMANDS = {"sft": "molt-hpc sft", "rm": "molt-hpc rm train", "rl": "molt-hpc run"}
+NUMBERS = {"sft": ("eval_loss", "held-out loss"), "rm": ("eval_accuracy", "held-out pair accuracy")}
+
+
+def stage_summary(run: RunDir, stage: str) -> list[str]:
+    """The stage's number, first evaluation → last, and the model directory a later stage takes."""
+    records = [r for r in read_metrics(run.metrics, source="actor") if "step" in r]
+    key, what = NUMBERS[stage]
+    evals = [r for r in records if r.get(key) is not None]
+    lines = []
+    if evals:
+        first, last = evals[0], evals[-1]
+        lines.append(
+            f"{stage}: {what} {first[key]:.4f} (step {first['step']}) -> {last[key]:.4f} (step {last['step']})"
+        )
+    else:
+        loss = [r[f"{stage}_loss"] for r in records if r.get(f"{stage}_loss") is not None]
+        lines.append(f"{stage}: no held-out file; training loss {loss[0]:.4f} -> {loss[-1]:.4f}" if loss else
+                     f"{stage}: no step recorded")  # fmt: skip
+    part = "policy" if stage == "sft" else "reward"
+    key_path = "model.path" if stage == "sft" else "reward_model.path"
+    lines.append(
+        f'{stage}: trained {part} model in {run.path} (its latest checkpoint); use it as {key_path} = "{run.path}"'
+    )
+    return lines
+
+
+def run_stage_local(cfg: MoltConfig) -> int:
+    """Run (or continue) `cfg`'s SFT or reward-model run on this machine; the process exit code."""
+    log = get_logger()
+    run = prepare_run(cfg)
+    log.info("run directory %s", run.path)
+    actor = actor_child(cfg, run)
+    gpus = visible_gpus()
+    if gpus:
+        mine = [] if cfg.actor.device == "cpu" else gpus[: cfg.actor.ranks]
+        actor.env.update(_gpu_env(mine))
+        log.info("GPUs: actor pool %s", mine or "none")
+    actor.start()
+    atomic_write(run.path / "processes.json", json.dumps({actor.name: actor.pid}))
+    progress = Progress(cfg, run)
+    interrupts = 0
+
+    def on_signal(signum, _frame):
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts == 1:
+            log.info("stopping: the trainer checkpoints at the next step boundary (Ctrl-C again to stop now)")
+            (run.path / "control" / "stop").touch()
+        else:
+            raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    resume = f"{COMMANDS[cfg.run.stage]} --resume {run.path}"
+    try:
+        while (code := actor.poll()) is None:
+            time.sleep(0.5)
+            progress.update()
+        progress.update()
+        if code == 0 and (run.path / "control" / "done").exists():
+            for line in stage_summary(run, cfg.run.stage):
+                print(line, flush=True)
+            from molt_hpc.plot import plot_run
+
+            print(f"plot: {plot_run(run.path)}", flush=True)
+            return 0
+        if code == 0 and interrupts:
+            log.info("stopped after a checkpoint; continue with: %s", resume)
+            return 0
+        return _died(actor, code, run)
+    except KeyboardInterrupt:
+        log.warning("stopped at once; resume from the last checkpoint with: %s", resume)
+        return 130
+    finally:
+        actor.stop()
+        progress.close()
+        for s, handler in old.items():
+            signal.signal(s, handler)
