@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 CONFIG  ?= configs/tiny_cpu.toml
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast test-gpu lint fmt golden bench bench-gpu clean venv
+.PHONY: demo rlhf-demo test test-fast test-gpu lint fmt golden bench bench-gpu clean venv
 
 venv: $(STAMP)
 
@@ -19,6 +19,14 @@ $(STAMP): pyproject.toml constraints.txt
 # The embedded default: the tiny offline model learns to reverse short strings on the CPU (~4 min).
 demo: $(STAMP)
 	$(BIN)/molt-hpc run $(CONFIG)
+
+# The seed's whole pipeline on the CPU: SFT -> reward model -> RL with the reward model in the loop; each
+# stage prints its number (held-out SFT loss, held-out pair accuracy, RL reward first -> last quarter).
+# Stages resume from runs/tiny-sft, runs/tiny-rm, runs/tiny-rlhf when they exist: delete them to start over.
+rlhf-demo: $(STAMP)
+	$(BIN)/molt-hpc sft configs/tiny_sft.toml
+	$(BIN)/molt-hpc rm train configs/tiny_rm.toml
+	$(BIN)/molt-hpc run configs/tiny_rlhf.toml
 
 test: $(STAMP)
 	$(BIN)/pytest -m "not gpu" $(PYTEST_ARGS)

@@ -68,3 +68,15 @@ def reward_summary(records: list[dict]) -> str:
         f"reward: first quarter {first:.3f} -> last quarter {last:.3f} "
         f"(best {best:.3f} at step {best_step}, {len(rewards)} steps)"
     )
+
+
+def reward_model_summary(run_dir) -> list[str]:
+    """With a reward model: its raw score and the env's reward over the rollout records, first → last quarter."""
+    records = read_metrics(Path(getattr(run_dir, "path", run_dir)) / "metrics.jsonl", source="rollout")
+    lines = []
+    for key, what in (("env_reward_mean", "env reward (task)"), ("rm_score_mean", "reward-model score")):
+        values = [r[key] for r in records if r.get(key) is not None]
+        if len(values) >= 4:
+            q = len(values) // 4
+            lines.append(f"{what}: first quarter {sum(values[:q]) / q:.3f} -> last quarter {sum(values[-q:]) / q:.3f}")
+    return lines

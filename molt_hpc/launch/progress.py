@@ -54,9 +54,11 @@ class Progress:
         return out
 
     def summary(self) -> None:
-        from molt_hpc.plot import plot_run, reward_summary
+        from molt_hpc.plot import plot_run, reward_model_summary, reward_summary
 
         print(reward_summary(self.records), flush=True)
+        for line in reward_model_summary(self.run):
+            print(line, flush=True)
         png = plot_run(self.run.path)
         print(f"plot: {png}", flush=True)
 

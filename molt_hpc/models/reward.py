@@ -40,6 +40,7 @@ def load_reward_model(path: str | Path, *, dtype: str = "float32", attn: str = "
             str(path), num_labels=1, dtype=getattr(torch, dtype), attn_implementation=attn, local_files_only=True
         )
     config = model.config
+    config.architectures = [type(model).__name__]  # what the saved config names (vLLM serves by it), not the base's
     config.problem_type = "regression"
     if config.pad_token_id is None:  # transformers refuses batches without one (our scores never read it)
         config.pad_token_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
