@@ -82,9 +82,16 @@ def rl_with_scorer_killed(runs, rm) -> tuple[Path, str]:
     """RL from the untrained model with the reward model as the only reward; its scorer is killed mid-run."""
     rm_dir, _ = rm
     run_dir = runs / "rm-only"
-    proc = launch("run", "configs/tiny_rlhf.toml", "--set", f"run.root={runs}", "--set", "run.name=rm-only",
-                  "--set", "model.path=builtin:tiny-char", "--set", f"reward_model.path={rm_dir}",
-                  "--set", "reward_model.combine=replace", "--set", "run.steps=30", "--set", "actor.lr=1e-3")  # fmt: skip
+    sets = [
+        f"run.root={runs}",
+        "run.name=rm-only",
+        "model.path=builtin:tiny-char",
+        f"reward_model.path={rm_dir}",
+        "reward_model.combine=replace",
+        "run.steps=30",
+        "actor.lr=1e-3",
+    ]
+    proc = launch("run", "configs/tiny_rlhf.toml", *(a for s in sets for a in ("--set", s)))
     wait_for_step(run_dir, 4, proc)
     os.kill(json.loads((run_dir / "rendezvous" / "scorer-0.json").read_text())["pid"], signal.SIGKILL)
     return run_dir, finish(proc)

@@ -42,13 +42,13 @@ def test_stage_configs_resolve() -> None:
 
 
 def test_cross_section_rules_of_the_stages() -> None:
-    with pytest.raises(ConfigError, match="reward_model.kind = 'vllm' runs on GPUs"):
+    with pytest.raises(ConfigError, match=r"reward_model.kind = 'vllm' runs on GPUs"):
         load_config(None, ["reward_model.path=x", "reward_model.kind=vllm", "reward_model.device=cpu"])
     with pytest.raises(ConfigError, match=r"below 2 × rm.max_tokens \(a pair's two sides share a row\) \(512\)"):
         load_config(None, ["run.stage=rm", "rm.data=x", "actor.max_tokens_per_micro_batch=300"])
     # the budget is checked against the stage's rows, not the RL trajectories' (rollout.max_total_tokens = 128)
-    assert load_config(None, ["run.stage=sft", "sft.data=x", "sft.max_tokens=96",
-                              "actor.max_tokens_per_micro_batch=100"]).actor.max_tokens_per_micro_batch == 100  # fmt: skip
+    fits = ["run.stage=sft", "sft.data=x", "sft.max_tokens=96", "actor.max_tokens_per_micro_batch=100"]
+    assert load_config(None, fits).actor.max_tokens_per_micro_batch == 100
 
 
 def test_a_run_directory_is_a_model_path(tmp_path) -> None:
