@@ -10,7 +10,8 @@
 - `reverse_prefs_train.jsonl` / `reverse_prefs_eval.jsonl`: preference pairs for `molt-hpc rm train`:
   the right reversal is chosen, a near miss rejected (the string unreversed, one letter changed, two
   neighbours swapped, a letter dropped or one added: the mistakes a policy learning the task makes).
-  Training pairs take one near miss per training string; evaluation pairs every kind per held-out string.
+  Every kind of near miss once per string (a tiny reward model only learns to compare the two orders
+  of the letters when it meets them side by side for the same prompt).
 
 Every row has a stable `id`. Re-running writes byte-identical files.
 """
@@ -126,7 +127,7 @@ def main(out_dir: Path) -> None:
     write_jsonl(out_dir / "reverse_sft_train.jsonl", sft_rows(train, "train"))
     write_jsonl(out_dir / "reverse_sft_eval.jsonl", sft_rows(evaluation, "eval"))
     prefs = random.Random(SEED + 2)
-    write_jsonl(out_dir / "reverse_prefs_train.jsonl", pref_rows(train, "train", prefs, every_kind=False))
+    write_jsonl(out_dir / "reverse_prefs_train.jsonl", pref_rows(train, "train", prefs, every_kind=True))
     write_jsonl(out_dir / "reverse_prefs_eval.jsonl", pref_rows(evaluation, "eval", prefs, every_kind=True))
 
 

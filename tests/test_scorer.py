@@ -53,7 +53,7 @@ def hf_scores(path, seqs) -> list[float]:
 def scorer(tmp_path_factory, tiny_model_dir):
     rm = build_reward_dir(tmp_path_factory.mktemp("rm"), tiny_model_dir)
     run = make_run(tmp_path_factory.mktemp("scoring"), "scoring", tiny_model_dir,
-                   f"reward_model.path={json.dumps(str(rm))}", "reward_model.max_model_len=64")  # fmt: skip
+                   f"reward_model.path={json.dumps(str(rm))}", "reward_model.max_model_len=128")  # fmt: skip
     p = wait_registered(run, spawn(run, "scorer"), "scorer-0")
     yield run, p, rm
     p.stop()
@@ -82,8 +82,8 @@ def test_classify_refuses_without_the_token_and_bad_input(scorer) -> None:
     assert asyncio.run(post(p.url, {"input": SEQS}, "wrong"))[0] == 401
     status, answer = asyncio.run(post(p.url, {"input": [[1, 2, 999]]}, run.token()))
     assert status == 400 and "outside the vocabulary" in answer["error"]
-    status, answer = asyncio.run(post(p.url, {"input": [[5] * 65]}, run.token()))
-    assert status == 400 and "reward_model.max_model_len = 64" in answer["error"]
+    status, answer = asyncio.run(post(p.url, {"input": [[5] * 129]}, run.token()))
+    assert status == 400 and "over the scorer's 128" in answer["error"]
     assert asyncio.run(post(p.url, {"text": "hi"}, run.token()))[0] == 400
 
 

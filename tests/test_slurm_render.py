@@ -26,7 +26,8 @@ from molt_hpc.launch.slurm_steps import actor_command, engine_command, procs_per
 from tests.conftest import ROOT, molt
 
 GOLDEN = ROOT / "tests" / "golden"
-CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
+# Slurm jobs run the RL loop: the SFT and reward-model configs (run.stage) have no job script.
+CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.toml") if load_config(p).run.stage == "rl")
 HEREDOC = re.compile(rf"<<'{HEREDOC_END}'\n(.*?)\n{HEREDOC_END}\n", re.S)
 
 

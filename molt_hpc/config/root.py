@@ -134,11 +134,22 @@ class MoltConfig(Section):
             command = "molt-hpc sft" if stage == "sft" else "molt-hpc rm train"
             raise ValueError(f"`{command}` needs a [{stage}] section with at least `data` (the training file)")
         rm = self.reward_model
+        if rm is not None and rm.max_model_len is not None and rm.max_model_len < self.rollout.max_total_tokens:
+            raise ValueError(
+                f"reward_model.max_model_len ({rm.max_model_len}) is below rollout.max_total_tokens "
+                f"({self.rollout.max_total_tokens}): the scorer must take whole rollouts; raise it or leave it unset"
+            )
         if rm is not None and rm.kind == "vllm" and rm.device == "cpu":
             raise ValueError(
                 "reward_model.kind = 'vllm' runs on GPUs but reward_model.device = 'cpu': set it to 'cuda' or "
                 "'auto', or use reward_model.kind = 'builtin'"
             )
+
+    @property
+    def scorer_max_len(self) -> int:
+        """Longest sequence a reward-model scorer accepts."""
+        rm = self.reward_model
+        return rm.max_model_len if rm is not None and rm.max_model_len else self.engines.max_model_len
 
     def _check_tiny_model(self) -> None:
         tiny = self.model.tiny

@@ -93,7 +93,7 @@ class RewardModelConfig(Section):
     """HTTP timeout of one scoring request; a scorer that does not answer in time is tried again."""
     gpu_memory_utilization: float = Field(0.2, gt=0.0, le=1.0)
     """Fraction of GPU memory a vLLM scorer may take."""
-    max_model_len: PositiveInt = 2048
-    """Longest sequence a vLLM scorer accepts."""
+    max_model_len: PositiveInt | None = None
+    """Longest sequence a scorer accepts; unset: `engines.max_model_len` (a rollout never exceeds it)."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments for a vLLM scorer's `vllm serve`."""

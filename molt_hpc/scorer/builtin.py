@@ -35,7 +35,7 @@ def parse_classify(body: Any, vocab_size: int, max_len: int) -> tuple[list[list[
         if not isinstance(s, list) or not s or not all(isinstance(t, int) and not isinstance(t, bool) for t in s):
             raise ValueError(f"input[{i}] must be a non-empty list of token ids")
         if len(s) > max_len:
-            raise ValueError(f"input[{i}] has {len(s)} tokens, over reward_model.max_model_len = {max_len}")
+            raise ValueError(f"input[{i}] has {len(s)} tokens, over the scorer's {max_len} (reward_model.max_model_len)")
         if min(s) < 0 or max(s) >= vocab_size:
             raise ValueError(f"input[{i}] has a token id outside the vocabulary (0..{vocab_size - 1})")
     return seqs, bool(body.get("use_activation") or False)
@@ -84,7 +84,7 @@ async def serve(cfg: MoltConfig, run: RunDir, index: int) -> None:
     path = resolve_reward_model(rm)
     device = pick_device(rm.device)
     model = load_reward_model(path, dtype=rm.dtype, device=device, attn=cfg.model.attn_implementation).eval()
-    app = build_app(model, run.token(), index, rm.max_batch, rm.max_model_len, rm.path)
+    app = build_app(model, run.token(), index, rm.max_batch, cfg.scorer_max_len, rm.path)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     sock = socket.create_server((cfg.engines.host, 0))  # port 0: the kernel picks a free one

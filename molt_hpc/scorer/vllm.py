@@ -32,7 +32,7 @@ def vllm_score_command(cfg: MoltConfig, model_dir: str | Path, port: int, index:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "reward-model"]
     cmd += ["--runner", "pooling", "--convert", "classify", "--dtype", rm.dtype, "--skip-tokenizer-init"]
-    cmd += ["--max-model-len", str(rm.max_model_len), "--gpu-memory-utilization", str(rm.gpu_memory_utilization)]
+    cmd += ["--max-model-len", str(cfg.scorer_max_len), "--gpu-memory-utilization", str(rm.gpu_memory_utilization)]
     cmd += ["--seed", str(cfg.run.seed * 1000 + 500 + index)]
     return cmd + list(rm.extra_args)
 
