@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from molt_hpc.config import load_config
 from molt_hpc.log import read_metrics
 from tests.conftest import BIN, ROOT
 from tests.test_e2e import ledger, wait_for_step
@@ -54,17 +55,20 @@ def sft(runs) -> tuple[Path, str]:
 
 
 @pytest.fixture(scope="module")
-def rm(runs) -> tuple[Path, str]:
-    out = finish(launch("rm", "train", "configs/tiny_rm.toml", "--set", f"run.root={runs}"))
+def rm(runs, sft) -> tuple[Path, str]:
+    """The shipped reward-model config, from the SFT model as it says."""
+    out = finish(launch("rm", "train", "configs/tiny_rm.toml", "--set", f"run.root={runs}",
+                        "--set", f"model.path={sft[0]}"))  # fmt: skip
     return runs / "tiny-rm", out
 
 
 def test_sft_lowers_the_held_out_loss(sft) -> None:
     run_dir, out = sft
+    n = load_config(ROOT / "configs" / "tiny_sft.toml").run.steps
     steps = [r["step"] for r in actor_records(run_dir)]
-    assert steps == list(range(61)), "every step once, across the stop and the resume (step 0: the first eval)"
+    assert steps == list(range(n + 1)), "every step once, across the stop and the resume (step 0: the first eval)"
     evals = [r for r in actor_records(run_dir) if "eval_loss" in r]
-    assert evals[0]["step"] == 0 and evals[-1]["step"] == 60
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == n
     # ln(104) = 4.64 for an untrained model's uniform guess; the demonstrations' replies are 3-5 tokens of 4 letters
     assert evals[-1]["eval_loss"] < 0.5 * evals[0]["eval_loss"], evals
     assert "sft: held-out loss" in out and "plot: " in out
