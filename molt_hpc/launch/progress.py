@@ -5,6 +5,7 @@ machine-readable record holds.
 """
 
 import json
+from typing import Any
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import interactive, step_line
@@ -14,8 +15,10 @@ from molt_hpc.rundir import RunDir
 class Progress:
     """Follows `metrics.jsonl` and renders new trainer steps."""
 
-    def __init__(self, cfg: MoltConfig, run: RunDir):
+    def __init__(self, cfg: MoltConfig, run: RunDir, trackers: Any = None):
         self.run = run
+        self.trackers = trackers
+        """`molt_hpc.trackers.Trackers` fed on every update (W&B, TensorBoard), or None."""
         self.records: list[dict] = []
         self._offset = 0
         mode = cfg.logging.progress
@@ -26,6 +29,8 @@ class Progress:
             self.bar = tqdm(total=cfg.run.steps, desc="steps", unit="step", dynamic_ncols=True)
 
     def update(self) -> None:
+        if self.trackers is not None:
+            self.trackers.update()
         for rec in self._new_records():
             if rec.get("source") != "actor" or "step" not in rec:
                 continue
