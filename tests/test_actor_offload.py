@@ -1,11 +1,12 @@
-"""`actor.offload` on 2 real gloo ranks: the same training as without offload.
+"""`actor.offload` on 2 real gloo ranks (and on one GPU): the same training as without offload.
 
 Each rank trains the tiny policy (with a KL reference) for 3 steps on the same sampled groups under
 `none`, `full` (FSDP2's CPU offload policy on the policy and the reference, fused AdamW on the host
 copies) and `optimizer`. On a CPU trainer `optimizer` installs nothing (the state is in host
-memory already), so the offloader is installed by hand here: its copies then go host to host, which
-still runs everything it does but the device transfer (the GPU test and `bench/gpu_offload.py`
-cover that).
+memory already), so the offloader is installed by hand there: its copies then go host to host, which
+still runs everything it does but the device transfer. The GPU test runs the trainer's own
+installation and checks where the state lives and what GPU memory it frees (`bench/gpu_offload.py`
+times it).
 """
 
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch.multiprocessing as mp
 STEPS = 3
 
 
-def _train(cfg, world, groups, offloader: bool) -> dict:
+def _train(cfg, world, groups) -> dict:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from molt_hpc.actor import build
@@ -29,68 +30,94 @@ def _train(cfg, world, groups, offloader: bool) -> dict:
     torch.manual_seed(0)
     policy = build.load_model(Path(cfg.model.path), cfg, world, "policy")
     opt = build.build_optimizer(policy, cfg.actor, cfg.actor.lr)
-    off = OptimizerOffload(opt, world.device) if offloader else None
+    by_hand = cfg.actor.offload == "optimizer" and world.device.type == "cpu"
+    off = OptimizerOffload(opt, world.device) if by_hand else None
     models = Models(policy=Trainable("policy", policy, opt, build.build_scheduler(opt, cfg.actor, STEPS)))
     models.reference = build.load_model(Path(cfg.model.path), cfg, world, "reference")
-    out = {
-        "loss": [],
-        "grad_norm": [],
-        "kl": [],
-        "initial": {n: p.full_tensor().detach() for n, p in policy.named_parameters()},
-    }
+    initial = {n: p.full_tensor().detach().cpu() for n, p in policy.named_parameters()}
+    out = {"loss": [], "grad_norm": [], "kl": [], "initial": initial}
     for step in range(STEPS):
         metrics = train_step(groups[step::STEPS], cfg, models, world, pad_id=0)
         for key in ("loss", "grad_norm", "kl"):
             out[key].append(metrics[key])
+        moments = [v._local_tensor for s in opt.state.values() for k, v in s.items() if k != "step"]
         if off is not None:  # between steps every moment is one of the offloader's host buffers
             held = {id(b) for b in off.host.values()}
-            moments = [v._local_tensor for s in opt.state.values() for k, v in s.items() if k != "step"]
             assert moments and all(id(m) in held for m in moments)
+        elif world.device.type == "cuda" and cfg.actor.offload != "none":  # on the host (pinned: copied each step)
+            assert moments and all(m.device.type == "cpu" for m in moments)
+            assert cfg.actor.offload == "full" or all(m.is_pinned() for m in moments)
+    out["device_bytes"] = torch.cuda.memory_allocated(world.device) if world.device.type == "cuda" else 0
+    out["trained_params"] = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     osd = get_optimizer_state_dict(policy, opt)
     out["exp_avg_sq"] = sum(float(s["exp_avg_sq"].full_tensor().sum()) for s in osd["state"].values())
-    out["params"] = {n: p.full_tensor().detach() for n, p in policy.named_parameters()}
+    out["params"] = {n: p.full_tensor().detach().cpu() for n, p in policy.named_parameters()}
     out["fused"] = bool(opt.defaults.get("fused"))
     return out
 
 
-def _rank(rank: int, store: str, model_dir: str, groups, out: str) -> None:
+def _rank(rank: int, size: int, device: str, store: str, model_dir: str, groups, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from molt_hpc.actor.world import World
     from molt_hpc.config import load_config
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    world = World(rank, 2, torch.device("cpu"), init_device_mesh("cpu", (2,)))
+    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=size)
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    world = World(rank, size, dev, init_device_mesh(device, (size,)))
     results = {}
     for mode in ["none", "full", "optimizer"]:
-        sets = [f"actor.offload='{mode}'", "actor.device='cpu'", "actor.micro_batch_size=2", "actor.lr=1e-2",
+        sets = [f"actor.offload='{mode}'", f"actor.device='{device}'", "actor.micro_batch_size=2", "actor.lr=1e-2",
                 "algorithm.kl_coef=0.1", "actor.groups_per_step=1", "rollout.n_samples=4"]  # fmt: skip
         cfg = load_config(None, [*sets, f"model.path='{model_dir}'"])
-        results[mode] = _train(cfg, world, groups, offloader=mode == "optimizer")
+        results[mode] = _train(cfg, world, groups)
+        if device == "cuda":
+            torch.cuda.empty_cache()
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
 
 
-@pytest.mark.timeout(300)
-def test_offload_modes_train_the_same(tiny_model_dir, tmp_path):
+def _run(tiny_model_dir, tmp_path, size: int, device: str) -> dict:
     from tests.test_actor_support import sample_groups
 
     groups = sample_groups(tiny_model_dir, STEPS, 4, seed=3)
     out = tmp_path / "results.pt"
-    mp.spawn(_rank, args=(str(tmp_path / "store"), str(tiny_model_dir), groups, str(out)), nprocs=2, join=True)
-    res = torch.load(out)
+    args = (size, device, str(tmp_path / "store"), str(tiny_model_dir), groups, str(out))
+    mp.spawn(_rank, args=args, nprocs=size, join=True)
+    return torch.load(out)
+
+
+def _same_training(res: dict) -> None:
     base = res["none"]
-    assert base["loss"][0] != 0 and base["grad_norm"][0] > 0 and max(base["kl"]) > 0  # it trained
     moved = max(float((p - base["initial"][n]).abs().max()) for n, p in base["params"].items())
-    assert moved > 1e-2, moved  # the updates are far larger than the tolerance below
-    assert not base["fused"] and res["full"]["fused"]  # on the host under full offload: the fused CPU kernel
+    assert base["loss"][0] != 0 and max(base["kl"]) > 0 and moved > 1e-2, moved  # it trained, far past the tolerance
     for mode in ["full", "optimizer"]:
         got = res[mode]
         for key in ["loss", "grad_norm", "kl"]:
             assert got[key] == pytest.approx(base[key], rel=1e-5, abs=1e-7), (mode, key)
         assert got["exp_avg_sq"] == pytest.approx(base["exp_avg_sq"], rel=1e-5)
         for name, p in base["params"].items():
-            # fused (full) and foreach (none) AdamW round differently: ~2e-6 after 3 steps of ~1e-2 each
+            # fused and foreach AdamW round differently: ~2e-6 after 3 steps of ~1e-2 each
             assert torch.allclose(got["params"][name], p, atol=2e-5, rtol=0), (mode, name)
+
+
+@pytest.mark.timeout(300)
+def test_offload_modes_train_the_same(tiny_model_dir, tmp_path):
+    res = _run(tiny_model_dir, tmp_path, 2, "cpu")
+    _same_training(res)
+    assert not res["none"]["fused"] and res["full"]["fused"]  # on the host under full offload: the fused CPU kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.timeout(300)
+def test_offload_modes_on_one_gpu_free_its_memory(tiny_model_dir, tmp_path):
+    res = _run(tiny_model_dir, tmp_path, 1, "cuda")
+    _same_training(res)
+    none, opt, full = res["none"]["device_bytes"], res["optimizer"]["device_bytes"], res["full"]["device_bytes"]
+    moments = 8 * res["none"]["trained_params"]  # fp32 exp_avg + exp_avg_sq
+    assert abs((none - opt) - moments) < 0.05 * moments, (none, opt, moments)
+    assert full < 0.2 * none, (full, none)  # parameters and state all on the host
