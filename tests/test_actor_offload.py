@@ -104,6 +104,7 @@ def _same_training(res: dict) -> None:
             assert torch.allclose(got["params"][name], p, atol=2e-5, rtol=0), (mode, name)
 
 
+@pytest.mark.slow  # 2 processes x 3 modes x 3 steps
 @pytest.mark.timeout(300)
 def test_offload_modes_train_the_same(tiny_model_dir, tmp_path):
     res = _run(tiny_model_dir, tmp_path, 2, "cpu")
