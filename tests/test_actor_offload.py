@@ -6,7 +6,7 @@ copies) and `optimizer`. On a CPU trainer `optimizer` installs nothing (the stat
 memory already), so the offloader is installed by hand there: its copies then go host to host, which
 still runs everything it does but the device transfer. The GPU test runs the trainer's own
 installation and checks where the state lives and what GPU memory it frees (`bench/gpu_offload.py`
-times it).
+times it). Every mode then checkpoints its state, wipes it, restores it and trains one more step.
 """
 
 from pathlib import Path
@@ -19,10 +19,15 @@ import torch.multiprocessing as mp
 STEPS = 3
 
 
-def _train(cfg, world, groups) -> dict:
+def _moment_sum(policy, opt) -> float:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from molt_hpc.actor import build
+    osd = get_optimizer_state_dict(policy, opt)
+    return sum(float(s["exp_avg_sq"].full_tensor().sum()) for s in osd["state"].values())
+
+
+def _train(cfg, world, groups, root: Path) -> dict:
+    from molt_hpc.actor import build, state
     from molt_hpc.actor.offload import OptimizerOffload
     from molt_hpc.actor.state import Trainable
     from molt_hpc.actor.step import Models, train_step
@@ -49,9 +54,18 @@ def _train(cfg, world, groups) -> dict:
             assert cfg.actor.offload == "full" or all(m.is_pinned() for m in moments)
     out["device_bytes"] = torch.cuda.memory_allocated(world.device) if world.device.type == "cuda" else 0
     out["trained_params"] = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    osd = get_optimizer_state_dict(policy, opt)
-    out["exp_avg_sq"] = sum(float(s["exp_avg_sq"].full_tensor().sum()) for s in osd["state"].values())
+    out["exp_avg_sq"] = _moment_sum(policy, opt)
     out["params"] = {n: p.full_tensor().detach().cpu() for n, p in policy.named_parameters()}
+    # a checkpoint of the (offloaded) state restores it: saved, wiped, restored, then one more step
+    ckpt = state.save(world, root / cfg.actor.offload, STEPS, [models.policy], {"version": STEPS},
+                      tokenizer_src=Path(cfg.model.path), shard_bytes=1 << 20, keep_last=1)  # fmt: skip
+    for s in opt.state.values():
+        for k, v in s.items():
+            if k != "step":
+                v._local_tensor.zero_()
+    state.restore(world, ckpt, [models.policy], seed=0)
+    out["restored_exp_avg_sq"] = _moment_sum(policy, opt)
+    out["after_restore_loss"] = train_step(groups[:1], cfg, models, world, pad_id=0)["loss"]
     out["fused"] = bool(opt.defaults.get("fused"))
     return out
 
@@ -72,7 +86,7 @@ def _rank(rank: int, size: int, device: str, store: str, model_dir: str, groups,
         sets = [f"actor.offload='{mode}'", f"actor.device='{device}'", "actor.micro_batch_size=2", "actor.lr=1e-2",
                 "algorithm.kl_coef=0.1", "actor.groups_per_step=1", "rollout.n_samples=4"]  # fmt: skip
         cfg = load_config(None, [*sets, f"model.path='{model_dir}'"])
-        results[mode] = _train(cfg, world, groups)
+        results[mode] = _train(cfg, world, groups, Path(out).parent / "ckpt")
         if device == "cuda":
             torch.cuda.empty_cache()
     if rank == 0:
@@ -99,9 +113,12 @@ def _same_training(res: dict) -> None:
         for key in ["loss", "grad_norm", "kl"]:
             assert got[key] == pytest.approx(base[key], rel=1e-5, abs=1e-7), (mode, key)
         assert got["exp_avg_sq"] == pytest.approx(base["exp_avg_sq"], rel=1e-5)
+        assert got["after_restore_loss"] == pytest.approx(base["after_restore_loss"], rel=1e-5, abs=1e-7)
         for name, p in base["params"].items():
             # fused and foreach AdamW round differently: ~2e-6 after 3 steps of ~1e-2 each
             assert torch.allclose(got["params"][name], p, atol=2e-5, rtol=0), (mode, name)
+    for got in res.values():  # the wiped moments came back from the checkpoint
+        assert got["restored_exp_avg_sq"] == got["exp_avg_sq"] > 0
 
 
 @pytest.mark.slow  # 2 processes x 3 modes x 3 steps

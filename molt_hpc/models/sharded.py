@@ -98,8 +98,12 @@ def head_init(seed: int, std: float) -> Callable[[str, tuple[int, ...]], torch.T
     `std`, biases zero), from a generator seeded by `seed` and the tensor's name."""
 
     def init(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name.endswith("bias"):
+        if name.endswith(".bias"):
             return torch.zeros(shape)
+        if not name.endswith(".weight") or len(shape) != 2:
+            raise ValueError(
+                f"the new head's tensor {name} {list(shape)} is not a linear layer's; cannot initialise it"
+            )
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         return torch.randn(shape, generator=gen) * std
 
@@ -178,7 +182,10 @@ def load_sharded(
                 if buf is not None:
                     module._buffers[name] = buf.to(buffer_device)
     rebuild_buffers(model)
-    init = head_init(seed, model.config.initializer_range) if critic else None
-    stats = load_local_shards(model, path, init_missing=init, missing_ok=("score.",))
+    init, head = None, ()
+    if critic:  # the value head: the token classifier's modules beside its backbone
+        init = head_init(seed, model.config.initializer_range)
+        head = tuple(f"{n}." for n, _ in model.named_children() if n != model.base_model_prefix)
+    stats = load_local_shards(model, path, init_missing=init, missing_ok=head)
     assert is_tied(model) == tied, "sharding or materialising untied the embeddings"
     return model, stats
