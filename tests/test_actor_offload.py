@@ -27,6 +27,8 @@ def _moment_sum(policy, opt) -> float:
 
 
 def _train(cfg, world, groups, root: Path) -> dict:
+    from safetensors.torch import load_file
+
     from molt_hpc.actor import build, state
     from molt_hpc.actor.offload import OptimizerOffload
     from molt_hpc.actor.state import Trainable
@@ -59,6 +61,10 @@ def _train(cfg, world, groups, root: Path) -> dict:
     # a checkpoint of the (offloaded) state restores it: saved, wiped, restored, then one more step
     ckpt = state.save(world, root / cfg.actor.offload, STEPS, [models.policy], {"version": STEPS},
                       tokenizer_src=Path(cfg.model.path), shard_bytes=1 << 20, keep_last=1)  # fmt: skip
+    saved = {}
+    for f in sorted((ckpt / "policy").glob("*.safetensors")):
+        saved.update(load_file(str(f)))
+    out["saved_params_equal"] = all(torch.equal(saved[n], p) for n, p in out["params"].items())
     for s in opt.state.values():
         for k, v in s.items():
             if k != "step":
@@ -117,8 +123,8 @@ def _same_training(res: dict) -> None:
         for name, p in base["params"].items():
             # fused and foreach AdamW round differently: ~2e-6 after 3 steps of ~1e-2 each
             assert torch.allclose(got["params"][name], p, atol=2e-5, rtol=0), (mode, name)
-    for got in res.values():  # the wiped moments came back from the checkpoint
-        assert got["restored_exp_avg_sq"] == got["exp_avg_sq"] > 0
+    for got in res.values():  # the checkpoint holds the trained weights; the wiped moments came back from it
+        assert got["saved_params_equal"] and got["restored_exp_avg_sq"] == got["exp_avg_sq"] > 0
 
 
 @pytest.mark.slow  # 2 processes x 3 modes x 3 steps
