@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from molt_hpc.actor.attention import DocumentAttention
 from molt_hpc.actor.offload import OptimizerOffload
 from molt_hpc.actor.parallelize import parallelize
 from molt_hpc.actor.world import World
@@ -50,9 +51,12 @@ def check_weights(path: Path) -> None:
         model_shapes(path)  # every header against its file size: a torn file is named before loading
 
 
-def load_model(path: Path, cfg: MoltConfig, world: World, role: Role) -> nn.Module:
+def load_model(
+    path: Path, cfg: MoltConfig, world: World, role: Role, documents: DocumentAttention | None = None
+) -> nn.Module:
     """The policy, the frozen reference or the critic (a one-label value head on the same backbone)
-    from the HF directory `path`, sharded over `world` (a collective: every rank calls it).
+    from the HF directory `path`, sharded over `world` (a collective: every rank calls it), with
+    document attention (packed rows, CP) where `documents` says so.
 
     A critic built from the policy's directory gets a new head initialised from `run.seed`, the
     same at any rank count; from a critic checkpoint the head is loaded.
@@ -68,7 +72,7 @@ def load_model(path: Path, cfg: MoltConfig, world: World, role: Role) -> nn.Modu
         model.requires_grad_(trainable)
         if role == "policy" and act.freeze_router:
             freeze_router(model)
-        parallelize(model, world.mesh, act, compute_dtype=compute)
+        parallelize(model, world.mesh, act, compute_dtype=compute, documents=documents)
 
     t0 = time.perf_counter()
     model, stats = load_sharded(

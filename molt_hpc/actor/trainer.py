@@ -19,12 +19,14 @@ from molt_hpc.actor import build, state
 from molt_hpc.actor.control import Control, Requests
 from molt_hpc.actor.feed import Feed, staleness_histogram
 from molt_hpc.actor.memory import StepMemory
+from molt_hpc.actor.packing import sequence_layout
 from molt_hpc.actor.step import Models, train_step
 from molt_hpc.actor.sync import EngineSync
 from molt_hpc.actor.world import World, init_world, share
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import MetricsWriter, get_logger, setup_logging, step_line
 from molt_hpc.models import resolve_model
+from molt_hpc.models.sharded import meta_model
 from molt_hpc.rundir import RunDir
 
 
@@ -108,12 +110,20 @@ class Trainer:
         cfg, world = self.cfg, self.world
         if cfg.actor.offload == "optimizer" and world.device.type == "cpu":
             self.log.info("actor.offload = 'optimizer' on a CPU trainer: the optimizer state is in host memory already")
-        policy = build.load_model(ckpt / "policy" if ckpt else self.base, cfg, world, "policy")
-        models = Models(policy=self._trainable("policy", policy, cfg.actor.lr))
+        src = ckpt / "policy" if ckpt else self.base
+        # how rows run (packing, CP) follows from the model's config and modules: read on the meta device
+        docs, pack_tokens = sequence_layout(cfg, world, meta_model(src, critic=False, dtype=torch.float32,
+                                                                   attn=cfg.model.attn_implementation))  # fmt: skip
+        self.log.info(
+            "micro-batches: %s; context parallel %d", f"packed, {pack_tokens} tokens" if pack_tokens else
+            f"{cfg.actor.micro_batch_size} padded rows", cfg.actor.cp,
+        )  # fmt: skip
+        policy = build.load_model(src, cfg, world, "policy", documents=docs)
+        models = Models(policy=self._trainable("policy", policy, cfg.actor.lr), pack_tokens=pack_tokens)
         if cfg.algorithm.uses_reference:
-            models.reference = build.load_model(self.base, cfg, world, "reference")
+            models.reference = build.load_model(self.base, cfg, world, "reference", documents=docs)
         if cfg.algorithm.uses_critic:
-            critic = build.load_model(ckpt / "critic" if ckpt else self.base, cfg, world, "critic")
+            critic = build.load_model(ckpt / "critic" if ckpt else self.base, cfg, world, "critic", documents=docs)
             models.critic = self._trainable("critic", critic, cfg.actor.critic_lr)
         return models
 
