@@ -94,7 +94,9 @@ def main() -> int:
         results = {mode: bench_mode(mode, path, world, args) for mode in MODES}
     base = results["none"]["step_s"]
     for mode, r in results.items():
-        gpu = f"GPU peak {r.get('mem_peak_allocated_gb', 0):.1f} GB, held between steps {r['held_gb']:.1f} GB, "
+        gpu = ""
+        if "mem_peak_allocated_gb" in r:  # a GPU run (the dry run has no GPU allocator to report)
+            gpu = f"GPU peak {r['mem_peak_allocated_gb']:.1f} GB, held between steps {r['held_gb']:.1f} GB, "
         note = gpu + f"host peak RSS {r.get('mem_peak_host_rss_gb', 0):.1f} GB, load {r['load_s']:.1f} s"
         write_row(args.out, bench="offload", case=f"{args.shape}, {args.rows}x{args.seq} tokens, offload={mode}",
                   value=r["step_s"], unit="s/step", baseline=base, ratio=r["step_s"] / base,
