@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from molt_hpc.actor import build
 from molt_hpc.actor.attention import attention_setup
 from molt_hpc.actor.packing import rank_micro_batches
 from molt_hpc.actor.step import Meter
@@ -25,7 +24,7 @@ from molt_hpc.algorithm import Experience
 from molt_hpc.algorithm.supervised import bradley_terry, pair_accuracy
 from molt_hpc.config import MoltConfig
 from molt_hpc.datasets import Pair, PreferenceDataset, ReplyMarkers
-from molt_hpc.models.reward import MEAN_KEY, STD_KEY, load_reward_model, token_scores
+from molt_hpc.models.reward import MEAN_KEY, STD_KEY, token_scores
 
 
 def pair_experience(pairs: list[Pair], pad_id: int) -> Experience:
@@ -83,13 +82,6 @@ class RewardStage:
         self.train_data: PreferenceDataset | None = None
         self.eval_data: PreferenceDataset | None = None
         self.pad_id = 0
-
-    def load(self, path: Path) -> nn.Module:
-        build._check_weights(path)
-        model = load_reward_model(path, attn=self.cfg.model.attn_implementation, seed=self.cfg.run.seed)
-        build.disable_dropout(model)
-        self.pad_id = model.config.pad_token_id or 0
-        return model.train()
 
     def expected_shapes(self, base: Path) -> dict[str, tuple[int, ...]]:
         from transformers import AutoConfig, AutoModelForSequenceClassification

@@ -50,11 +50,6 @@ class SftStage:
         self.eval_data: SftDataset | None = None
         self.pad_id = 0
 
-    def load(self, path: Path) -> nn.Module:
-        model = build.load_causal_lm(path, self.cfg.model.attn_implementation, trainable=True)
-        self.pad_id = model.config.pad_token_id or 0
-        return model
-
     def expected_shapes(self, base: Path) -> dict[str, tuple[int, ...]]:
         return build.expected_shapes(base)
 

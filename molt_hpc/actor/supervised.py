@@ -27,7 +27,6 @@ from torch import nn
 from molt_hpc.actor import build, state
 from molt_hpc.actor.control import Control, Requests
 from molt_hpc.actor.packing import sequence_layout
-from molt_hpc.actor.parallelize import parallelize
 from molt_hpc.actor.step import Meter, optimizer_step
 from molt_hpc.actor.trainer import _shared, latest_to_resume
 from molt_hpc.actor.world import World, init_world
@@ -37,6 +36,7 @@ from molt_hpc.config.stages import SupervisedData
 from molt_hpc.datasets import StepOrder
 from molt_hpc.log import MetricsWriter, get_logger, setup_logging, step_line
 from molt_hpc.models import load_tokenizer, resolve_model
+from molt_hpc.models.sharded import meta_model
 from molt_hpc.rundir import RunDir
 
 
@@ -44,7 +44,7 @@ class Stage(Protocol):
     """What a supervised stage adds to the trainer."""
 
     part: str
-    """Name of the trained model in checkpoints (`policy`, `reward`)."""
+    """The trained model's kind (`build.load_model`'s role) and its name in checkpoints: `policy`, `reward`."""
     section: SupervisedData
     row_tokens: int
     """Tokens of the longest row a micro-batch may have to hold (a packed micro-batch's default budget unit)."""
@@ -52,8 +52,8 @@ class Stage(Protocol):
     """The record's name of the training loss (`sft_loss`, `rm_loss`)."""
     pack_tokens: int | None
     """Tokens of one packed micro-batch, None for padded rows (set by the trainer)."""
-
-    def load(self, path: Path) -> nn.Module: ...
+    pad_id: int
+    """The model's pad token id (set by the trainer)."""
 
     def expected_shapes(self, base: Path) -> dict[str, tuple[int, ...]]: ...
 
@@ -100,14 +100,17 @@ class StageTrainer:
         return latest
 
     def _build(self, path: Path) -> state.Trainable:
-        cfg, act, world = self.cfg, self.cfg.actor, self.world
-        model = self.stage.load(path)
-        docs, pack = sequence_layout(cfg, world, model)
+        cfg, act, world, stage = self.cfg, self.cfg.actor, self.world, self.stage
+        # how rows run (packing, CP) follows from the model's config and modules: read on the meta device
+        meta = meta_model(path, critic=False, reward=stage.part == "reward", dtype=torch.float32,
+                          attn=cfg.model.attn_implementation)  # fmt: skip
+        docs, pack = sequence_layout(cfg, world, meta)
         if pack is not None:  # the stage's rows, not the rollouts', set a packed micro-batch's default size
-            pack = act.max_tokens_per_micro_batch or act.micro_batch_size * self.stage.row_tokens
-        self.stage.pack_tokens = pack
+            pack = act.max_tokens_per_micro_batch or act.micro_batch_size * stage.row_tokens
+        stage.pack_tokens = pack
         self.log.info("micro-batches: %s", f"packed, {pack} tokens" if pack else f"{act.micro_batch_size} padded rows")
-        parallelize(model, world.mesh, act, compute_dtype=getattr(torch, cfg.model.dtype), documents=docs)
+        model = build.load_model(path, cfg, world, stage.part, documents=docs)  # type: ignore[arg-type]
+        stage.pad_id = model.config.pad_token_id or 0
         opt = build.build_optimizer(model, act, act.lr)
         return state.Trainable(self.stage.part, model, opt, build.build_scheduler(opt, act, cfg.run.steps))
 

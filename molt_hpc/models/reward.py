@@ -39,12 +39,18 @@ def load_reward_model(path: str | Path, *, dtype: str = "float32", attn: str = "
         model = AutoModelForSequenceClassification.from_pretrained(
             str(path), num_labels=1, dtype=getattr(torch, dtype), attn_implementation=attn, local_files_only=True
         )
+    return reward_config(model).to(device)
+
+
+def reward_config(model):
+    """Make `model`'s config a reward model's (before any wrapping renames its class): its own
+    architecture (vLLM serves by it, not by the base's), no activation on the score, a pad token."""
     config = model.config
-    config.architectures = [type(model).__name__]  # what the saved config names (vLLM serves by it), not the base's
+    config.architectures = [type(model).__name__]
     config.problem_type = "regression"
     if config.pad_token_id is None:  # transformers refuses batches without one (our scores never read it)
         config.pad_token_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
-    return model.to(device)
+    return model
 
 
 def token_scores(model, **inputs):

@@ -35,7 +35,8 @@ def parse_classify(body: Any, vocab_size: int, max_len: int) -> tuple[list[list[
         if not isinstance(s, list) or not s or not all(isinstance(t, int) and not isinstance(t, bool) for t in s):
             raise ValueError(f"input[{i}] must be a non-empty list of token ids")
         if len(s) > max_len:
-            raise ValueError(f"input[{i}] has {len(s)} tokens, over the scorer's {max_len} (reward_model.max_model_len)")
+            limit = f"the scorer's {max_len} (reward_model.max_model_len)"
+            raise ValueError(f"input[{i}] has {len(s)} tokens, over {limit}")
         if min(s) < 0 or max(s) >= vocab_size:
             raise ValueError(f"input[{i}] has a token id outside the vocabulary (0..{vocab_size - 1})")
     return seqs, bool(body.get("use_activation") or False)
