@@ -28,7 +28,7 @@ from tests.test_engine_procs import arun, get_json, make_run, spawn, wait_regist
 
 PROMPT = [7, 30, 31, 32, 33, 12]
 SESSIONS = [f"rollout-{i}" for i in range(16)]
-REFIT = RefitConfig(bucket_mb=1, host="127.0.0.1")
+REFIT = RefitConfig(bucket_mb=1, host="127.0.0.1", backend="gloo")  # the group (test_refit_ipc.py: shared memory)
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +225,7 @@ from molt_hpc.config.infra import RefitConfig
 from molt_hpc.refit import RefitSender
 run, model_dir, token, *urls = sys.argv[1:]
 weights = load_file(model_dir + "/model.safetensors")
-sender = RefitSender(run, RefitConfig(bucket_mb=1, host="127.0.0.1"), token)
+sender = RefitSender(run, RefitConfig(bucket_mb=1, host="127.0.0.1", backend="gloo"), token)
 sender.connect(urls)
 print("pushing", flush=True)
 for version in range(100, 100000):

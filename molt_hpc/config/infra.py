@@ -66,10 +66,14 @@ class RefitConfig(Section):
     """Refit the engines every this many training steps."""
     bucket_mb: PositiveInt = 256
     """Size of one flat broadcast bucket, in MiB."""
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Communicator of the refit group: NCCL between GPUs, gloo on CPU; `auto` follows the devices."""
+    backend: Literal["auto", "gloo", "nccl", "ipc"] = "auto"
+    """How weights reach the engines. `auto`: CUDA IPC to an engine on trainer rank 0's own GPU (NCCL
+    refuses two ranks on one GPU), /dev/shm to one on its host when the trainer is on the CPU (if
+    /dev/shm has room), else a broadcast group: NCCL from a GPU, gloo from the CPU. `ipc`: shared
+    memory to every engine (an engine elsewhere is an error); `gloo` / `nccl`: that group for all."""
     timeout_s: PositiveFloat = 600.0
-    """Rendezvous and transfer timeout."""
+    """Rendezvous and transfer timeout; also how long refits may keep failing (an engine restarting,
+    unreachable, refusing the weights) before the run stops with the cause."""
     host: str = "auto"
     """Address the engines use to reach trainer rank 0's TCPStore; `auto`: this node's hostname
     (127.0.0.1 when the hostname does not resolve)."""

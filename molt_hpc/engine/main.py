@@ -57,6 +57,7 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
     from molt_hpc.engine.slots import ATTENTION, SlotRunner
     from molt_hpc.engine.weights import WeightSync
     from molt_hpc.models import load_causal_lm, resolve_model
+    from molt_hpc.refit.ipc import place
 
     if cfg.engines.kind != "builtin":
         raise ValueError(f"engines.kind = {cfg.engines.kind!r}: this process runs the builtin engine only")
@@ -88,7 +89,9 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
         max_model_len=eng.max_model_len,
         seed=cfg.run.seed * 1000 + index,
     )
-    state = EngineState(sched, model.config.vocab_size, eng.max_model_len, str(cfg.model.path), index)
+    state = EngineState(
+        sched, model.config.vocab_size, eng.max_model_len, str(cfg.model.path), index, place(torch.device(device))
+    )
     app = build_app(state, run.token())
     sync = WeightSync(state, model)
     sync.add_routes(app)

@@ -8,7 +8,7 @@ that disconnects cancels its request (the row leaves the batch at the next step 
 import asyncio
 import itertools
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +31,8 @@ class EngineState:
     max_model_len: int
     model_name: str
     index: int = 0
+    place: dict[str, Any] = field(default_factory=dict)
+    """Where the weights live (`refit.ipc.place`): `/health` tells the trainer, which picks the refit transport."""
 
 
 def logprob_content(row: Row) -> list[dict[str, Any]]:
@@ -81,7 +83,7 @@ def build_app(state: EngineState, token: str) -> web.Application:
         )
 
     async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "index": state.index, **sched.status()})
+        return web.json_response({"status": "ok", "index": state.index, **state.place, **sched.status()})
 
     async def pause(request: web.Request) -> web.Response:
         body = await read_json(request)

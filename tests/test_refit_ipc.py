@@ -1,0 +1,152 @@
+"""Refit over shared memory between real processes: two engine processes on this host, a sender here.
+
+On the CPU the shared slots are /dev/shm files; on a GPU (`test_onegpu_gpu.py`) they are CUDA IPC
+handles, through the same protocol and code. The model's MLP weights (1.2 MB each) are larger than
+a bucket (1 MiB), so the first push grows the slots once. After every push each engine's logits
+equal the sender's exactly.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from molt_hpc.config.infra import RefitConfig
+from molt_hpc.config.model import TinyModelConfig
+from molt_hpc.models import build_tiny, load_causal_lm
+from molt_hpc.refit import RefitSender
+from molt_hpc.refit.calls import EngineCalls
+from molt_hpc.refit.ipc import SHM_DIR, choose_transports
+from tests.test_engine_pool import _all_logprobs, max_diff, perturbed, sender_logprobs
+from tests.test_engine_procs import arun, make_run, start_engines
+
+pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm")
+AUTO = RefitConfig(bucket_mb=1, host="127.0.0.1")
+
+
+def refit_files() -> set[str]:
+    return {p.name for p in SHM_DIR.glob("molt-refit-*")}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ipc")
+    model_dir = build_tiny(root / "model", TinyModelConfig(intermediate_size=2304))
+    run = make_run(root, "ipc", model_dir)
+    engines = start_engines(run, [0, 1])
+    yield run, model_dir, engines
+    for p in engines:
+        p.stop()
+
+
+def exact(engines, token: str, model, version: int) -> None:
+    want = sender_logprobs(model)
+    for logprobs, served in arun(_all_logprobs(engines, token)):
+        assert served == version and max_diff(logprobs, want) == 0
+
+
+def test_engines_on_this_host_take_the_weights_from_shared_slots(shared) -> None:
+    run, model_dir, engines = shared
+    urls, token = [p.url for p in engines], run.token()
+    before = refit_files()
+    sender = RefitSender(run.path, AUTO, token)
+    sender.connect(urls)
+    assert sender.transports == dict.fromkeys(urls, "ipc")
+    assert not (run.rendezvous / "refit_store.json").exists(), "no broadcast group, no TCPStore"
+    assert refit_files() == before, "the slot files are unlinked once every engine mapped them"
+
+    old, new, newer = load_causal_lm(model_dir), perturbed(model_dir, seed=1), perturbed(model_dir, seed=2)
+    stats = sender.push(new.named_parameters(), version=5)
+    assert stats.buckets >= 7 and stats.engines == 2
+    exact(engines, token, new, 5)
+    assert max_diff(sender_logprobs(old), sender_logprobs(new)) > 1e-3, "the push must change the outputs"
+    sender.push(newer.named_parameters(), version=6)
+    exact(engines, token, newer, 6)
+    for p in engines:  # shared at connect, and once more when the 1.2 MB tensors outgrew the 1 MiB slots
+        assert p.log.read_text().count("mapped the trainer's 2 refit slots") == 2
+
+    with pytest.raises(RuntimeError, match="does not have"):  # refused before any bucket is taken
+        sender.push([("model.not_a_layer.weight", torch.zeros(3))], version=7)
+    with pytest.raises(ValueError, match="connect"):
+        sender.push(old.named_parameters(), version=7)  # a failed push drops the slots
+    sender.connect(urls)
+    sender.push(old.named_parameters(), version=7)
+    exact(engines, token, old, 7)
+    sender.close()
+    assert refit_files() == before
+
+
+def test_one_push_reaches_shared_memory_engines_and_a_group_together(shared, monkeypatch) -> None:
+    """An engine that does not say where it runs (an older engine) gets the broadcast group; the other
+    keeps shared memory. Each bucket is packed once, into a slot, and goes both ways from there."""
+    run, model_dir, engines = shared
+    urls, token = [p.url for p in engines], run.token()
+    real = EngineCalls.places
+    monkeypatch.setattr(EngineCalls, "places", lambda self, u: [real(self, u)[0], None])
+    sender = RefitSender(run.path, AUTO, token)
+    sender.connect(urls)
+    assert sender.transports == {urls[0]: "ipc", urls[1]: "gloo"}
+    model = perturbed(model_dir, seed=3)
+    sender.push(model.named_parameters(), version=8)
+    exact(engines, token, model, 8)
+    sender.close()
+
+
+def test_transport_choice_refuses_what_cannot_work() -> None:
+    gpu = {"host_id": "a", "device_uuids": ["GPU-1"]}
+    other_gpu = {"host_id": "a", "device_uuids": ["GPU-2"]}
+    urls = ["http://e0", "http://e1"]
+    assert choose_transports("auto", "nccl", gpu, [gpu, other_gpu], urls, 1 << 20) == ["ipc", "nccl"]
+    assert choose_transports("auto", "nccl", gpu, [None, other_gpu], urls, 1 << 20) == ["nccl", "nccl"]
+    with pytest.raises(ValueError, match=r"NCCL refuses two ranks on one GPU.*refit\.backend = 'auto'"):
+        choose_transports("nccl", "nccl", gpu, [gpu, other_gpu], urls, 1 << 20)
+    with pytest.raises(ValueError, match="http://e1 is not on this trainer's GPU GPU-1"):
+        choose_transports("ipc", "nccl", gpu, [gpu, other_gpu], urls, 1 << 20)
+    cpu, elsewhere = {"host_id": "a", "device_uuids": []}, {"host_id": "b", "device_uuids": []}
+    assert choose_transports("auto", "gloo", cpu, [cpu, elsewhere], urls, 1 << 20) == ["ipc", "gloo"]
+    assert choose_transports("gloo", "gloo", cpu, [cpu, cpu], urls, 1 << 20) == ["gloo", "gloo"]
+    huge = 1 << 50  # more than any /dev/shm: auto falls back to the group, ipc still tries (and says why)
+    assert choose_transports("auto", "gloo", cpu, [cpu, cpu], urls, huge) == ["gloo", "gloo"]
+    assert choose_transports("ipc", "gloo", cpu, [cpu, cpu], urls, huge) == ["ipc", "ipc"]
+
+
+# A trainer stand-in that refits in a loop over shared memory (safetensors read directly).
+SENDER_LOOP = """
+import sys
+from safetensors.torch import load_file
+from molt_hpc.config.infra import RefitConfig
+from molt_hpc.refit import RefitSender
+run, model_dir, token, *urls = sys.argv[1:]
+weights = load_file(model_dir + "/model.safetensors")
+sender = RefitSender(run, RefitConfig(bucket_mb=1, host="127.0.0.1"), token)
+sender.connect(urls)
+assert set(sender.transports.values()) == {"ipc"}, sender.transports
+print("pushing", flush=True)
+for version in range(100, 100000):
+    weights["model.norm.weight"] += 0.01
+    sender.push(weights.items(), version)
+"""
+
+
+def test_a_sender_killed_mid_refit_leaves_no_torn_weights(shared) -> None:
+    """A killed trainer leaves its engines waiting on slots nobody fills: they notice (its lock on the
+    control file is gone) and a new sender's push brings both to exactly its weights."""
+    run, model_dir, engines = shared
+    urls, token = [p.url for p in engines], run.token()
+    cmd = [sys.executable, "-c", SENDER_LOOP, str(run.path), str(model_dir), token, *urls]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.stdout.readline().strip() == "pushing"
+    time.sleep(0.5)  # let it get into a push; wherever the kill lands, the next push must be whole
+    proc.kill()
+    proc.wait()
+    newest = perturbed(model_dir, seed=4)
+    sender = RefitSender(run.path, AUTO, token)
+    sender.connect(urls)
+    t0 = time.monotonic()
+    sender.push(newest.named_parameters(), version=9)
+    assert time.monotonic() - t0 < 30, "the engines did not wait out a timeout for the dead sender"
+    exact(engines, token, newest, 9)
+    sender.close()
