@@ -19,7 +19,7 @@ from molt_hpc.config.model import TinyModelConfig
 from molt_hpc.models import build_tiny, load_causal_lm
 from molt_hpc.refit import RefitSender
 from molt_hpc.refit.calls import EngineCalls
-from molt_hpc.refit.ipc import SHM_DIR, choose_transports
+from molt_hpc.refit.handles import SHM_DIR, choose_transports
 from tests.test_engine_pool import _all_logprobs, max_diff, perturbed, sender_logprobs
 from tests.test_engine_procs import arun, make_run, start_engines
 

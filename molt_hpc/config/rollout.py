@@ -62,7 +62,10 @@ class EnginesConfig(Section):
     tensor_parallel: PositiveInt = 1
     """GPUs per engine (vLLM tensor parallelism)."""
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
-    """Fraction of GPU memory a vLLM engine may take."""
+    """Fraction of its GPU's memory one engine may take, whatever its kind: vLLM reserves it at start
+    (weights, activations, KV cache); the built-in engine's allocator is capped at it, and its weights
+    plus its preallocated KV cache (`max_batch` × `max_model_len`) must fit under it. Where the pools
+    share a GPU, the trainer keeps the rest."""
     enforce_eager: bool = False
     """Disable CUDA graphs (a train/inference consistency guard; slower decode)."""
     prefix_caching: bool = True

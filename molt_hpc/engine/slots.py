@@ -42,14 +42,47 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return out.reshape(b, heads, 1, d).transpose(1, 2), None
 
 
+def kv_shape(config, slots: int, capacity: int) -> tuple[int, int, int]:
+    """Shape of one layer's K (or V) in a slot cache of `slots` rows of `capacity` tokens."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return slots * capacity, kv_heads, head_dim
+
+
+def slot_cache_bytes(config, slots: int, capacity: int, dtype: torch.dtype) -> int:
+    """Bytes a `SlotCache` of this shape allocates (K and V of every layer)."""
+    rows, kv_heads, head_dim = kv_shape(config, slots, capacity)
+    return 2 * config.num_hidden_layers * rows * kv_heads * head_dim * dtype.itemsize
+
+
+def bound_gpu_memory(device: torch.device, fraction: float) -> None:
+    """Cap what this process's allocator may take of the GPU (`engines.gpu_memory_utilization`), so an
+    engine sharing the trainer's GPU leaves it the rest: beyond the cap an allocation fails here."""
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+
+
+def check_slot_cache_fits(config, device: torch.device, slots: int, capacity: int, dtype, fraction: float) -> None:
+    """A `ValueError` naming the knobs when the weights already loaded plus a slot cache of `slots` ×
+    `capacity` tokens would pass `fraction` of the GPU."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    weights = torch.cuda.memory_allocated(device)
+    cache = slot_cache_bytes(config, slots, capacity, dtype)
+    if weights + cache > fraction * total:
+        gib = 2**30
+        raise ValueError(
+            f"the engine needs {(weights + cache) / gib:.1f} GiB of GPU memory (weights {weights / gib:.1f} GiB, KV "
+            f"cache for engines.max_batch = {slots} x engines.max_model_len = {capacity}: {cache / gib:.1f} GiB) but "
+            f"engines.gpu_memory_utilization = {fraction} allows {fraction * total / gib:.1f} GiB of "
+            f"{total / gib:.0f} GiB: lower max_batch or max_model_len, or raise gpu_memory_utilization"
+        )
+
+
 class SlotCache:
     """K/V of every running row in fixed slots, plus the write indices of the step in flight."""
 
     def __init__(self, config, slots: int, capacity: int, dtype: torch.dtype, device: torch.device):
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        shape = (slots * capacity, kv_heads, head_dim)
+        shape = kv_shape(config, slots, capacity)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.slots, self.capacity, self.dtype = slots, capacity, dtype

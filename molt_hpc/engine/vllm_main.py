@@ -36,6 +36,9 @@ from molt_hpc.rundir import RunDir
 TESTED_VLLM = "0.26.0"
 FIX = "pip install 'molt-hpc[gpu]' (vllm==0.26.0, which pins torch 2.11), or set engines.kind = 'builtin'"
 STOP_GRACE_S = 20.0
+WORKER_EXTENSION = "molt_hpc.engine.vllm_ipc.MoltWorkerExtension"
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+"""Where `molt_hpc` is imported from here: vLLM's workers import the extension from there too."""
 PR_SET_PDEATHSIG = 1
 
 
@@ -92,6 +95,8 @@ def vllm_command(cfg: MoltConfig, model_dir: str | Path, port: int, index: int) 
     # parameters, not the model's generation_config defaults; refit over NCCL through the dev routes.
     cmd += ["--logprobs-mode", eng.logprobs_mode, "--skip-tokenizer-init", "--generation-config", "vllm"]
     cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    # The shared-memory refit to an engine on the trainer's GPU, reached through /collective_rpc.
+    cmd += ["--worker-extension-cls", WORKER_EXTENSION]
     return cmd + list(eng.extra_args)
 
 
@@ -99,6 +104,8 @@ def vllm_env(token: str) -> dict[str, str]:
     """vLLM's environment: ours, plus the API key, the dev routes (pause, weight transfer), no NVLink multicast."""
     env = {**os.environ, "VLLM_API_KEY": token, "VLLM_SERVER_DEV_MODE": "1", "NCCL_NVLS_ENABLE": "0"}
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # its sampler needs flashinfer, not a vLLM dependency
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT, *[p for p in path if p != PACKAGE_ROOT]])
     return env
 
 
@@ -153,6 +160,21 @@ async def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: f
     return False
 
 
+async def worker_place(front) -> dict:
+    """Where vLLM's workers run (our extension's `molt_place`, one answer per worker); {} when it cannot
+    say, and then the trainer refits this engine over NCCL."""
+    from molt_hpc.engine.vllm_front import call_upstream, upstream_message
+
+    status, raw, _ = await call_upstream(front, "POST", "/collective_rpc", "application/json",
+                                         data=json.dumps({"method": "molt_place", "timeout": 60}).encode())  # fmt: skip
+    try:
+        places = json.loads(raw)["results"] if status == 200 else None
+        return {"host_id": places[0]["host_id"], "device_uuids": [u for p in places for u in p["device_uuids"]]}
+    except (ValueError, KeyError, IndexError, TypeError):
+        get_logger().warning("vLLM's workers did not say where they run (HTTP %s: %s)", status, upstream_message(raw))
+        return {}
+
+
 async def serve_front(
     cfg: MoltConfig, run: RunDir, index: int, proc: subprocess.Popen, upstream: str, stop: asyncio.Event
 ) -> int:
@@ -165,6 +187,7 @@ async def serve_front(
     front = Front(upstream, run.token(), index)
     runner = web.AppRunner(build_front(front), handler_cancellation=True, access_log=None)
     await runner.setup()
+    front.place = await worker_place(front)
     sock = socket.create_server((cfg.engines.host, 0))  # port 0: the kernel picks a free one
     await web.SockSite(runner, sock).start()
     url = public_url(cfg.engines.host, sock.getsockname()[1])

@@ -5,6 +5,10 @@ and the engine pool (`jobs/engine.py --role pool`: engines, router, orchestrator
 supervises them: training done → stop the pool, exit 0; any child dies → stop the other, say which
 died with the tail of its log, exit 1; Ctrl-C / SIGTERM → ask the trainer to checkpoint at the next
 step boundary (`control/stop`), wait for it, stop the pool. A second Ctrl-C stops at once.
+
+With fewer GPUs than the pools ask for, both pools share them (one GPU: the trainer and the engine on
+it; the refit then goes through CUDA IPC). vLLM sizes its KV cache from the memory it finds free at
+start, so when vLLM engines share the trainer's GPU the trainer starts only once they registered.
 """
 
 import contextlib
@@ -80,13 +84,14 @@ def run_local(cfg: MoltConfig) -> int:
     pool = Child("engine pool", job_command("engine.py", str(run.path), "--role", "pool"), run.logs / "pool.log")
     actor = actor_child(cfg, run)
     gpus = visible_gpus()
+    vllm_first = False
     if gpus:
         actor_gpus, pool_gpus = split_gpus(cfg, gpus)
         actor.env.update(_gpu_env(actor_gpus))
         pool.env.update(_gpu_env(pool_gpus))
         log.info("GPUs: actor pool %s, engine pool %s", actor_gpus or "none", pool_gpus or "none")
-    children = [pool.start(), actor.start()]
-    atomic_write(run.path / "processes.json", json.dumps({c.name: c.pid for c in children}))
+        vllm_first = cfg.engines.kind == "vllm" and bool(set(actor_gpus) & set(pool_gpus))
+    children = [pool.start()]
     progress = Progress(cfg, run)
     interrupts = 0
 
@@ -101,6 +106,16 @@ def run_local(cfg: MoltConfig) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        if vllm_first:
+            log.info(
+                "vLLM shares the trainer's GPU and reserves engines.gpu_memory_utilization = %s of it: the trainer "
+                "starts once the engines are up", cfg.engines.gpu_memory_utilization,
+            )  # fmt: skip
+            code = _wait_for_engines(cfg, run, pool, lambda: interrupts > 0)
+            if code is not None:
+                return code
+        children.append(actor.start())
+        atomic_write(run.path / "processes.json", json.dumps({c.name: c.pid for c in children}))
         return _supervise(run, actor, pool, progress, lambda: interrupts > 0)
     except KeyboardInterrupt:
         log.warning("stopped at once; resume from the last checkpoint with: molt-hpc run --resume %s", run.path)
@@ -110,6 +125,33 @@ def run_local(cfg: MoltConfig) -> int:
         progress.close()
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+def _wait_for_engines(cfg: MoltConfig, run: RunDir, pool: Child, stopping) -> int | None:
+    """Wait until every engine registered (None), or return the run's exit code: the pool died, a stop
+    was asked, or the engines took longer than `engines.startup_timeout_s`."""
+    deadline = time.monotonic() + cfg.engines.startup_timeout_s + 60
+    while _live_registrations(run) < cfg.engines.count:
+        code = pool.poll()
+        if code is not None:
+            return _died(pool, code, run)
+        if stopping():
+            return 0
+        if time.monotonic() > deadline:
+            get_logger().error("the engines did not register within engines.startup_timeout_s; see %s", pool.log)
+            return 1
+        time.sleep(0.5)
+    return None
+
+
+def _live_registrations(run: RunDir) -> int:
+    """Engines registered by a process that still runs (a crashed launch leaves its files behind)."""
+    live = 0
+    for path in run.rendezvous.glob("engine-*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError):  # being replaced, or its process is gone
+            os.kill(int(json.loads(path.read_text())["pid"]), 0)
+            live += 1
+    return live
 
 
 def _supervise(run: RunDir, actor: Child, pool: Child, progress: Progress, stopping) -> int:

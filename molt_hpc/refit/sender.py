@@ -39,7 +39,8 @@ from molt_hpc.refit.buckets import (
 )
 from molt_hpc.refit.calls import EngineCalls
 from molt_hpc.refit.group import RefitGroup, buffer_device, host_store, new_group, resolve_backend
-from molt_hpc.refit.ipc import IpcChannel, choose_transports, place
+from molt_hpc.refit.handles import choose_transports, place
+from molt_hpc.refit.ipc import IpcChannel
 from molt_hpc.rundir import RunDir, atomic_write
 
 STORE_FILE = "refit_store.json"
