@@ -63,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     if not run.config.is_file():
         raise SystemExit(f"error: {run.config} not found; RUN_DIR must be a run directory with config.toml")
     cfg = load_config(run.config)
-    return ROLES[args.role](cfg, run.path, args)
+    try:
+        return ROLES[args.role](cfg, run.path, args)
+    except ValueError as err:  # a user error (config, model, GPU memory): one line with the fix, exit 2
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

@@ -183,11 +183,16 @@ class Trainer:
         self.refit_s = None
         if self.step % cfg.refit.interval == 0:
             self.refit()
+        checkpoint_s = None
         if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+            t1 = time.perf_counter()
             self.checkpoint()
+            checkpoint_s = time.perf_counter() - t1
+        # A step's wall time is wait_s (for rollouts) + step_s (training) + refit_s + checkpoint_s.
         record = {
             "step": self.step, "version": self.version, **metrics, "staleness": staleness, "refit_s": self.refit_s,
-            "step_s": step_s, "wait_s": wait_s, "tokens_per_s": metrics["tokens"] / step_s, **self.feed.stats(),
+            "step_s": step_s, "wait_s": wait_s, "checkpoint_s": checkpoint_s,
+            "tokens_per_s": metrics["tokens"] / step_s, **self.feed.stats(),
         }  # fmt: skip
         if self.metrics is not None:
             self.metrics.write(record)
