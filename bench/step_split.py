@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from molt_hpc.log import read_metrics  # noqa: E402
+from molt_hpc.log import read_metrics
 
 PARTS = {"wait_s": "rollout wait", "step_s": "train", "refit_s": "refit", "checkpoint_s": "checkpoint"}
 
