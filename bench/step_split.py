@@ -9,11 +9,11 @@ of the total, over every step or the steps after `--skip` (the first waits inclu
 """
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from molt_hpc.log import read_metrics
 
 PARTS = {"wait_s": "rollout wait", "step_s": "train", "refit_s": "refit", "checkpoint_s": "checkpoint"}
@@ -49,8 +49,6 @@ def main() -> int:
         rows.append({"bench": "step split", "case": name, "value": statistics.fmean(xs), "unit": "s/step",
                      "note": f"median {statistics.median(xs):.3f} s, {100 * share:.0f} % of step time"})  # fmt: skip
     if args.out is not None:
-        import json
-
         with open(args.out, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
