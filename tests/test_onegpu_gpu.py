@@ -61,7 +61,7 @@ def test_refit_through_cuda_ipc_to_an_engine_on_the_senders_gpu(tmp_path, tiny_m
         sender.push(ref.named_parameters(), version=4)  # the same slots again, no new handles
         got, version = arun(served())
         assert version == 4 and max_diff(got, gpu_logprobs(ref)) < 1e-5
-        assert engine.log.read_text().count("mapped the trainer's 2 refit slots") == 1
+        assert engine.log.read_text().count("mapped the trainer's 2 refit slots") == 1, "shared once"
         assert "CUDA IPC" in engine.log.read_text()
         sender.close()
     finally:

@@ -112,13 +112,10 @@ class RefitSender:
             self.cfg.backend, self.backend, mine, places, list(engine_urls), self.cfg.bucket_mb << 20
         )
         self._log_choice(mine, engine_urls, kinds)
-        shared = [u for u, k in zip(engine_urls, kinds, strict=True) if k == "ipc"]
         grouped = [u for u, k in zip(engine_urls, kinds, strict=True) if k != "ipc"]
         t0 = time.perf_counter()
-        if shared:
-            self._share(shared, self.cfg.bucket_mb << 20)
         if grouped:
-            self._form(grouped)
+            self._form(grouped)  # the shared-memory engines map their slots at the first push (sized by its plan)
         self.urls = list(engine_urls)
         self.transports = dict(zip(engine_urls, kinds, strict=True))
         get_logger().info(
@@ -210,9 +207,10 @@ class RefitSender:
         bucket_bytes = self.cfg.bucket_mb << 20
         plan = plan_buckets(metas, bucket_bytes)
         try:
-            need = max((b.nbytes for b in plan), default=0)
-            if self._channel is not None and need > self._channel.slot_bytes:  # a tensor larger than a bucket
-                self._share([u for u in self.urls if self.transports[u] == "ipc"], need)
+            shared = [u for u in self.urls if self.transports[u] == "ipc"]
+            need = max((b.nbytes for b in plan), default=1)
+            if shared and (self._channel is None or need > self._channel.slot_bytes):  # first push, or outgrown
+                self._share(shared, need)
             self._calls.round(self.urls, "/start_weight_update")
             info = update_info(metas, bucket_bytes, version)
             if self._channel is not None:

@@ -116,9 +116,7 @@ class VllmRefitSender:
                 )
             how = "CUDA IPC (it shares this trainer's GPU)" if kind == "ipc" else "NCCL"
             get_logger().info("refit transport to vLLM engine %s: %s", url, how)
-        shared = [u for u, k in zip(engine_urls, kinds, strict=True) if k == "ipc"]
-        if shared:
-            self._share(shared, self.cfg.bucket_mb << 20)
+        shared = [u for u, k in zip(engine_urls, kinds, strict=True) if k == "ipc"]  # slots: at the first push
         grouped = [(u, n) for u, k, n in zip(engine_urls, kinds, sizes, strict=True) if k != "ipc"]
         if grouped:
             self._form([u for u, _ in grouped], [n for _, n in grouped])
@@ -187,8 +185,8 @@ class VllmRefitSender:
         plan = plan_buckets(metas, bucket_bytes) if shared else []
         t0 = time.perf_counter()
         try:
-            need = max((b.nbytes for b in plan), default=0)
-            if self._channel is not None and need > self._channel.slot_bytes:  # a tensor larger than a bucket
+            need = max((b.nbytes for b in plan), default=1)
+            if shared and (self._channel is None or need > self._channel.slot_bytes):  # first push, or outgrown
                 self._share(shared, need)
             self._calls.round(self.urls, "/pause?mode=keep")
             calls, urls = self._updates(grouped, shared, metas, bucket_bytes, version)
