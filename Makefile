@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 CONFIG  ?= configs/tiny_cpu.toml
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast test-gpu lint fmt golden bench bench-gpu clean venv
+.PHONY: demo test test-fast test-gpu check-onegpu lint fmt golden bench bench-gpu clean venv
 
 venv: $(STAMP)
 
@@ -28,6 +28,11 @@ test-fast: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(BIN)/pytest -m gpu $(PYTEST_ARGS)
+
+# The one-GPU verification (< 8 min): the GPU tests on GPU 0 alone, the CUDA IPC refit benchmark, one
+# table; RUNS="runs/x ..." adds each run's time-per-step split. Uses .venv if there is one, else python3.
+check-onegpu:
+	bash bench/gpu_onegpu_check.sh $(RUNS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -5,8 +5,8 @@ Runs `bench/gpu_engine.py`, `bench/gpu_refit.py`, `bench/gpu_train.py` (under to
 one after the other, each in its own processes with a time limit, collects their rows and prints one
 Markdown table: what was measured, the baseline measured in the same run, their ratio and the target.
 Made for two CUDA GPUs; on one, the trainer runs as a world of one and the refit goes through CUDA
-IPC only (the NCCL refit needs two; see `gpu_refit.py`). `--dry-run` runs the same scripts on the CPU with tiny shapes (a
-script check, not a measurement). Each benchmark's full output goes to `--logs`.
+IPC only (the NCCL refit needs two; see `gpu_refit.py`). `--dry-run` runs the same scripts on the CPU
+with tiny shapes (a script check, not a measurement). Each benchmark's full output goes to `--logs`.
 
     python bench/gpu.py [--only engine refit train vllm] [--logs DIR] [--dry-run]
 """
