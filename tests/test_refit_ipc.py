@@ -114,6 +114,45 @@ def test_transport_choice_refuses_what_cannot_work() -> None:
     assert choose_transports("ipc", "gloo", cpu, [cpu, cpu], urls, huge) == ["ipc", "ipc"]
 
 
+def test_handles_from_the_wire_are_checked_before_use(tmp_path) -> None:
+    """Init calls carry paths and CUDA IPC handle fields: only our own /dev/shm files are opened, and a
+    malformed handle is refused field by field before CUDA sees it."""
+    from molt_hpc.refit.handles import open_cuda_handle
+    from molt_hpc.refit.ipc import IpcChannel, IpcInbox
+
+    channel = IpcChannel(torch.device("cpu"), 64, consumers=1, timeout_s=5)
+    good = channel.init_info(0)
+    try:
+        for control in ("/etc/passwd", "/dev/shm/../etc/passwd", str(tmp_path / "molt-refit-x"), 7):
+            with pytest.raises(ValueError, match=r"not a refit file|must be a string"):
+                IpcInbox({**good, "control": control}, timeout_s=5)
+        link = SHM_DIR / f"molt-refit-link-{os.getpid()}"
+        link.symlink_to(good["control"])
+        try:
+            with pytest.raises(ValueError, match="not a regular file"):
+                IpcInbox({**good, "control": str(link)}, timeout_s=5)
+        finally:
+            link.unlink()
+        with pytest.raises(ValueError, match="not a refit control file"):  # one of ours, but a slot
+            IpcInbox({**good, "control": good["slots"][0]["path"]}, timeout_s=5)
+        with pytest.raises(ValueError, match="consumer 1 of 1"):
+            IpcInbox({**good, "consumer": 1}, timeout_s=5)
+        inbox = IpcInbox(good, timeout_s=5)
+        channel.buffers[0][:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+        assert inbox.buffers[0][:4].tolist() == [1, 2, 3, 4], "the engine maps the trainer's bytes"
+        inbox.close()
+    finally:
+        channel.close()
+    cuda = {"kind": "cuda", "nbytes": 64, "offset": 0, "storage": "TypedStorage", "handle": "AAAA",
+            "storage_bytes": 64, "storage_offset": 0, "ref_counter": "AAAA", "ref_counter_offset": 0,
+            "event": None, "event_sync": False}  # fmt: skip
+    for bad, match in [({"storage": "os.system"}, "storage kind"), ({"offset": -1}, "non-negative"),
+                       ({"nbytes": 65}, "does not fit"), ({"handle": "%%%"}, "not base64"),
+                       ({"event": "AAAA"}, "expected 64"), ({"event_sync": "yes"}, "event_sync")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            open_cuda_handle({**cuda, **bad}, "GPU-0")
+
+
 # A trainer stand-in that refits in a loop over shared memory (safetensors read directly).
 SENDER_LOOP = """
 import sys

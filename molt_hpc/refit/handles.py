@@ -21,7 +21,8 @@ import torch
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "molt-refit-"
-CUDA_HANDLE_BYTES = 64  # cudaIpcMemHandle_t / cudaIpcEventHandle_t
+CUDA_HANDLE_BYTES = 64  # cudaIpcEventHandle_t; a memory handle is that or longer (expandable segments)
+MAX_HANDLE_BYTES = 4096
 CPU_AUTO = "ipc"
 """`refit.backend = "auto"` between a CPU trainer and an engine on its host: `ipc` (bench/refit.py, 126 MB
 fp32 on 2 cores: 0.04-0.06 s against 0.24-0.36 s over gloo, 256 MiB buckets) or `gloo`."""
@@ -120,14 +121,15 @@ def _b64(raw: bytes | None) -> str | None:
 
 
 def _unb64(value: Any, what: str, size: int | None = None) -> bytes:
-    if not isinstance(value, str):
-        raise ValueError(f"ipc {what}: expected base64 text")
+    """Bytes from base64 text: exactly `size` of them, or 1 to MAX_HANDLE_BYTES."""
+    if not isinstance(value, str) or len(value) > 2 * MAX_HANDLE_BYTES:
+        raise ValueError(f"ipc {what}: expected base64 text of at most {MAX_HANDLE_BYTES} bytes")
     try:
         raw = base64.b64decode(value, validate=True)
     except binascii.Error:
         raise ValueError(f"ipc {what}: not base64") from None
-    if size is not None and len(raw) != size:
-        raise ValueError(f"ipc {what}: {len(raw)} bytes, expected {size}")
+    if (size is not None and len(raw) != size) or not 0 < len(raw) <= MAX_HANDLE_BYTES:
+        raise ValueError(f"ipc {what}: {len(raw)} bytes" + (f", expected {size}" if size else ""))
     return raw
 
 
@@ -170,16 +172,18 @@ def open_cuda_handle(spec: dict[str, Any], uuid: str) -> torch.Tensor:
     if spec.get("storage") not in storages:
         raise ValueError(f"ipc handle: unknown storage kind {spec.get('storage')!r}")
     nbytes, offset = as_count(spec, "nbytes"), as_count(spec, "offset")
-    storage_bytes = as_count(spec, "storage_bytes")
+    storage_bytes, storage_offset = as_count(spec, "storage_bytes"), as_count(spec, "storage_offset")
     if offset + nbytes > storage_bytes:
         raise ValueError("ipc handle: the buffer does not fit in its storage")
-    event = spec.get("event")
+    handle, counter = _unb64(spec.get("handle"), "handle"), _unb64(spec.get("ref_counter"), "ref_counter")
+    counter_offset = as_count(spec, "ref_counter_offset")
+    event = None if spec.get("event") is None else _unb64(spec["event"], "event", CUDA_HANDLE_BYTES)
+    if not isinstance(spec.get("event_sync"), bool):
+        raise ValueError("ipc handle: 'event_sync' must be true or false")
     return rebuild_cuda_tensor(
         torch.Tensor, torch.Size([nbytes]), (1,), offset, storages[spec["storage"]], torch.uint8,
-        local_cuda_index(uuid), _unb64(spec.get("handle"), "handle", CUDA_HANDLE_BYTES), storage_bytes,
-        as_count(spec, "storage_offset"), False, _unb64(spec.get("ref_counter"), "ref_counter"),
-        as_count(spec, "ref_counter_offset"), None if event is None else _unb64(event, "event", CUDA_HANDLE_BYTES),
-        bool(spec.get("event_sync")),
+        local_cuda_index(uuid), handle, storage_bytes, storage_offset, False, counter, counter_offset, event,
+        spec["event_sync"],
     )  # fmt: skip
 
 
