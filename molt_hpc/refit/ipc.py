@@ -154,10 +154,6 @@ class IpcChannel:
         self.posted = g + 1
         self.control.set(POSTED, self.posted)
 
-    def drain(self, check: Callable[[], None]) -> None:
-        """Block until every engine consumed every posted bucket."""
-        self.wait_free(self.posted + len(self.buffers) - 1, check)
-
     def abort(self) -> None:
         """Make engines waiting for a bucket fail now (a failed push)."""
         self.control.set(ABORT, 1)
@@ -204,6 +200,17 @@ class SlotWriter:
 # -- the engine's side ------------------------------------------------------------------------------
 
 
+def _open_slots(slots: list[dict[str, Any]], uuid: Any) -> list[torch.Tensor]:
+    kinds = {s.get("kind") for s in slots}
+    if kinds == {"cuda"}:
+        if not isinstance(uuid, str):
+            raise ValueError("ipc: CUDA slots need the trainer's 'device_uuid'")
+        return [open_cuda_handle(s, uuid) for s in slots]
+    if kinds == {"shm"}:
+        return [open_shm_handle(s) for s in slots]
+    raise ValueError(f"ipc: slots must all be 'cuda' or all 'shm', got {sorted(map(str, kinds))}")
+
+
 class IpcInbox:
     """One engine's view of the trainer's slots and its own consumed counter."""
 
@@ -222,16 +229,11 @@ class IpcInbox:
             raise ValueError(f"ipc: {path} is not a refit control file")
         self.word = CONSUMED + consumer
         self.timeout_s = timeout_s
-        kinds = {s.get("kind") for s in slots}
-        if kinds == {"cuda"}:
-            uuid = spec.get("device_uuid")
-            if not isinstance(uuid, str):
-                raise ValueError("ipc: CUDA slots need the trainer's 'device_uuid'")
-            self.buffers = [open_cuda_handle(s, uuid) for s in slots]
-        elif kinds == {"shm"}:
-            self.buffers = [open_shm_handle(s) for s in slots]
-        else:
-            raise ValueError(f"ipc: slots must all be 'cuda' or all 'shm', got {sorted(map(str, kinds))}")
+        try:
+            self.buffers = _open_slots(slots, spec.get("device_uuid"))
+        except BaseException:
+            self.control.close()
+            raise
         self._last_alive = time.monotonic()
         self.replaced = False
         """Set when a new init replaced this inbox: a receive still waiting on it stops."""

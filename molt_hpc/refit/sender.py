@@ -119,8 +119,9 @@ class RefitSender:
         self.urls = list(engine_urls)
         self.transports = dict(zip(engine_urls, kinds, strict=True))
         get_logger().info(
-            "refit group %d formed with %d engines in %.2fs", self._generation, len(self.urls), time.perf_counter() - t0
-        )
+            "refit reaches %d engines (%d in group %d, %d through shared memory) in %.2fs", len(self.urls),
+            len(grouped), self._generation, len(self.urls) - len(grouped), time.perf_counter() - t0,
+        )  # fmt: skip
 
     def _log_choice(self, mine: dict, urls: Sequence[str], kinds: list[str]) -> None:
         """Say once per distinct choice how the weights reach the engines."""
