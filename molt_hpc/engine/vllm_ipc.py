@@ -16,6 +16,7 @@ native start/finish session is not used here: its layerwise reload keeps referen
 tensors until a layer completes, which a reused slot would overwrite.
 """
 
+import contextlib
 import json
 from typing import Any
 
@@ -27,7 +28,7 @@ from molt_hpc.refit.ipc import IpcInbox
 
 
 class MoltWorkerExtension:
-    """Methods vLLM adds to its GPU worker class (`self` is the worker: `device`, `model_runner`)."""
+    """Methods vLLM adds to its GPU worker class (`self` is the worker: `device`, `get_model()`)."""
 
     def molt_place(self) -> dict[str, Any]:
         return place(self.device)
@@ -40,7 +41,7 @@ class MoltWorkerExtension:
         old = getattr(self, "_molt_inbox", None)
         if old is not None:
             old.close()
-        with torch.cuda.device(self.device):
+        with _on(self.device):
             self._molt_inbox = IpcInbox(spec, float(info.get("timeout_s", 600.0)))
         return {"transport": "ipc", "slots": len(self._molt_inbox.buffers)}
 
@@ -53,18 +54,24 @@ class MoltWorkerExtension:
         if not isinstance(first, int) or not isinstance(bucket_bytes, int) or first < 0 or bucket_bytes <= 0:
             raise ValueError("update_info needs integers ipc_first >= 0 and bucket_bytes > 0")
         plan = plan_buckets(metas_from_info(info), bucket_bytes)
-        model = self.model_runner.model
+        model = self.get_model()  # the worker's model (unwrapped from CUDA-graph wrappers)
         loaded: set[str] = set()
-        with torch.cuda.device(self.device), torch.no_grad():
+        with _on(self.device), torch.no_grad():
             for k, bucket in enumerate(plan):
                 g = first + k
                 if bucket.nbytes > inbox.slot(g).numel():
                     raise ValueError(f"refit bucket {k} ({bucket.nbytes} bytes) does not fit the shared slots")
                 inbox.wait_posted(g)
                 loaded |= set(model.load_weights(list(unpack(inbox.slot(g), bucket))) or ())
-                torch.cuda.synchronize(self.device)  # every copy out of the slot has run (whatever stream)
+                if self.device.type == "cuda":  # every copy out of the slot has run, whatever its stream
+                    torch.cuda.synchronize(self.device)
                 inbox.consumed(g)
         sent = sum(len(b.metas) for b in plan)
         if sent and not loaded:
             raise ValueError(f"vLLM's load_weights took none of the {sent} tensors sent: do the names match the model?")
         return {"loaded": sent, "parameters": len(loaded)}
+
+
+def _on(device: torch.device):
+    """`device` as the current CUDA device (vLLM workers run on a GPU; a CPU test worker has none)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
