@@ -59,7 +59,8 @@ def slot_cache_bytes(config, slots: int, capacity: int, dtype: torch.dtype) -> i
 def bound_gpu_memory(device: torch.device, fraction: float) -> None:
     """Cap what this process's allocator may take of the GPU (`engines.gpu_memory_utilization`), so an
     engine sharing the trainer's GPU leaves it the rest: beyond the cap an allocation fails here."""
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    index = device.index if device.index is not None else torch.cuda.current_device()  # it needs an index
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
 
 
 def check_slot_cache_fits(config, device: torch.device, slots: int, capacity: int, dtype, fraction: float) -> None:
