@@ -97,8 +97,8 @@ def test_one_push_reaches_shared_memory_engines_and_a_group_together(shared, mon
 
 
 def test_transport_choice_refuses_what_cannot_work() -> None:
-    gpu = {"host_id": "a", "device_uuids": ["GPU-1"]}
-    other_gpu = {"host_id": "a", "device_uuids": ["GPU-2"]}
+    gpu = {"host_id": "a", "shm_id": "1:2", "device_uuids": ["GPU-1"]}
+    other_gpu = {"host_id": "a", "shm_id": "1:2", "device_uuids": ["GPU-2"]}
     urls = ["http://e0", "http://e1"]
     assert choose_transports("auto", "nccl", gpu, [gpu, other_gpu], urls, 1 << 20) == ["ipc", "nccl"]
     assert choose_transports("auto", "nccl", gpu, [None, other_gpu], urls, 1 << 20) == ["nccl", "nccl"]
@@ -106,8 +106,12 @@ def test_transport_choice_refuses_what_cannot_work() -> None:
         choose_transports("nccl", "nccl", gpu, [gpu, other_gpu], urls, 1 << 20)
     with pytest.raises(ValueError, match="http://e1 is not on this trainer's GPU GPU-1"):
         choose_transports("ipc", "nccl", gpu, [gpu, other_gpu], urls, 1 << 20)
-    cpu, elsewhere = {"host_id": "a", "device_uuids": []}, {"host_id": "b", "device_uuids": []}
+    other_container = {**gpu, "shm_id": "7:2"}  # the trainer's GPU, another /dev/shm
+    with pytest.raises(ValueError, match=r"does not share its /dev/shm.*--ipc=host"):
+        choose_transports("auto", "nccl", gpu, [other_container, other_gpu], urls, 1 << 20)
+    cpu, elsewhere = {"host_id": "a", "shm_id": "1:2", "device_uuids": []}, {"host_id": "b", "device_uuids": []}
     assert choose_transports("auto", "gloo", cpu, [cpu, elsewhere], urls, 1 << 20) == ["ipc", "gloo"]
+    assert choose_transports("auto", "gloo", cpu, [cpu, {**cpu, "shm_id": "7:2"}], urls, 1 << 20) == ["ipc", "gloo"]
     assert choose_transports("gloo", "gloo", cpu, [cpu, cpu], urls, 1 << 20) == ["gloo", "gloo"]
     huge = 1 << 50  # more than any /dev/shm: auto falls back to the group, ipc still tries (and says why)
     assert choose_transports("auto", "gloo", cpu, [cpu, cpu], urls, huge) == ["gloo", "gloo"]

@@ -169,7 +169,8 @@ async def worker_place(front) -> dict:
                                          data=json.dumps({"method": "molt_place", "timeout": 60}).encode())  # fmt: skip
     try:
         places = json.loads(raw)["results"] if status == 200 else None
-        return {"host_id": places[0]["host_id"], "device_uuids": [u for p in places for u in p["device_uuids"]]}
+        uuids = [u for p in places for u in p["device_uuids"]]
+        return {"host_id": places[0]["host_id"], "shm_id": places[0].get("shm_id"), "device_uuids": uuids}
     except (ValueError, KeyError, IndexError, TypeError):
         get_logger().warning("vLLM's workers did not say where they run (HTTP %s: %s)", status, upstream_message(raw))
         return {}

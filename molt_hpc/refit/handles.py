@@ -46,18 +46,31 @@ def device_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
+def shm_id() -> str | None:
+    """Which /dev/shm this process sees (its filesystem and inode): containers of one host have their own."""
+    try:
+        st = os.stat(SHM_DIR)
+    except OSError:  # no /dev/shm: no shared-memory refit
+        return None
+    return f"{st.st_dev}:{st.st_ino}"
+
+
 def place(device: torch.device) -> dict[str, Any]:
     """Where a process's tensors live, as an engine reports it in `/health` and a sender compares it."""
     uuids = [device_uuid(device)] if device.type == "cuda" else []
-    return {"host_id": host_id(), "device_uuids": uuids}
+    return {"host_id": host_id(), "shm_id": shm_id(), "device_uuids": uuids}
+
+
+def same_gpu(mine: dict[str, Any], theirs: dict[str, Any]) -> bool:
+    return bool(set(mine.get("device_uuids") or []) & set(theirs.get("device_uuids") or []))
 
 
 def colocated(mine: dict[str, Any], theirs: dict[str, Any]) -> bool:
-    """Whether an engine at `theirs` can map this process's buffers: the same GPU for CUDA tensors, the
-    same host (and /dev/shm) for host tensors."""
-    if mine.get("device_uuids"):
-        return bool(set(mine["device_uuids"]) & set(theirs.get("device_uuids") or []))
-    return mine.get("host_id") == theirs.get("host_id") and SHM_DIR.is_dir()
+    """Whether an engine at `theirs` can map this process's buffers: the same host and /dev/shm (the
+    control file lives there), and the same GPU for CUDA buffers."""
+    shared = mine.get("shm_id") is not None and mine.get("shm_id") == theirs.get("shm_id")
+    shared = shared and mine.get("host_id") == theirs.get("host_id")
+    return shared and (same_gpu(mine, theirs) if mine.get("device_uuids") else True)
 
 
 def shm_room(nbytes: int) -> bool:
@@ -86,7 +99,7 @@ def choose_transports(
     out = []
     for url, theirs in zip(urls, places, strict=True):
         shared = theirs is not None and colocated(mine, theirs)
-        on_my_gpu = shared and bool(mine.get("device_uuids"))
+        on_my_gpu = theirs is not None and same_gpu(mine, theirs)
         if setting == "ipc" and not shared:
             what = f"GPU {mine['device_uuids'][0]}" if mine.get("device_uuids") else f"host {mine.get('host_id')}"
             raise ValueError(
@@ -96,6 +109,12 @@ def choose_transports(
         if setting == "ipc" or (setting == "auto" and shared and (on_my_gpu or host_ok)):
             out.append("ipc")
             continue
+        if on_my_gpu and group_backend == "nccl" and setting == "auto":
+            raise ValueError(
+                f"engine {url} runs on this trainer's GPU {mine['device_uuids'][0]} but does not share its /dev/shm "
+                "(another container?), and NCCL refuses two ranks on one GPU: give both one /dev/shm (docker: "
+                "--ipc=host) or the engine its own GPU"
+            )
         if group_backend == "nccl" and on_my_gpu:
             raise ValueError(
                 f"refit.backend = 'nccl' but engine {url} runs on this trainer's GPU {mine['device_uuids'][0]}: NCCL "
