@@ -139,7 +139,7 @@ def main() -> None:
             proc.wait()
             child.join(timeout=30)
     base = statistics.median(times["raw gloo broadcast, 1 buffer"])
-    print(f"model {total / 1e6:.1f} MB ({len(metas)} tensors, fp32), 1 engine process, gloo on loopback", end="")
+    print(f"model {total / 1e6:.1f} MB ({len(metas)} tensors, fp32), 1 engine process on this host", end="")
     print(f", median of {args.repeats}")
     print(f"| {'case':<52} | {'seconds':>8} | {'GB/s':>6} | {'vs raw 1 buffer':>15} |")
     print(f"|{'-' * 54}|{'-' * 10}|{'-' * 8}|{'-' * 17}|")

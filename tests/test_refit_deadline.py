@@ -9,10 +9,13 @@ import os
 import signal
 import time
 
+import pytest
+
 from tests.test_actor_refit import _engine, _registered, _until
 from tests.test_actor_support import make_run, torchrun
 
 
+@pytest.mark.slow  # a trainer and an engine start: ~40 s on two loaded cores
 def test_a_refit_that_cannot_succeed_stops_the_run_with_its_cause(tmp_path, tiny_model_dir) -> None:
     sets = ["refit.host='192.0.2.1'", "refit.backend='gloo'", "refit.timeout_s=4", "run.steps=1", "engines.threads=1"]
     _, run = make_run(tmp_path, "dead", tiny_model_dir, sets)
