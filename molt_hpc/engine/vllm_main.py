@@ -104,8 +104,9 @@ def vllm_env(token: str) -> dict[str, str]:
     """vLLM's environment: ours, plus the API key, the dev routes (pause, weight transfer), no NVLink multicast."""
     env = {**os.environ, "VLLM_API_KEY": token, "VLLM_SERVER_DEV_MODE": "1", "NCCL_NVLS_ENABLE": "0"}
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # its sampler needs flashinfer, not a vLLM dependency
-    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT, *[p for p in path if p != PACKAGE_ROOT]])
+    # Last: what is already on the path (vLLM installed with --target, say) keeps precedence.
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != PACKAGE_ROOT]
+    env["PYTHONPATH"] = os.pathsep.join([*path, PACKAGE_ROOT])
     return env
 
 
