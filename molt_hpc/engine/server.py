@@ -32,7 +32,7 @@ class EngineState:
     model_name: str
     index: int = 0
     place: dict[str, Any] = field(default_factory=dict)
-    """Where the weights live (`refit.ipc.place`): `/health` tells the trainer, which picks the refit transport."""
+    """Where the weights live (`refit.handles.place`): `/health` tells the trainer, which picks the refit transport."""
 
 
 def logprob_content(row: Row) -> list[dict[str, Any]]:
@@ -49,8 +49,10 @@ async def run_on_scheduler(state: EngineState, fn) -> Any:
     return await asyncio.wrap_future(state.scheduler.call(fn))
 
 
-def build_app(state: EngineState, token: str) -> web.Application:
-    app = web.Application(middlewares=[token_middleware(token), errors_middleware], client_max_size=1 << 30)
+def build_app(state: EngineState, token: str, open_health: bool = False) -> web.Application:
+    """The engine's routes; `open_health`: see `token_middleware`."""
+    middlewares = [token_middleware(token, open_health), errors_middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=1 << 30)
     app["state"] = state
     ids = itertools.count()
     sched = state.scheduler

@@ -186,7 +186,7 @@ async def serve_front(
     from molt_hpc.engine.vllm_front import Front, build_front
 
     log = get_logger()
-    front = Front(upstream, run.token(), index)
+    front = Front(upstream, run.token(), index, open_health=cfg.router.kind == "vllm-router")
     runner = web.AppRunner(build_front(front), handler_cancellation=True, access_log=None)
     await runner.setup()
     front.place = await worker_place(front)
