@@ -43,16 +43,17 @@ def micro_batches(exp: Experience, rows: Tensor, size: int, world: World) -> lis
 def policy_logprobs(model: nn.Module, mb: Experience, temperature: float, chunk: int) -> tuple[Tensor, Tensor]:
     """(log-prob, entropy) `[B, T]` of each action token under `model` at the sampling temperature.
 
-    Position ids restart per sample and no attention mask is passed: transformers then builds the
-    block-causal mask itself (see `molt_hpc.algorithm.experience`).
+    Position ids restart per sample and no attention mask or cache is passed: transformers then builds
+    the block-causal mask itself (see `molt_hpc.algorithm.experience`). Models default to
+    `use_cache=True`, and with a cache they do not look for packed samples.
     """
-    logits = model(input_ids=mb.sequences, position_ids=mb.position_ids).logits
+    logits = model(input_ids=mb.sequences, position_ids=mb.position_ids, use_cache=False).logits
     return logprobs_from_logits(logits, mb.sequences, temperature=temperature, chunk=chunk, action_mask=mb.action_mask)
 
 
 def critic_values(critic: nn.Module, mb: Experience) -> Tensor:
     """`[B, T]` values at the own index: the estimate before token t, from the hidden state at t-1."""
-    v = critic(input_ids=mb.sequences, position_ids=mb.position_ids).logits[..., 0].float()
+    v = critic(input_ids=mb.sequences, position_ids=mb.position_ids, use_cache=False).logits[..., 0].float()
     return nn.functional.pad(v[:, :-1], (1, 0))
 
 

@@ -7,7 +7,6 @@ error naming the file.
 """
 
 import math
-import re
 from pathlib import Path
 
 import torch
@@ -16,8 +15,7 @@ from torch import nn
 from molt_hpc.checkpoint import check_shapes, model_shapes
 from molt_hpc.config.train import ActorConfig
 from molt_hpc.models import check_model_dir, quiet_transformers
-
-ROUTER_WEIGHT = re.compile(r"\.gate\.weight$")  # MoE routers (`mlp.gate`), not the MLP's `gate_proj`
+from molt_hpc.models.moe import find_routers
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -88,11 +86,15 @@ def check_checkpoint_model(model_dir: Path, base: Path, *, critic: bool = False)
 
 
 def freeze_router(model: nn.Module) -> list[str]:
-    """Stop training MoE router weights (a train/inference consistency guard); returns their names."""
-    names = [n for n, p in model.named_parameters() if ROUTER_WEIGHT.search(n)]
-    for n, p in model.named_parameters():
-        if n in names:
+    """Stop training MoE router parameters (a train/inference consistency guard); returns their names.
+
+    Routers are found by class (the one the model records `router_logits` from), so GPT-OSS's
+    `mlp.router` (weight and bias) is frozen too and no dense MLP's `gate_proj` ever is."""
+    names = []
+    for router in find_routers(model):
+        for name, p in router.module.named_parameters():
             p.requires_grad_(False)
+            names.append(f"{router.name}.{name}")
     return names
 
 

@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from molt_hpc.actor.moe_router import shard_routers
 from molt_hpc.config.train import ActorConfig
 
 
@@ -47,6 +48,7 @@ def parallelize(
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    shard_routers(model, mesh)  # swapped MoE routers: their own fp32 units, before their blocks
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)

@@ -18,6 +18,7 @@ from molt_hpc import checkpoint as ck
 from molt_hpc.actor import build, state
 from molt_hpc.actor.control import Control, Requests
 from molt_hpc.actor.feed import Feed, staleness_histogram
+from molt_hpc.actor.moe_router import MoeRouting, swap_routers
 from molt_hpc.actor.parallelize import parallelize
 from molt_hpc.actor.step import Models, train_step
 from molt_hpc.actor.sync import EngineSync
@@ -107,12 +108,14 @@ class Trainer:
         cfg, mesh, attn = self.cfg, self.world.mesh, self.cfg.model.attn_implementation
         dtype = getattr(torch, cfg.model.dtype)
         policy = build.load_causal_lm(ckpt / "policy" if ckpt else self.base, attn, trainable=True)
+        moe = MoeRouting.for_policy(policy, cfg)  # fp32 routers (+ replay) for an MoE policy
         if cfg.actor.freeze_router:
             build.freeze_router(policy)
         parallelize(policy, mesh, cfg.actor, compute_dtype=dtype)
-        models = Models(policy=self._trainable("policy", policy, cfg.actor.lr))
+        models = Models(policy=self._trainable("policy", policy, cfg.actor.lr), moe=moe)
         if cfg.algorithm.uses_reference:
             ref = build.load_causal_lm(self.base, attn, trainable=False)
+            swap_routers(ref, strict=False)  # its gate logits in fp32 too (it routes live)
             models.reference = parallelize(ref, mesh, cfg.actor, compute_dtype=dtype)
         if cfg.algorithm.uses_critic:
             critic = build.load_critic(ckpt / "critic" if ckpt else self.base, attn, seed=cfg.run.seed)

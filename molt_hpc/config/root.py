@@ -84,8 +84,21 @@ class MoltConfig(Section):
                 "engines.kind = 'vllm' refits over NCCL from a GPU: set actor.device = 'cuda' (or 'auto' on a GPU node)"
             )
         self._check_tiny_model()
+        self._check_router_replay()
         self._check_slurm()
         return self
+
+    def _check_router_replay(self) -> None:
+        if not self.actor.router_replay or self.engines.kind != "vllm":
+            return
+        refused = ("--speculative-config", "--pipeline-parallel-size", "-pp", "--kv-transfer-config")
+        bad = [a for a in self.engines.extra_args if a.split("=", 1)[0] in refused]
+        if bad:
+            raise ValueError(
+                f"actor.router_replay = true with engines.extra_args {bad}: vLLM 0.26 returns no (or misaligned) "
+                "routed experts with speculative decoding, pipeline parallelism or a KV connector; drop them or set "
+                "actor.router_replay = false"
+            )
 
     def _check_tiny_model(self) -> None:
         tiny = self.model.tiny

@@ -37,6 +37,7 @@ TESTED_VLLM = "0.26.0"
 FIX = "pip install 'molt-hpc[gpu]' (vllm==0.26.0, which pins torch 2.11), or set engines.kind = 'builtin'"
 STOP_GRACE_S = 20.0
 PR_SET_PDEATHSIG = 1
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
 
 
 def check_vllm_torch(vllm_version: str, required_torch: str | None, torch_version: str) -> None:
@@ -92,6 +93,8 @@ def vllm_command(cfg: MoltConfig, model_dir: str | Path, port: int, index: int) 
     # parameters, not the model's generation_config defaults; refit over NCCL through the dev routes.
     cmd += ["--logprobs-mode", eng.logprobs_mode, "--skip-tokenizer-init", "--generation-config", "vllm"]
     cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    if cfg.actor.router_replay and ROUTED_EXPERTS_FLAG not in eng.extra_args:
+        cmd.append(ROUTED_EXPERTS_FLAG)  # every answer carries the experts of each token (router replay)
     return cmd + list(eng.extra_args)
 
 
