@@ -33,8 +33,10 @@ class RouterSlot:
 
     layer: int
     renormalise: bool
-    replay: Tensor | None = None
-    """`[tokens, top_k]` long: the engine's experts; a row with a -1 keeps the live top-k."""
+    engine: Tensor | None = None
+    """`[tokens, top_k]` long: the engine's experts (-1 in a row: unknown), compared with the live top-k."""
+    replay: bool = False
+    """Route the tokens `engine` knows to the engine's experts (else it is only compared)."""
     mask: Tensor | None = None
     """`[tokens]` bool: real tokens (not padding), the ones counted and in the aux losses."""
     collecting: bool = False
@@ -49,14 +51,14 @@ class RouterSlot:
     def record(self, logits: Tensor, chosen: Tensor, live: Tensor, known: Tensor | None) -> None:
         self.logits, self.chosen = logits, chosen
         if known is not None:
-            assert self.replay is not None and self.mask is not None
+            assert self.engine is not None and self.mask is not None
             known = known & self.mask
-            equal = (live.sort(-1).values == self.replay.sort(-1).values).all(-1)
+            equal = (live.sort(-1).values == self.engine.sort(-1).values).all(-1)
             self.same, self.known = (equal & known).sum(), known.sum()
 
     def clear(self) -> None:
-        self.replay = self.mask = self.logits = self.chosen = self.same = self.known = None
-        self.collecting = False
+        self.engine = self.mask = self.logits = self.chosen = self.same = self.known = None
+        self.replay = self.collecting = False
 
 
 class ReplayRouter:
@@ -71,13 +73,14 @@ class ReplayRouter:
         probs = torch.softmax(logits, dim=-1)
         live = probs.topk(self.top_k, dim=-1).indices
         chosen, known = live, None
-        if slot.replay is not None:
-            assert slot.replay.shape == live.shape, (
+        if slot.engine is not None:
+            assert slot.engine.shape == live.shape, (
                 f"router of layer {slot.layer} sees {live.shape[0]} tokens but was given routing for "
-                f"{slot.replay.shape[0]}: shard routed_experts exactly like the tokens"
+                f"{slot.engine.shape[0]}: shard routed_experts exactly like the tokens"
             )
-            known = (slot.replay >= 0).all(-1)
-            chosen = torch.where(known[:, None], slot.replay, live)
+            known = (slot.engine >= 0).all(-1)
+            if slot.replay:
+                chosen = torch.where(known[:, None], slot.engine, live)
         weights = probs.gather(-1, chosen)
         if slot.renormalise:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -177,9 +180,9 @@ class MoeRouting:
             return None
         return cls(model, replay=act.router_replay, aux_coef=alg.moe_aux_coef, z_coef=alg.moe_z_coef)
 
-    def _replay_rows(self, mb: Experience) -> Tensor | None:
+    def _engine_rows(self, mb: Experience) -> Tensor | None:
         routed = mb.routed_experts
-        if not self.replay or routed is None:
+        if routed is None:
             return None
         if tuple(routed.shape[2:]) != (self.layers, self.top_k):
             raise ValueError(
@@ -192,15 +195,16 @@ class MoeRouting:
 
     @contextlib.contextmanager
     def micro_batch(self, mb: Experience):
-        """Route one micro-batch: the engine's experts where known, live elsewhere; covers the forward and
-        the backward. Call `aux_loss` between the two."""
-        routed = self._replay_rows(mb)
+        """Route one micro-batch: with replay, the engine's experts where known and live elsewhere (without,
+        live, compared with the engine's where it has them); covers the forward and the backward. Call
+        `aux_loss` between the two."""
+        routed = self._engine_rows(mb)
         mask = mb.attention_mask.reshape(-1)
         try:
             for slot in self.slots:
                 if routed is not None:
-                    slot.replay = routed[:, :, slot.layer].reshape(-1, self.top_k).long()
-                slot.mask, slot.collecting = mask, True
+                    slot.engine = routed[:, :, slot.layer].reshape(-1, self.top_k).long()
+                slot.replay, slot.mask, slot.collecting = self.replay, mask, True
             yield self
         finally:
             for slot in self.slots:
@@ -251,11 +255,11 @@ class MoeRouting:
             out["moe_z_loss"] = sum(p.z for p in parts) / tokens
             load = sum(p.load for p in parts if p.load is not None).double()  # [layers, experts]
             out["moe_load_imbalance"] = float((load.max(1).values / load.mean(1)).mean())
+        known = sum(p.known for p in parts)
+        if known:
+            out["routing_agreement"] = sum(p.same for p in parts) / known
         if self.replay:
-            known = sum(p.known for p in parts)
             out["replayed_tokens"] = known / len(self.slots)
-            if known:
-                out["routing_agreement"] = sum(p.same for p in parts) / known
             unrouted = exp.num_samples if exp.routed_experts is None else exp.stats.get("unrouted_samples", 0)
             out["unreplayed_samples"] = unrouted
         return out
