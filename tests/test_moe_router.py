@@ -228,7 +228,7 @@ def fsdp_child(model_dir: Path, out: Path) -> None:
     with moe.micro_batch(exp):
         loss = model(input_ids=exp.sequences, position_ids=exp.position_ids, use_cache=False).logits.float().mean()
         (loss + moe.aux_loss(1.0)).backward()
-    h, (logits, weights, idx) = seen[0]
+    h, (logits, weights, _) = seen[0]
     result = {
         "gate_input": str(h.dtype), "logits": str(logits.dtype), "weights": str(weights.dtype),
         "experts_input": str(experts_in[0]),
