@@ -46,8 +46,9 @@ from gpu_engine import engine_url, start_engine
 from molt_hpc.config import MoltConfig, load_config, to_toml
 from molt_hpc.rundir import create_run_dir
 
-QWEN3_30B_A3B_LIKE = dict(hidden_size=2048, num_layers=2, num_heads=32, num_kv_heads=4, head_dim=128,
-                          num_experts=128, top_k=8, moe_intermediate_size=768)  # fmt: skip
+BIG = dict(hidden_size=2048, num_layers=2, num_heads=32, num_kv_heads=4, head_dim=128, num_experts=128, top_k=8,
+           moe_intermediate_size=768)  # fmt: skip
+"""Two layers of Qwen3-30B-A3B's shape (its vocabulary aside)."""
 DRY_BIG = dict(num_layers=2, num_experts=32, top_k=4, moe_intermediate_size=64)
 PROMPTS, NEW, DRY_PROMPTS, DRY_NEW = 64, 48, 8, 12
 
@@ -170,24 +171,26 @@ def main() -> int:
 
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="bench-gpu-moe-"))
-    models = {
-        "tiny-moe": build(tmp, "tiny-moe", {}),
-        "128 experts": build(tmp, "big", DRY_BIG if dry else QWEN3_30B_A3B_LIKE),
-    }
     rng = random.Random(0)
     n, new = (DRY_PROMPTS, DRY_NEW) if dry else (PROMPTS, NEW)
     prompts = [[rng.randrange(4, 104) for _ in range(rng.randrange(24, 73))] for _ in range(n)]
     env = {**gpu_env(), "OMP_NUM_THREADS": "2"} if dry else gpu_env()
-    runs = {name: engine_run(tmp, f"engine-{i}", path, dry) for i, (name, path) in enumerate(models.items())}
-    world = init_world(ActorConfig(device="cpu" if dry else "cuda"))
     out = args.out or tmp / "rows.jsonl"
-    names = list(models)
-    procs = {names[0]: start_engine(runs[names[0]], env)}
+    world = init_world(ActorConfig(device="cpu" if dry else "cuda"))
+    shapes = {"tiny-moe": {}, "many-expert MoE, dry run" if dry else "Qwen3-30B-A3B shape": DRY_BIG if dry else BIG}
+    models, runs, procs = {}, {}, {}
     try:
+        # Each engine loads while the next model is built, and the next engine while this one is measured.
+        for i, (name, shape) in enumerate(shapes.items()):
+            models[name] = build(tmp, f"model-{i}", shape)
+            runs[name] = engine_run(tmp, f"engine-{i}", models[name], dry)
+            if i == 0:
+                procs[name] = start_engine(runs[name], env)
+        names = list(shapes)
         for i, name in enumerate(names):
             url = engine_url(runs[name], procs[name], 600)
             print(f"== {name}: engine up after {time.perf_counter() - t0:.0f} s", flush=True)
-            if i + 1 < len(names):  # the next engine loads while this one is measured
+            if i + 1 < len(names):
                 procs[names[i + 1]] = start_engine(runs[names[i + 1]], env)
             measure(name, models[name], url, runs[name].token(), world, prompts, new, out)
     finally:

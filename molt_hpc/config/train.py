@@ -126,7 +126,8 @@ class ActorConfig(Section):
     each MoE layer of the trainer sends those tokens to the engine's experts, with gate weights from
     its own fp32 softmax, so the router still gets gradients. Tokens without routing (the last of a
     sample, a sample whose routing did not line up) keep the live choice. Needs an MoE model whose
-    router is softmax then top-k (Qwen2/3-MoE, OLMoE, Mixtral, ...)."""
+    router is softmax then top-k (Qwen2/3-MoE, OLMoE, Mixtral, ...). The builtin engine records
+    routing from Python hooks, so on a GPU it then decodes without CUDA graphs."""
     cp: PositiveInt = 1
     """Context-parallel degree (inside a node)."""
     ep: PositiveInt = 1
