@@ -151,6 +151,18 @@ def test_freezing_is_by_router_class(tmp_path: Path, tiny_model_dir: Path) -> No
     assert frozen == {"model.layers.0.mlp.gate.weight", "model.layers.2.mlp.gate.weight"}
     assert "model.layers.1.mlp.gate_proj.weight" not in frozen  # a dense MLP's gate projection trains
     assert freeze_router(load_causal_lm(tiny_model_dir)) == []  # a dense model has no router
+    # Llama 4 records no router_logits: its router is found by the MoE block's shape (hidden -> one
+    # logit per expert, next to `experts`), frozen, and refused for replay (its rule is not softmax -> top-k).
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    llama4 = Llama4ForCausalLM(Llama4TextConfig(
+        vocab_size=104, hidden_size=64, intermediate_size=64, intermediate_size_mlp=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_local_experts=4, num_experts_per_tok=1,
+    ))  # fmt: skip
+    assert freeze_router(llama4) == [f"model.layers.{i}.feed_forward.router.weight" for i in (0, 1)]
+    with pytest.raises(ValueError, match="does not route by softmax -> top-k"):
+        MoeRouting.for_policy(llama4, MoltConfig(actor={"router_replay": True}))
+    assert MoeRouting.for_policy(llama4, MoltConfig()) is None  # nothing asked: it trains as transformers runs it
     with pytest.raises(ValueError, match="has no MoE router"):
         MoeRouting.for_policy(load_causal_lm(tiny_model_dir), MoltConfig(actor={"router_replay": True}))
     assert MoeRouting.for_policy(load_causal_lm(tiny_model_dir), MoltConfig()) is None

@@ -88,8 +88,8 @@ def check_checkpoint_model(model_dir: Path, base: Path, *, critic: bool = False)
 def freeze_router(model: nn.Module) -> list[str]:
     """Stop training MoE router parameters (a train/inference consistency guard); returns their names.
 
-    Routers are found by class (the one the model records `router_logits` from), so GPT-OSS's
-    `mlp.router` (weight and bias) is frozen too and no dense MLP's `gate_proj` ever is."""
+    Routers are found by class (`molt_hpc.models.moe.router_class`), so GPT-OSS's `mlp.router` (weight
+    and bias) and Llama 4's `feed_forward.router` are frozen too and no dense MLP's `gate_proj` ever is."""
     names = []
     for router in find_routers(model):
         for name, p in router.module.named_parameters():

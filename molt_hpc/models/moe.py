@@ -43,11 +43,35 @@ class Router:
 
 
 def router_class(model: "nn.Module") -> type | None:
-    """The class the model records `router_logits` from, or None for a dense model."""
+    """The router class of `model`, or None for a dense model.
+
+    It is the class the model records `router_logits` from; a model that declares none (DeepSeek-V3 and
+    GLM-4-MoE in transformers 5.17, Llama 4) has its router found by the MoE block's shape: the module
+    next to the block's `experts` whose weight maps the hidden state to one logit per expert."""
     recorders = getattr(model, "_can_record_outputs", None) or {}
     target = recorders.get("router_logits")
     cls = getattr(target, "target_class", target)
-    return cls if isinstance(cls, type) else None
+    if isinstance(cls, type):
+        return cls
+    for block in model.modules():
+        experts = getattr(block, "experts", None)
+        count = _expert_count(experts)
+        for name, child in block.named_children() if count else ():
+            weight = getattr(child, "weight", None)
+            if name != "experts" and getattr(weight, "ndim", 0) == 2 and weight.shape[0] == count:
+                return type(child)
+    return None
+
+
+def _expert_count(experts) -> int:
+    """Experts in an experts module (its `num_experts`, else the leading size of its 3-D weights); 0 if none."""
+    if experts is None or not hasattr(experts, "parameters"):
+        return 0
+    count = getattr(experts, "num_experts", None)
+    if isinstance(count, int):
+        return count
+    stacked = [p for p in experts.parameters(recurse=False) if p.ndim == 3]
+    return int(stacked[0].shape[0]) if stacked else 0
 
 
 def find_routers(model: "nn.Module") -> list[Router]:
