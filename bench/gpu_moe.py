@@ -51,6 +51,7 @@ BIG = dict(hidden_size=2048, num_layers=2, num_heads=32, num_kv_heads=4, head_di
 """Two layers of Qwen3-30B-A3B's shape (its vocabulary aside)."""
 DRY_BIG = dict(num_layers=2, num_experts=32, top_k=4, moe_intermediate_size=64)
 PROMPTS, NEW, DRY_PROMPTS, DRY_NEW = 64, 48, 8, 12
+ENGINE_WAIT_S = 240.0
 
 
 def build(tmp: Path, name: str, shape: dict) -> Path:
@@ -58,6 +59,18 @@ def build(tmp: Path, name: str, shape: dict) -> Path:
 
     spec = MoltConfig().model.tiny_moe.model_copy(update=shape)
     return build_tiny_moe(tmp / name, spec, dtype="bfloat16")
+
+
+def wait_engine(run, proc, timeout_s: float) -> str:
+    """The engine's URL once registered; on a timeout, the end of its logs (vLLM's too) and exit."""
+    from molt_hpc.log import log_tail
+
+    try:
+        return engine_url(run, proc, timeout_s)
+    except SystemExit:
+        for log in sorted(run.logs.glob("*.log")):
+            print(f"== {log}:\n{log_tail(log, 40)}", flush=True)
+        raise
 
 
 def engine_run(tmp: Path, name: str, model_dir: Path, dry: bool):
@@ -188,7 +201,7 @@ def main() -> int:
                 procs[name] = start_engine(runs[name], env)
         names = list(shapes)
         for i, name in enumerate(names):
-            url = engine_url(runs[name], procs[name], 600)
+            url = wait_engine(runs[name], procs[name], ENGINE_WAIT_S)
             print(f"== {name}: engine up after {time.perf_counter() - t0:.0f} s", flush=True)
             if i + 1 < len(names):
                 procs[names[i + 1]] = start_engine(runs[names[i + 1]], env)
