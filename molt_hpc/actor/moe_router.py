@@ -11,7 +11,9 @@ Everything is applied to a plain transformers model; no modeling code is forked:
 - `MoeRouting` drives the policy's routers through a step: per micro-batch it sets the engine's
   routing on every router for the forward *and* the backward (activation checkpointing recomputes
   the router), collects the live fp32 logits and the experts used, returns the aux losses and
-  accumulates the step's metrics (routing agreement, expert load imbalance, aux losses).
+  accumulates the step's metrics (routing agreement, expert load imbalance, aux losses). Routers see
+  the micro-batch's rows flattened (packed rows alike); with context parallelism, this rank's slice of
+  them, so the routing is sliced the same way (`ContextParallel.shard`).
 """
 
 import contextlib
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from molt_hpc.actor.attention import attention_setup
 from molt_hpc.actor.world import gather_all
 from molt_hpc.algorithm import Experience, load_balancing_loss, router_z_loss
 from molt_hpc.config import MoltConfig
@@ -150,6 +153,7 @@ class MoeRouting:
         routers = swap_routers(model)
         if not routers:
             raise ValueError(f"{type(model).__name__} has no MoE router")
+        self.model = model
         self.slots = [r.module.molt_slot for r in routers]
         self.layers = num_layers(model)
         self.top_k = int(routers[0].module.top_k)
@@ -198,8 +202,13 @@ class MoeRouting:
         """Route one micro-batch: with replay, the engine's experts where known and live elsewhere (without,
         live, compared with the engine's where it has them); covers the forward and the backward. Call
         `aux_loss` between the two."""
-        routed = self._engine_rows(mb)
-        mask = mb.attention_mask.reshape(-1)
+        routed, mask = self._engine_rows(mb), mb.attention_mask
+        setup = attention_setup(self.model)
+        cp = setup.cp if setup is not None else None
+        if cp is not None:  # with context parallelism the routers see this rank's slice of every row
+            routed = None if routed is None else cp.shard(routed, -1)
+            mask = cp.shard(mask, False)
+        mask = mask.reshape(-1)
         try:
             for slot in self.slots:
                 if routed is not None:

@@ -19,6 +19,7 @@ from molt_hpc.actor import build, state
 from molt_hpc.actor.control import Control, Requests
 from molt_hpc.actor.feed import Feed, staleness_histogram
 from molt_hpc.actor.moe_router import MoeRouting, swap_routers
+from molt_hpc.actor.packing import sequence_layout
 from molt_hpc.actor.parallelize import parallelize
 from molt_hpc.actor.step import Models, train_step
 from molt_hpc.actor.sync import EngineSync
@@ -111,15 +112,20 @@ class Trainer:
         moe = MoeRouting.for_policy(policy, cfg)  # fp32 routers (+ replay) for an MoE policy
         if cfg.actor.freeze_router:
             build.freeze_router(policy)
-        parallelize(policy, mesh, cfg.actor, compute_dtype=dtype)
-        models = Models(policy=self._trainable("policy", policy, cfg.actor.lr), moe=moe)
+        docs, pack_tokens = sequence_layout(cfg, self.world, policy)
+        self.log.info(
+            "micro-batches: %s; context parallel %d", f"packed, {pack_tokens} tokens" if pack_tokens else
+            f"{cfg.actor.micro_batch_size} padded rows", cfg.actor.cp,
+        )  # fmt: skip
+        parallelize(policy, mesh, cfg.actor, compute_dtype=dtype, documents=docs)
+        models = Models(policy=self._trainable("policy", policy, cfg.actor.lr), pack_tokens=pack_tokens, moe=moe)
         if cfg.algorithm.uses_reference:
             ref = build.load_causal_lm(self.base, attn, trainable=False)
             swap_routers(ref, strict=False)  # its gate logits in fp32 too (it routes live)
-            models.reference = parallelize(ref, mesh, cfg.actor, compute_dtype=dtype)
+            models.reference = parallelize(ref, mesh, cfg.actor, compute_dtype=dtype, documents=docs)
         if cfg.algorithm.uses_critic:
             critic = build.load_critic(ckpt / "critic" if ckpt else self.base, attn, seed=cfg.run.seed)
-            parallelize(critic, mesh, cfg.actor, compute_dtype=dtype)
+            parallelize(critic, mesh, cfg.actor, compute_dtype=dtype, documents=docs)
             models.critic = self._trainable("critic", critic, cfg.actor.critic_lr)
         return models
 
