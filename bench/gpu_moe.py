@@ -12,9 +12,9 @@ agreement, with the engine's routing replayed against routing live (the baseline
   `/inference/v1/generate`; `routed_experts` decoded by the engine client and laid on the trajectories
   turn by turn (`agents/routing.py`), checked against vLLM's format ([P + G - 1, layers, top_k], uint8,
   distinct global ids below the expert count);
-- trainer: this process as an FSDP2 world of one, exactly the trainer's path (fp32 master weights, bf16
-  compute, each router its own fp32 unit), one forward over the batch (`actor.batch.policy_logprobs`)
-  under `MoeRouting` with replay and without;
+- trainer: this process as an FSDP2 world of one on the trainer's path (fp32 master weights, bf16
+  compute, each router its own fp32 unit), one forward over the batch, one sample per padded row
+  (`actor.batch.policy_logprobs`), under `MoeRouting` with replay and without;
 - rows per model: the share of samples whose routing lined up; the log-prob gap to the engine's
   log-probs over every action token (max abs, mean abs in the note), live routing first as the baseline;
   the routing agreement (share of (token, MoE layer) pairs whose live top-k set equals vLLM's; with
