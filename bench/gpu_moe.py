@@ -133,18 +133,15 @@ def trainer_pass(model, exp, replay: bool) -> dict[str, float]:
     return {"max": float(gap.max()), "mean": float(gap.mean()), "agreement": metrics["routing_agreement"]}
 
 
-def measure(name: str, model_dir: Path, url: str, token: str, world, prompts, new: int, out: Path | None) -> None:
-    from molt_hpc.actor.build import load_causal_lm
-    from molt_hpc.actor.moe_router import swap_routers
-    from molt_hpc.actor.parallelize import parallelize
+def measure(name: str, model_dir: Path, run, url: str, world, prompts, new: int, out: Path | None) -> None:
+    from molt_hpc.actor.build import load_model
     from molt_hpc.algorithm import make_experience
-    from molt_hpc.config.train import ActorConfig
+    from molt_hpc.config import load_config
 
     t0 = time.perf_counter()
-    trajs, outs = asyncio.run(rollouts(url, token, prompts, new))
-    model = load_causal_lm(model_dir, "sdpa", trainable=False)  # fp32 master weights, as the trainer holds them
-    swap_routers(model)
-    parallelize(model, world.mesh, ActorConfig(), compute_dtype=torch.bfloat16)
+    trajs, outs = asyncio.run(rollouts(url, run.token(), prompts, new))
+    # the trainer's own load: meta-device build, fp32 routers as their own FSDP units, fp32 master weights
+    model = load_model(model_dir, load_config(run.path / "config.toml"), world, "policy")
     c = model.config
     lined = format_ok(outs, prompts, c.num_experts, c.num_experts_per_tok, c.num_hidden_layers)
     exp = make_experience(trajs, max_len=512).to(world.device)
@@ -205,7 +202,7 @@ def main() -> int:
             print(f"== {name}: engine up after {time.perf_counter() - t0:.0f} s", flush=True)
             if i + 1 < len(names):
                 procs[names[i + 1]] = start_engine(runs[names[i + 1]], env)
-            measure(name, models[name], url, runs[name].token(), world, prompts, new, out)
+            measure(name, models[name], runs[name], url, world, prompts, new, out)
     finally:
         for proc in procs.values():
             proc.terminate()

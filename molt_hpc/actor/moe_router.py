@@ -120,17 +120,28 @@ def swap_routers(model: nn.Module, *, strict: bool = True) -> list[Router]:
     return routers
 
 
-def shard_routers(model: nn.Module, mesh) -> None:
-    """Make each swapped router its own FSDP unit with fp32 parameters (call before sharding its block).
+def shard_routers(model: nn.Module, mesh, offload_policy=None) -> None:
+    """Make each swapped router its own FSDP unit with fp32 parameters (call before sharding its block;
+    `offload_policy` is the blocks' own).
 
     Inputs are not cast: the router casts them itself, so its outputs (the top-k weights) keep the
     block's dtype."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for module in model.modules():
         if isinstance(module, ReplayRouter):
-            fully_shard(module, mesh=mesh, mp_policy=fp32)
+            fully_shard(module, mesh=mesh, mp_policy=fp32, offload_policy=offload_policy or OffloadPolicy())
+
+
+def prepare_routers(model: nn.Module, cfg: MoltConfig, role: str) -> None:
+    """Before sharding (on the meta device): the policy's and the reference's routers get the fp32 (replay)
+    forward; for the policy, MoE settings its routers cannot honour are refused here, before any weight
+    is read (a dense model with router replay, a router family replay does not know)."""
+    if role == "policy":
+        MoeRouting.for_policy(model, cfg)  # checks and swaps; the trainer's own driver is made after loading
+    elif role == "reference":
+        swap_routers(model, strict=False)
 
 
 @dataclass

@@ -140,6 +140,13 @@ class ActorConfig(Section):
     1/cp of every row; needs cp to divide the attention heads and attention `sdpa` or `flash_attention_2`."""
     ep: PositiveInt = 1
     """Expert-parallel degree (inside a node, MoE only)."""
+    offload: Literal["none", "optimizer", "full"] = "none"
+    """Host memory for trainer state on GPUs. `optimizer`: AdamW's moments live in pinned host memory
+    between steps (copied to the GPU for the update and back: GPU memory for 8 bytes per parameter,
+    freed); `full`: FSDP2's CPU offload, parameters, gradients and optimizer state all on the host,
+    the update computed by the CPU (the most GPU memory saved, the slowest step). On a CPU trainer
+    everything already lives in host memory: `optimizer` changes nothing there, `full` runs the same
+    offload code path with no memory effect."""
 
 
 class CheckpointConfig(Section):

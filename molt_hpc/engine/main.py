@@ -92,7 +92,7 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
         routing=routing,
     )
     state = EngineState(sched, model.config.vocab_size, eng.max_model_len, str(cfg.model.path), index)
-    app = build_app(state, run.token())
+    app = build_app(state, run.token(), open_health=cfg.router.kind == "vllm-router")
     sync = WeightSync(state, model)
     sync.add_routes(app)
     return app, sched, sync
