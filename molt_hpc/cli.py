@@ -58,14 +58,15 @@ def model_group() -> None:
 
 @model_group.command("build-tiny")
 @click.argument("out_dir")
-@click.option("--config", "config", default=None, help="Take model.tiny from this config file.")
+@click.option("--config", "config", default=None, help="Take model.tiny (or model.tiny_moe) from this config file.")
+@click.option("--moe", is_flag=True, help="Write builtin:tiny-moe (shape from model.tiny_moe) instead of tiny-char.")
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)
-def build_tiny_cmd(out_dir: str, config: str | None, overrides: tuple[str, ...]) -> None:
+def build_tiny_cmd(out_dir: str, config: str | None, moe: bool, overrides: tuple[str, ...]) -> None:
     """Write the offline tiny model (tokenizer + random-init weights, HF layout) to OUT_DIR."""
-    from molt_hpc.models import build_tiny
+    from molt_hpc.models import build_tiny, build_tiny_moe
 
     cfg = _load(config, overrides)
-    path = build_tiny(out_dir, cfg.model.tiny)
+    path = build_tiny_moe(out_dir, cfg.model.tiny_moe) if moe else build_tiny(out_dir, cfg.model.tiny)
     click.echo(f"wrote {path}")
 
 

@@ -103,6 +103,7 @@ def step_line(step: int, metrics: dict[str, Any]) -> str:
         ("kl_rollout", ".4f"),
         ("entropy", ".3f"),
         ("grad_norm", ".3f"),
+        ("routing_agreement", ".3f"),
         ("refit_s", ".2f"),
         ("tokens_per_s", ".0f"),
         ("buffer_pending", "d"),

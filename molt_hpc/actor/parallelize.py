@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from molt_hpc.actor.attention import DocumentAttention, use_document_attention
+from molt_hpc.actor.moe_router import shard_routers
 from molt_hpc.config.train import ActorConfig
 
 
@@ -60,6 +61,7 @@ def parallelize(
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     offload = offload_policy(cfg, mesh.device_type)
+    shard_routers(model, mesh, offload)  # swapped MoE routers: their own fp32 units, before their blocks
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)

@@ -9,6 +9,7 @@ With context parallelism the ranks of a CP group share rows: the token count run
 ranks only and the scale is the data-parallel size (`molt_hpc.actor.context_parallel`).
 """
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from molt_hpc.actor.batch import critic_values, mini_batch_rows, policy_logprobs, rows_forward
+from molt_hpc.actor.moe_router import MoeRouting
 from molt_hpc.actor.packing import rank_micro_batches
 from molt_hpc.actor.state import Trainable
 from molt_hpc.actor.world import World, gather_all
@@ -45,6 +47,8 @@ class Models:
     critic: Trainable | None = None
     pack_tokens: int | None = None
     """Tokens of one packed micro-batch (`molt_hpc.actor.packing`); None: rows padded `micro_batch_size` at a time."""
+    moe: MoeRouting | None = None
+    """The policy's MoE routers (replay, aux losses, routing metrics); None for a dense policy."""
 
 
 @dataclass
@@ -137,12 +141,15 @@ def update_policy(exp: Experience, cfg: MoltConfig, models: Models, world: World
     for mbs, count in _updates(exp, cfg, world, act.ppo_epochs, models.pack_tokens):
         for mb in mbs:
             mb = mb.to(world.device)
-            logp, ent = policy_logprobs(part.model, mb, cfg.rollout.temperature, act.logprob_chunk)
-            loss, metrics = policy_loss(
-                logp, mb.action_log_probs, mb.advantages, mb.action_mask, alg, count,
-                seq_index=mb.seq_index, n_samples=exp.num_samples, base_log_probs=mb.base_log_probs, entropy=ent,
-            )  # fmt: skip
-            (loss * world.dp_size).backward()
+            with models.moe.micro_batch(mb) if models.moe else contextlib.nullcontext():
+                logp, ent = policy_logprobs(part.model, mb, cfg.rollout.temperature, act.logprob_chunk)
+                loss, metrics = policy_loss(
+                    logp, mb.action_log_probs, mb.advantages, mb.action_mask, alg, count,
+                    seq_index=mb.seq_index, n_samples=exp.num_samples, base_log_probs=mb.base_log_probs, entropy=ent,
+                )  # fmt: skip
+                if models.moe:  # MoE aux losses, weighted like the policy loss (a share of the global tokens)
+                    loss = loss + models.moe.aux_loss(int(mb.action_mask.sum()) / count)
+                (loss * world.dp_size).backward()
             meter.add({**metrics, "loss": loss.detach()}, _reported_tokens(mb, world))
         norms.append(optimizer_step(part, act.grad_clip))
         meter.update("policy")
@@ -189,6 +196,8 @@ def train_step(groups: list[Group], cfg: MoltConfig, models: Models, world: Worl
             out["lr" if part is models.policy else "critic_lr"] = part.optimizer.param_groups[0]["lr"]
             part.scheduler.step()
     out.update(batch_metrics(exp))
+    if models.moe:
+        out.update(models.moe.step_metrics(exp))
     if "kl" not in out and exp.base_log_probs is not None:  # the KL went into the reward: report the rollout's
         kl = kl_estimate(exp.action_log_probs, exp.base_log_probs, cfg.algorithm.kl_estimator)
         out["kl"] = float(kl[exp.action_mask].mean()) if exp.num_action_tokens else 0.0

@@ -19,6 +19,7 @@ from molt_hpc.actor import build, state
 from molt_hpc.actor.control import Control, Requests
 from molt_hpc.actor.feed import Feed, staleness_histogram
 from molt_hpc.actor.memory import StepMemory
+from molt_hpc.actor.moe_router import MoeRouting
 from molt_hpc.actor.packing import sequence_layout
 from molt_hpc.actor.step import Models, train_step
 from molt_hpc.actor.sync import EngineSync
@@ -119,7 +120,8 @@ class Trainer:
             f"{cfg.actor.micro_batch_size} padded rows", cfg.actor.cp,
         )  # fmt: skip
         policy = build.load_model(src, cfg, world, "policy", documents=docs)
-        models = Models(policy=self._trainable("policy", policy, cfg.actor.lr), pack_tokens=pack_tokens)
+        moe = MoeRouting.for_policy(policy, cfg)  # replay, aux losses and routing metrics of an MoE policy
+        models = Models(policy=self._trainable("policy", policy, cfg.actor.lr), pack_tokens=pack_tokens, moe=moe)
         if cfg.algorithm.uses_reference:
             models.reference = build.load_model(self.base, cfg, world, "reference", documents=docs)
         if cfg.algorithm.uses_critic:

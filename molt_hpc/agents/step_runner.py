@@ -16,6 +16,7 @@ from typing import Any
 from molt_hpc.agents.base import Env, Result, State
 from molt_hpc.agents.calls import EngineError, EnvError, call_user
 from molt_hpc.agents.observation import ObservationFormatter
+from molt_hpc.agents.routing import RoutingTrace
 from molt_hpc.config.rollout import RolloutConfig
 from molt_hpc.data import Prompt, render_prompt
 from molt_hpc.trajectory import Trajectory
@@ -54,6 +55,7 @@ class StepEnvRunner:
         apply_chat_template: bool = True,
         system_prompt: str | None = None,
         seed: int = 0,
+        routed_experts: bool = False,
     ):
         self.env_cls = env_cls
         self.tokenizer = tokenizer
@@ -62,6 +64,8 @@ class StepEnvRunner:
         self.apply_chat_template = apply_chat_template
         self.system_prompt = system_prompt
         self.seed = seed
+        self.routed_experts = routed_experts
+        """Keep the engine's MoE routing of every token (router replay; see `agents/routing.py`)."""
         self.observations = ObservationFormatter(tokenizer, apply_chat_template)
         self.base_params = base_sampling_params(cfg, [tokenizer.eos_token_id])
 
@@ -82,6 +86,7 @@ class StepEnvRunner:
         first = await call_user(env.reset, state, timeout=timeout, what="Env.reset")
         tokens = list(prompt.token_ids) if first is None else self._render_first(first, prompt)
         trace = _Trace(tokens)
+        routing = RoutingTrace() if self.routed_experts else None
         params = {**self.base_params, **(overrides or {})}
         reward, score, info, finish = 0.0, None, {}, "stop"
         for turn in range(self.cfg.max_turns):
@@ -91,9 +96,12 @@ class StepEnvRunner:
                 break
             sp = {**params, "max_tokens": max(1, min(int(params["max_tokens"]), self.cfg.max_new_tokens, budget))}
             sp.setdefault("seed", turn_seed(rollout_id, turn, self.seed))
-            out = await self.generate(trace.tokens, sp, session_id)
+            asked = sp if routing is None else {**sp, "routed_experts_prompt_start": routing.have}
+            out = await self.generate(trace.tokens, asked, session_id)
             if out.finish_reason == "abort":
                 raise EngineError("the engine aborted the request")
+            if routing is not None:
+                routing.add(getattr(out, "routed_experts", None), len(trace.tokens), len(out.token_ids))
             trace.add_action(out)
             finish = out.finish_reason
             _update_state(state, self.tokenizer, out, turn, sp)
@@ -131,6 +139,7 @@ class StepEnvRunner:
             info=info,
             group_id=group_id,
             rollout_id=rollout_id,
+            routed_experts=None if routing is None else routing.rows(len(trace.tokens)),
         )
 
     def _render_first(self, first: Any, prompt: Prompt) -> list[int]:

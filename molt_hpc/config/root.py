@@ -85,6 +85,7 @@ class MoltConfig(Section):
             )
         self._check_sequences()
         self._check_tiny_model()
+        self._check_router_replay()
         self._check_slurm()
         return self
 
@@ -109,6 +110,18 @@ class MoltConfig(Section):
                     f"actor.cp = {act.cp} does not divide model.tiny.num_heads ({tiny.num_heads}): each CP rank "
                     "runs heads / cp of them"
                 )
+
+    def _check_router_replay(self) -> None:
+        if not self.actor.router_replay or self.engines.kind != "vllm":
+            return
+        refused = ("--speculative-config", "--pipeline-parallel-size", "-pp", "--kv-transfer-config")
+        bad = [a for a in self.engines.extra_args if a.split("=", 1)[0] in refused]
+        if bad:
+            raise ValueError(
+                f"actor.router_replay = true with engines.extra_args {bad}: vLLM 0.26 returns no (or misaligned) "
+                "routed experts with speculative decoding, pipeline parallelism or a KV connector; drop them or set "
+                "actor.router_replay = false"
+            )
 
     def _check_tiny_model(self) -> None:
         tiny = self.model.tiny

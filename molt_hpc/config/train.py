@@ -65,9 +65,10 @@ class AlgorithmConfig(Section):
     overlong_penalty: NonNegativeFloat = 1.0
     """Largest over-long penalty subtracted from the reward."""
     moe_aux_coef: NonNegativeFloat = 0.0
-    """Weight of the MoE load-balancing loss (MoE models only)."""
+    """Weight of the MoE load-balancing loss (Switch: `E · Σ f_i · P_i` over the experts actually
+    used, replayed ones included), from the trainer's fp32 router logits; MoE models only."""
     moe_z_coef: NonNegativeFloat = 0.0
-    """Weight of the MoE router z-loss (MoE models only)."""
+    """Weight of the MoE router z-loss (mean `logsumexp(router logits)^2`); MoE models only."""
 
     @property
     def uses_critic(self) -> bool:
@@ -124,7 +125,16 @@ class ActorConfig(Section):
     logprob_chunk: PositiveInt = 1024
     """Tokens per chunk when computing log-probs and entropy, so fp32 [B, T, V] is never materialised."""
     freeze_router: bool = True
-    """Do not train MoE router (gate) weights (a train/inference consistency guard)."""
+    """Do not train MoE router (gate) weights (a train/inference consistency guard). Routers are
+    found by their class (the one the model records `router_logits` from), whatever their names."""
+    router_replay: bool = False
+    """MoE router replay (a train/inference consistency guard): engines return the experts every
+    token went to (vLLM's `--enable-return-routed-experts`; the builtin engine records the same) and
+    each MoE layer of the trainer sends those tokens to the engine's experts, with gate weights from
+    its own fp32 softmax, so the router still gets gradients. Tokens without routing (the last of a
+    sample, a sample whose routing did not line up) keep the live choice. Needs an MoE model whose
+    router is softmax then top-k (Qwen2/3-MoE, OLMoE, Mixtral, ...). The builtin engine records
+    routing from Python hooks, so on a GPU it then decodes without CUDA graphs."""
     cp: PositiveInt = 1
     """Context-parallel degree (inside a node): Ulysses all-to-all over `cp` adjacent ranks, each running
     1/cp of every row; needs cp to divide the attention heads and attention `sdpa` or `flash_attention_2`."""

@@ -9,6 +9,7 @@ fresh cache and returns the next-token logits, so joining and re-prefilling are 
 import inspect
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +30,8 @@ class Row:
     versions: list[int] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     """Most likely (token, log-prob) pairs per step, when the request asked for `logprobs` > 0 or -1."""
+    routing: Any = None
+    """The experts of every forwarded position (an `engine.routing.RowRouting`) when routing is captured."""
 
     @property
     def context(self) -> list[int]:

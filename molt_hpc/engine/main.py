@@ -52,6 +52,7 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
     import torch
 
     from molt_hpc.engine.batch import ModelRunner
+    from molt_hpc.engine.routing import RoutingRecorder
     from molt_hpc.engine.scheduler import Scheduler
     from molt_hpc.engine.server import EngineState, build_app
     from molt_hpc.engine.slots import ATTENTION, SlotRunner, bound_gpu_memory, check_slot_cache_fits
@@ -72,6 +73,7 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
         model = load_causal_lm(path, dtype=cfg.model.dtype, device=device, attn=cfg.model.attn_implementation)
     eos = model.generation_config.eos_token_id if model.generation_config else model.config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    routing = RoutingRecorder(model) if cfg.actor.router_replay else None
     if device == "cuda" and getattr(model.config, "_attn_implementation", "sdpa") in ATTENTION:
         # On a GPU: a preallocated KV cache, and decode steps replayed as CUDA graphs unless enforce_eager.
         # On a CPU the step costs what its ops cost either way; the growing cache stays.
@@ -82,7 +84,7 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
             dev,
             max_batch=eng.max_batch,
             max_model_len=eng.max_model_len,
-            graphs=not eng.enforce_eager,
+            graphs=not eng.enforce_eager and routing is None,  # the router hooks record from Python
         )
     else:
         runner = ModelRunner(model, dev)
@@ -92,6 +94,7 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
         max_batch=eng.max_batch,
         max_model_len=eng.max_model_len,
         seed=cfg.run.seed * 1000 + index,
+        routing=routing,
     )
     state = EngineState(sched, model.config.vocab_size, eng.max_model_len, str(cfg.model.path), index, place(dev))
     app = build_app(state, run.token(), open_health=cfg.router.kind == "vllm-router")

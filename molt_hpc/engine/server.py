@@ -68,20 +68,17 @@ def build_app(state: EngineState, token: str, open_health: bool = False) -> web.
         except asyncio.CancelledError:  # the client left: free the row's slot, then let aiohttp finish
             sched.call(lambda: sched.cancel(row))
             raise
+        choice = {
+            "index": 0,
+            "token_ids": row.tokens,
+            "logprobs": {"content": logprob_content(row)},
+            "finish_reason": reason,
+            "weight_versions": row.versions,
+        }
+        if row.routing is not None:  # vLLM's --enable-return-routed-experts field
+            choice["routed_experts"] = row.routing.encode(sp.routed_experts_prompt_start) if row.tokens else None
         return web.json_response(
-            {
-                "id": req.request_id or f"gen-{state.index}-{next(ids)}",
-                "choices": [
-                    {
-                        "index": 0,
-                        "token_ids": row.tokens,
-                        "logprobs": {"content": logprob_content(row)},
-                        "finish_reason": reason,
-                        "weight_versions": row.versions,
-                    }
-                ],
-                "weight_version": version,
-            }
+            {"id": req.request_id or f"gen-{state.index}-{next(ids)}", "choices": [choice], "weight_version": version}
         )
 
     async def health(request: web.Request) -> web.Response:

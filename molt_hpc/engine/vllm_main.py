@@ -40,6 +40,7 @@ WORKER_EXTENSION = "molt_hpc.engine.vllm_ipc.MoltWorkerExtension"
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 """Where `molt_hpc` is imported from here: vLLM's workers import the extension from there too."""
 PR_SET_PDEATHSIG = 1
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
 
 
 def check_vllm_torch(vllm_version: str, required_torch: str | None, torch_version: str) -> None:
@@ -97,6 +98,8 @@ def vllm_command(cfg: MoltConfig, model_dir: str | Path, port: int, index: int) 
     cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     # The shared-memory refit to an engine on the trainer's GPU, reached through /collective_rpc.
     cmd += ["--worker-extension-cls", WORKER_EXTENSION]
+    if cfg.actor.router_replay and ROUTED_EXPERTS_FLAG not in eng.extra_args:
+        cmd.append(ROUTED_EXPERTS_FLAG)  # every answer carries the experts of each token (router replay)
     return cmd + list(eng.extra_args)
 
 

@@ -81,6 +81,7 @@ async def serve(cfg: MoltConfig, run: RunDir) -> int:
                 apply_chat_template=cfg.data.apply_chat_template,
                 system_prompt=cfg.data.system_prompt,
                 seed=cfg.run.seed,
+                routed_experts=cfg.actor.router_replay,
             )
         try:
             await Orchestrator(cfg, run, dataset, runner, link, buffer, eval_prompts, stop).run_loop()
