@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from molt_hpc.actor.expert_parallel import apply_expert_parallel
 from molt_hpc.config.train import ActorConfig
 
 
@@ -26,10 +27,9 @@ def parallelize(
     Parameters stay fp32 (the master weights); forward and backward run in `compute_dtype`, with
     gradients reduced in fp32.
     """
-    if cfg.cp > 1 or cfg.ep > 1:
+    if cfg.cp > 1:
         raise ValueError(
-            f"actor.cp = {cfg.cp}, actor.ep = {cfg.ep}: context and expert parallelism are not implemented "
-            "in this trainer yet; set both to 1"
+            f"actor.cp = {cfg.cp}: context parallelism is not implemented in this trainer yet; set it to 1"
         )
     blocks = decoder_blocks(model)
     if not blocks:
@@ -47,6 +47,8 @@ def parallelize(
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    if cfg.ep > 1:  # experts first: their own FSDP units, inside their blocks' (expert_parallel.py)
+        apply_expert_parallel(model, cfg.ep, cfg.ep_dispatch, mp)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)

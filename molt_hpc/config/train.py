@@ -121,7 +121,12 @@ class ActorConfig(Section):
     cp: PositiveInt = 1
     """Context-parallel degree (inside a node)."""
     ep: PositiveInt = 1
-    """Expert-parallel degree (inside a node, MoE only)."""
+    """Expert-parallel degree (MoE only): each MoE layer's experts are split over groups of `ep` ranks
+    inside a node (it must divide the experts per layer and the ranks per node); the other weights stay
+    FSDP over all ranks."""
+    ep_dispatch: Literal["all_to_all", "deep_ep"] = "all_to_all"
+    """How tokens reach their experts' ranks under `ep > 1`: `all_to_all` (torch.distributed, any
+    backend) or `deep_ep` (DeepEP's NVLink kernels; GPUs only, needs the `deep_ep` package)."""
 
 
 class CheckpointConfig(Section):
