@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 IMPLEMENTATIONS = {"all_to_all": "molt_ep_all_to_all", "deep_ep": "molt_ep_deep_ep"}
 """`actor.ep_dispatch` → the name registered in transformers' `ExpertsInterface`."""
@@ -203,7 +203,7 @@ def all_to_all_forward(
 ) -> torch.Tensor:
     """The experts of an EP-sharded experts module on this rank's tokens (`[T, H]`, global top-k ids)."""
     ctx: EPGroup = self._molt_ep
-    tokens, k = top_k_index.shape
+    k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, hence by the expert's rank
     counts = torch.bincount(flat, minlength=self.num_experts)
@@ -236,9 +236,33 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def expert_units_of(model: nn.Module) -> list[nn.Module]:
-    """The experts modules of `model` that `apply_expert_parallel` sharded."""
-    return [m for m in experts_modules(model) if hasattr(m, "_molt_ep")]
+def is_expert_sharded(p: torch.Tensor) -> bool:
+    """Whether `p` is an expert parameter that `apply_expert_parallel` sharded (a DTensor on `(efsdp, ep)`)."""
+    return isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("efsdp", "ep")
+
+
+def gather_experts(p: DTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The whole expert parameter `p` (`[E, ...]`) on global rank 0 (a collective of every rank).
+
+    Every rank first gathers its own EP slice over `efsdp` (what FSDP holds while it computes), then
+    the EP group of rank 0 gathers the slices on rank 0: no other rank ever holds more than one slice,
+    so a refit or checkpoint never materialises all experts anywhere but on rank 0. Other ranks get
+    their slice back, which they must not use.
+    """
+    mesh = p.device_mesh
+    if dtype is not None and dtype.itemsize < p.dtype.itemsize:
+        p = p.to(dtype)  # cast before moving: fewer bytes
+    mine = p.redistribute(mesh, [Replicate(), Shard(0)]).to_local()
+    if mesh.get_local_rank("efsdp") != 0:
+        return mine
+    group = mesh["ep"].get_group()
+    mine = mine.contiguous()
+    if dist.get_rank() != 0:
+        dist.gather(mine, None, group_dst=0, group=group)
+        return mine
+    parts = [torch.empty_like(mine) for _ in range(mesh["ep"].size())]
+    dist.gather(mine, parts, group_dst=0, group=group)
+    return torch.cat(parts)
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -262,4 +286,3 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
 def on_several_meshes(params: list[nn.Parameter]) -> bool:
     meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
     return len(meshes) > 1
-

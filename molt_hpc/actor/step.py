@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from molt_hpc.actor.batch import critic_values, micro_batches, mini_batch_rows, my_rows, policy_logprobs, rows_forward
+from molt_hpc.actor.expert_parallel import clip_grad_norm, on_several_meshes
 from molt_hpc.actor.state import Trainable
 from molt_hpc.actor.world import World, gather_all
 from molt_hpc.algorithm import (
@@ -109,7 +110,10 @@ def build_experience(groups: list[Group], cfg: MoltConfig, models: Models, world
 def optimizer_step(part: Trainable, max_norm: float) -> float:
     """Clip the global gradient norm, step, zero the gradients; returns the norm before clipping."""
     params = [p for p in part.model.parameters() if p.requires_grad]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if on_several_meshes(params):  # expert parallelism: experts and the rest are on two meshes
+        norm = clip_grad_norm(params, max_norm)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     part.optimizer.step()

@@ -1,0 +1,120 @@
+"""Expert parallelism on real gloo groups: EP = 2 and 4 give the one-process loss, gradients and weights.
+
+Each case spawns `world` ranks that shard a tiny Qwen3-MoE (8 experts, top-2, built here from
+`Qwen3MoeConfig`) with `actor.ep = ep` (FSDP over the remaining `world / ep` ranks when there are
+some), train one step on their share of a batch with the trainer's loss scaling (each rank's loss
+over the global token count, times the world size), clip through the trainer's `optimizer_step`,
+then save a checkpoint and gather the refit tensors. The reference is the plain model on the whole
+batch in this process.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from molt_hpc.actor.parallelize import parallelize
+from molt_hpc.config.train import ActorConfig
+
+VOCAB, ROWS, COLS, LR, CLIP = 50, 8, 12, 0.5, 0.05
+
+
+def tiny_moe():
+    """A two-layer Qwen3-MoE (8 experts, top-2) with routers spread enough that every expert gets tokens."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def batch() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (ROWS, COLS), generator=torch.Generator().manual_seed(1))
+
+
+def loss_of(model, ids: torch.Tensor, count: int) -> torch.Tensor:
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1), reduction="sum") / count
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _rank_main(rank: int, world: int, ep: int, store: str, out: str) -> None:
+    from molt_hpc.actor.state import Trainable, save_model
+    from molt_hpc.actor.step import optimizer_step
+    from molt_hpc.actor.weights import full_tensor
+    from molt_hpc.actor.world import World
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # one node
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        model, ids = tiny_moe(), batch()
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+        parallelize(model, mesh, ActorConfig(ep=ep))
+        experts = model.model.layers[0].mlp.experts.gate_up_proj
+        assert tuple(experts.to_local().shape)[0] <= 8 // ep, "each EP rank holds at most its E/ep experts"
+        loss = loss_of(model, ids[rank::world], ids[:, 1:].numel())
+        (loss * world).backward()
+        grads = {n: _whole(p.grad) for n, p in model.named_parameters()}
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        norm = optimizer_step(Trainable("policy", model, opt, None), CLIP)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        refit = {n: full_tensor(p.detach())[0] for n, p in model.named_parameters()}  # as EngineSync.refit
+        world_obj = World(rank=rank, size=world, device=torch.device("cpu"), mesh=mesh)
+        save_model(world_obj, model, Path(out) / "ckpt", tokenizer_src=Path(out), shard_bytes=64 << 10)
+        if rank == 0:
+            torch.save({"loss": total, "grads": grads, "norm": norm, "refit": refit}, Path(out) / "result.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Loss, gradients, gradient norm and weights after one clipped SGD step of the plain model."""
+    model, ids = tiny_moe(), batch()
+    loss = loss_of(model, ids, ids[:, 1:].numel())
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), CLIP)
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"loss": float(loss.detach()), "grads": grads, "norm": float(norm), "weights": weights}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "ep"), [(4, 2), (4, 4)], ids=["ep2-fsdp2", "ep4"])
+def test_expert_parallel_equals_one_process(tmp_path: Path, reference, world: int, ep: int) -> None:
+    mp.spawn(_rank_main, args=(world, ep, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True)
+    got = torch.load(tmp_path / "result.pt")
+    assert abs(float(got["loss"]) - reference["loss"]) < 1e-6
+    for name, want in reference["grads"].items():
+        torch.testing.assert_close(got["grads"][name], want, atol=1e-6, rtol=0, msg=name)
+    assert abs(got["norm"] - reference["norm"]) < 1e-6
+    assert reference["norm"] > CLIP, "the step must clip for the norm to matter"
+    ckpt = {}
+    for f in sorted((tmp_path / "ckpt").glob("*.safetensors")):
+        ckpt.update(load_file(f))
+    assert len(list((tmp_path / "ckpt").glob("*.safetensors"))) > 2, "small shards: several buckets"
+    assert set(ckpt) == set(reference["weights"]) == set(got["refit"])
+    for name, want in reference["weights"].items():
+        torch.testing.assert_close(ckpt[name], want, atol=1e-6, rtol=0, msg=name)
+        torch.testing.assert_close(got["refit"][name], want, atol=1e-6, rtol=0, msg=name)
+    assert ckpt["model.layers.1.mlp.experts.down_proj"].shape == (8, 64, 32)
