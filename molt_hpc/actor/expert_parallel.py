@@ -31,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from molt_hpc.actor.ep_check import check_ep, num_experts
+
 IMPLEMENTATIONS = {"all_to_all": "molt_ep_all_to_all", "deep_ep": "molt_ep_deep_ep"}
 """`actor.ep_dispatch` → the name registered in transformers' `ExpertsInterface`."""
 
@@ -51,36 +53,6 @@ def experts_modules(model: nn.Module) -> list[nn.Module]:
         for m in model.modules()
         if hasattr(m, "is_transposed") and hasattr(m, "has_gate") and isinstance(getattr(m, "num_experts", None), int)
     ]
-
-
-def num_experts(model_config) -> int | None:
-    """Routed experts per MoE layer of an HF config (None for a dense model)."""
-    text = getattr(model_config, "text_config", None) or model_config
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        value = getattr(text, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def check_ep(ep: int, world: int, ranks_per_node: int, experts: int | None) -> None:
-    """Refuse an EP degree this world or model cannot take, saying what to change."""
-    if ep == 1:
-        return
-    if experts is None:
-        raise ValueError(f"actor.ep = {ep} but the model has no MoE experts: set actor.ep = 1 for a dense model")
-    if experts % ep:
-        raise ValueError(
-            f"actor.ep = {ep} does not divide the model's {experts} experts per layer: pick an ep that divides "
-            f"{experts}"
-        )
-    if world % ep:
-        raise ValueError(f"actor.ep = {ep} does not divide the {world} trainer ranks: pick an ep that divides {world}")
-    if ranks_per_node % ep:
-        raise ValueError(
-            f"actor.ep = {ep} does not divide the {ranks_per_node} trainer ranks per node: expert parallelism stays "
-            f"inside a node, so pick an ep that divides {ranks_per_node}"
-        )
 
 
 @functools.cache
@@ -109,7 +81,9 @@ def apply_expert_parallel(
     experts = experts_modules(model)
     if check:  # torchrun's LOCAL_WORLD_SIZE: the ranks of this node
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        check_ep(ep, world, per_node, num_experts(model.config) if experts else None)
+        check_ep(ep, world, per_node, num_experts(model.config.to_dict()) if experts else None)
+    if dispatch == "deep_ep" and mp.param_dtype != torch.bfloat16:
+        raise ValueError("actor.ep_dispatch = 'deep_ep' moves bf16 activations: set model.dtype = 'bfloat16'")
     register(dispatch)
     mesh = ep_mesh(_device_type(model), world, ep)
     for module in experts:

@@ -115,6 +115,11 @@ class MoltConfig(Section):
                 f"actor.cp × actor.ep = {inner} exceeds slurm.actor.gpus_per_node = "
                 f"{sl.actor.gpus_per_node}: context and expert parallelism stay inside a node"
             )
+        if sl.actor.gpus_per_node and sl.actor.gpus_per_node % act.ep:
+            raise ValueError(
+                f"actor.ep = {act.ep} does not divide slurm.actor.gpus_per_node = {sl.actor.gpus_per_node}: an "
+                "expert-parallel group stays inside a node, so pick an ep that divides the GPUs per node"
+            )
         engine_gpus = sl.engines.gpus_per_node
         if engine_gpus and engine_gpus % self.engines.tensor_parallel:
             raise ValueError(

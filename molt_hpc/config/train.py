@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from molt_hpc.config.base import Section
 
@@ -127,6 +127,17 @@ class ActorConfig(Section):
     ep_dispatch: Literal["all_to_all", "deep_ep"] = "all_to_all"
     """How tokens reach their experts' ranks under `ep > 1`: `all_to_all` (torch.distributed, any
     backend) or `deep_ep` (DeepEP's NVLink kernels; GPUs only, needs the `deep_ep` package)."""
+
+    @model_validator(mode="after")
+    def _check_ep_dispatch(self) -> "ActorConfig":
+        if self.ep_dispatch == "deep_ep" and self.ep == 1:
+            raise ValueError("actor.ep_dispatch = 'deep_ep' moves tokens between EP ranks: set actor.ep > 1 with it")
+        if self.ep_dispatch == "deep_ep" and self.device == "cpu":
+            raise ValueError(
+                "actor.ep_dispatch = 'deep_ep' runs on GPUs only: set actor.device = 'cuda' (or 'auto'), "
+                "or actor.ep_dispatch = 'all_to_all'"
+            )
+        return self
 
 
 class CheckpointConfig(Section):

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from molt_hpc.actor.ep_check import check_ep, model_experts
 from molt_hpc.config import MoltConfig, to_toml
 from molt_hpc.launch.procs import REPO, Child, job_command, stop_all
 from molt_hpc.launch.progress import Progress
@@ -31,7 +32,8 @@ def prepare_run(cfg: MoltConfig) -> RunDir:
     (run.path / "control").mkdir(exist_ok=True)
     for stale in ("done", "stop", "checkpoint"):  # leftovers of an earlier, finished or stopped launch
         (run.path / "control" / stale).unlink(missing_ok=True)
-    resolve_model(cfg.model, run.models)
+    base = resolve_model(cfg.model, run.models)
+    check_ep(cfg.actor.ep, cfg.actor.ranks, cfg.actor.ranks, model_experts(base))  # one node: all ranks
     return run
 
 
