@@ -69,7 +69,7 @@ def _rank_main(rank: int, world: int, ep: int, store: str, out: str) -> None:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
         parallelize(model, mesh, ActorConfig(ep=ep))
         experts = model.model.layers[0].mlp.experts.gate_up_proj
-        assert tuple(experts.to_local().shape)[0] <= 8 // ep, "each EP rank holds at most its E/ep experts"
+        assert experts.to_local().shape[0] <= 8 // ep, "each EP rank holds at most its E/ep experts"
         loss = loss_of(model, ids[rank::world], ids[:, 1:].numel())
         (loss * world).backward()
         grads = {n: _whole(p.grad) for n, p in model.named_parameters()}

@@ -50,7 +50,7 @@ def visible_gpus() -> list[str]:
 def split_gpus(cfg: MoltConfig, gpus: list[str]) -> tuple[list[str], list[str]]:
     """(actor pool GPUs, engine pool GPUs): disjoint when there are enough, else both share them all."""
     actor_n = 0 if cfg.actor.device == "cpu" else cfg.actor.ranks
-    engine_n = 0 if cfg.engines.device == "cpu" else cfg.engines.count * cfg.engines.tensor_parallel
+    engine_n = 0 if cfg.engines.device == "cpu" else cfg.engines.count * cfg.engines.gpus_per_engine
     if not gpus or actor_n + engine_n == 0:
         return [], []
     if len(gpus) >= actor_n + engine_n:
