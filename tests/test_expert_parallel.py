@@ -56,7 +56,22 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _rank_main(rank: int, world: int, ep: int, store: str, out: str) -> None:
+def use_fake_deep_ep(model) -> None:
+    """Switch the EP experts to the DeepEP dispatch, DeepEP's buffer replaced by the gloo fake, fp32 on the wire."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    from molt_hpc.actor import deepep
+    from molt_hpc.actor.expert_parallel import IMPLEMENTATIONS
+    from tests.fake_deep_ep import FakeDeepEPBuffer
+
+    buffers = {}
+    deepep.WIRE_DTYPE = torch.float32
+    deepep.buffer_for = lambda group, _bytes: buffers.setdefault(group, FakeDeepEPBuffer(group, 8))
+    ExpertsInterface.register(IMPLEMENTATIONS["deep_ep"], deepep.deep_ep_forward)
+    model.set_experts_implementation(IMPLEMENTATIONS["deep_ep"])
+
+
+def _rank_main(rank: int, world: int, ep: int, dispatch: str, store: str, out: str) -> None:
     from molt_hpc.actor.state import Trainable, save_model
     from molt_hpc.actor.step import optimizer_step
     from molt_hpc.actor.weights import full_tensor
@@ -68,6 +83,8 @@ def _rank_main(rank: int, world: int, ep: int, store: str, out: str) -> None:
         model, ids = tiny_moe(), batch()
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
         parallelize(model, mesh, ActorConfig(ep=ep))
+        if dispatch == "deep_ep-fake":
+            use_fake_deep_ep(model)
         experts = model.model.layers[0].mlp.experts.gate_up_proj
         assert experts.to_local().shape[0] <= 8 // ep, "each EP rank holds at most its E/ep experts"
         loss = loss_of(model, ids[rank::world], ids[:, 1:].numel())
@@ -100,9 +117,15 @@ def reference():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "ep"), [(4, 2), (4, 4)], ids=["ep2-fsdp2", "ep4"])
-def test_expert_parallel_equals_one_process(tmp_path: Path, reference, world: int, ep: int) -> None:
-    mp.spawn(_rank_main, args=(world, ep, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True)
+@pytest.mark.parametrize(
+    ("world", "ep", "dispatch"),
+    [(4, 2, "all_to_all"), (4, 4, "all_to_all"), (2, 2, "deep_ep-fake")],
+    ids=["ep2-fsdp2", "ep4", "ep2-deep_ep-fake"],
+)
+def test_expert_parallel_equals_one_process(tmp_path: Path, reference, world: int, ep: int, dispatch: str) -> None:
+    """`deep_ep-fake`: the DeepEP dispatch's autograd wiring with DeepEP's buffer replaced by a gloo fake."""
+    args = (world, ep, dispatch, str(tmp_path / "store"), str(tmp_path))
+    mp.spawn(_rank_main, args=args, nprocs=world, join=True)
     got = torch.load(tmp_path / "result.pt")
     assert abs(float(got["loss"]) - reference["loss"]) < 1e-6
     for name, want in reference["grads"].items():

@@ -20,6 +20,9 @@ from torch import nn
 
 from molt_hpc.actor.expert_parallel import EPGroup, local_experts_mlp
 
+WIRE_DTYPE = torch.bfloat16
+"""What DeepEP's normal kernels move (they take bf16 tokens only)."""
+
 
 def require_deep_ep():
     """The `deep_ep` module, or a `ValueError` saying how to get it."""
@@ -85,7 +88,7 @@ def deep_ep_forward(
 ) -> torch.Tensor:
     """The experts of an EP-sharded experts module on this rank's tokens, moved by DeepEP."""
     ctx: EPGroup = self._molt_ep
-    x = hidden_states.to(torch.bfloat16).contiguous()
+    x = hidden_states.to(WIRE_DTYPE).contiguous()
     buffer = buffer_for(ctx.group, x.shape[1] * x.element_size())
     recv_x, recv_idx, recv_w, handle = _Dispatch.apply(
         x, top_k_index.to(torch.int64).contiguous(), top_k_weights.float().contiguous(), buffer, self.num_experts
@@ -98,4 +101,4 @@ def deep_ep_forward(
     weighted = y * recv_w[rows[order], slots[order]].unsqueeze(-1).to(y.dtype)
     per_token = torch.zeros(recv_x.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
     per_token = per_token.index_add(0, rows[order], weighted.float())
-    return _Combine.apply(per_token.to(torch.bfloat16), buffer, handle).to(hidden_states.dtype)
+    return _Combine.apply(per_token.to(WIRE_DTYPE), buffer, handle).to(hidden_states.dtype)
