@@ -240,21 +240,27 @@ def gather_experts(p: DTensor, dtype: torch.dtype | None = None) -> torch.Tensor
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """`clip_grad_norm_` over parameters that live on several meshes (experts on `(efsdp, ep)`, the rest on
-    the world mesh): each mesh's norm is reduced on its own, then the norms combine."""
-    by_mesh: dict[object, list[nn.Parameter]] = {}
-    for p in params:
-        if p.grad is not None:
-            key = p.device_mesh if isinstance(p, DTensor) else None
-            by_mesh.setdefault(key, []).append(p)
-    norms = []
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-    for group in by_mesh.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    """`clip_grad_norm_` over parameters on several meshes (experts on `(efsdp, ep)`, the rest on the world
+    mesh), where torch's refuses to mix meshes. Every gradient element lives on exactly one rank (FSDP and
+    EP only shard), so the squared norm is one sum over the world of each rank's local squares."""
+    grads = [local_grad(p) for p in params if p.grad is not None]
+    square = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+    for g in grads:
+        square += g.float().square().sum()
+    dist.all_reduce(square)
+    total = square.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return total
+
+
+def local_grad(p: nn.Parameter) -> torch.Tensor:
+    g = p.grad
+    if isinstance(g, DTensor):
+        assert not any(pl.is_replicate() or pl.is_partial() for pl in g.placements), f"not sharded: {g.placements}"
+        return g.to_local()
+    return g
 
 
 def on_several_meshes(params: list[nn.Parameter]) -> bool:
