@@ -3,13 +3,14 @@
 Runs `bench/gpu_engine.py`, `bench/gpu_refit.py`, `bench/gpu_train.py` (under torchrun, two ranks) and
 `bench/gpu_vllm.py` (vLLM next to the built-in engine; skipped without vLLM)
 one after the other (and, asked for with `--only ep`, `bench/gpu_ep.py` on every GPU of a 4- or 8-GPU
-host: expert parallelism against FSDP alone), each in its own processes with a time limit, collects their rows and prints one
-Markdown table: what was measured, the baseline measured in the same run, their ratio and the target.
+host: expert parallelism against FSDP alone), each in its own processes with a time limit, collects
+their rows and prints one Markdown table: what was measured, the baseline measured in the same run,
+their ratio and the target.
 Made for two CUDA GPUs; on one, the trainer runs as a world of one and the refit is timed without its
 NCCL broadcast (see `gpu_refit.py`). `--dry-run` runs the same scripts on the CPU with tiny shapes (a
 script check, not a measurement). Each benchmark's full output goes to `--logs`.
 
-    python bench/gpu.py [--only engine refit train vllm] [--logs DIR] [--dry-run]
+    python bench/gpu.py [--only engine refit train vllm ep] [--logs DIR] [--dry-run]
 """
 
 import argparse

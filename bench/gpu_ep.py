@@ -12,7 +12,7 @@ fp32 master weights and reduction) and the trainer's `optimizer_step` (clip, fus
 - the same with `actor.ep_dispatch = "deep_ep"` where `deep_ep` imports (skipped otherwise).
 
 Reported: median step seconds over 4 timed steps after 2 warm-ups, tokens/s per GPU, the peak memory,
-and the ratio to FSDP only. A case that runs out of memory reports nan.
+and the speedup over FSDP only (its seconds over the case's). A case that runs out of memory reports nan.
 
     torchrun --nproc-per-node 8 bench/gpu_ep.py [--layers 4] [--seq 4096] [--rows 2] [--out rows.jsonl]
     torchrun --nproc-per-node 2 bench/gpu_ep.py --dry-run      # CPU, gloo, a tiny MoE: checks the script
@@ -90,7 +90,7 @@ def case_time(shape, layers, world, ids, ep: int, dispatch: str, dtype) -> tuple
     except torch.OutOfMemoryError:
         return float("nan"), float("nan")
     finally:
-        del model, opt
+        model = opt = None  # frees the case's memory before the next one
         if world.device.type == "cuda":
             torch.cuda.empty_cache()
 
