@@ -32,6 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from molt_hpc.actor.ep_check import check_ep, num_experts
+from molt_hpc.log import get_logger
 
 IMPLEMENTATIONS = {"all_to_all": "molt_ep_all_to_all", "deep_ep": "molt_ep_deep_ep"}
 """`actor.ep_dispatch` → the name registered in transformers' `ExpertsInterface`."""
@@ -90,6 +91,10 @@ def apply_expert_parallel(
         shard_experts(module, mesh)
         fully_shard(module, mesh=mesh["efsdp"], mp_policy=mp)
     model.set_experts_implementation(IMPLEMENTATIONS[dispatch])
+    get_logger().info(
+        "expert parallel: %d MoE layers' experts over EP groups of %d (FSDP over %d), dispatch %s",
+        len(experts), ep, world // ep, dispatch,
+    )  # fmt: skip
     return experts
 
 
