@@ -3,6 +3,8 @@
 Every torchrun rank runs `molt_hpc.actor.trainer.main(cfg, run_dir)`; rank 0 also claims groups from
 the replay buffer, sends refits to the engines and coordinates checkpoints. Modules:
 `world` (process group, device, mesh), `parallelize` (FSDP2 over a plain transformers model),
+`expert_parallel` (MoE experts sharded over EP ranks, all-to-all dispatch; `deepep` the DeepEP one,
+`ep_check` the torch-free checks),
 `build` (models, optimizers, LR schedule), `weights` (full weights gathered bucket by bucket),
 `state` (checkpoint save and restore), `feed` (groups from the buffer to every rank),
 `step` (one training step), `sync` (refits), `control` (signals and control files), `trainer` (the loop).
