@@ -29,10 +29,11 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from molt_hpc.actor.ep_check import check_ep, num_experts
 from molt_hpc.log import get_logger
+from molt_hpc.refit.experts import experts_modules
 
 IMPLEMENTATIONS = {"all_to_all": "molt_ep_all_to_all", "deep_ep": "molt_ep_deep_ep"}
 """`actor.ep_dispatch` → the name registered in transformers' `ExpertsInterface`."""
@@ -45,15 +46,6 @@ class EPGroup:
     group: dist.ProcessGroup
     size: int
     rank: int
-
-
-def experts_modules(model: nn.Module) -> list[nn.Module]:
-    """The MoE experts modules of `model`: those transformers' `@use_experts_implementation` decorated."""
-    return [
-        m
-        for m in model.modules()
-        if hasattr(m, "is_transposed") and hasattr(m, "has_gate") and isinstance(getattr(m, "num_experts", None), int)
-    ]
 
 
 @functools.cache
@@ -213,35 +205,6 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
     return inv
-
-
-def is_expert_sharded(p: torch.Tensor) -> bool:
-    """Whether `p` is an expert parameter that `apply_expert_parallel` sharded (a DTensor on `(efsdp, ep)`)."""
-    return isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("efsdp", "ep")
-
-
-def gather_experts(p: DTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The whole expert parameter `p` (`[E, ...]`) on global rank 0 (a collective of every rank).
-
-    Every rank first gathers its own EP slice over `efsdp` (what FSDP holds while it computes), then
-    the EP group of rank 0 gathers the slices on rank 0: no other rank ever holds more than one slice,
-    so a refit or checkpoint never materialises all experts anywhere but on rank 0. Other ranks get
-    their slice back, which they must not use.
-    """
-    mesh = p.device_mesh
-    if dtype is not None and dtype.itemsize < p.dtype.itemsize:
-        p = p.to(dtype)  # cast before moving: fewer bytes
-    mine = p.redistribute(mesh, [Replicate(), Shard(0)]).to_local()
-    if mesh.get_local_rank("efsdp") != 0:
-        return mine
-    group = mesh["ep"].get_group()
-    mine = mine.contiguous()
-    if dist.get_rank() != 0:
-        dist.gather(mine, None, group_dst=0, group=group)
-        return mine
-    parts = [torch.empty_like(mine) for _ in range(mesh["ep"].size())]
-    dist.gather(mine, parts, group_dst=0, group=group)
-    return torch.cat(parts)
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:

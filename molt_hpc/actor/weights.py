@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from molt_hpc.actor.expert_parallel import gather_experts, is_expert_sharded
+from molt_hpc.actor.expert_gather import gather_experts, is_expert_sharded
 
 
 def plan_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None) -> list[list[str]]:
@@ -29,14 +29,14 @@ def plan_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None 
     return [b for b in buckets if b]
 
 
-def full_tensor(p: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, bool]:
+def full_tensor(p: torch.Tensor, dtype: torch.dtype | None = None, device=None) -> tuple[torch.Tensor, bool]:
     """The whole of parameter `p` (gathered from its shards, a collective) at `dtype` if that is narrower,
     and whether the result is a fresh tensor (False: it shares memory with the parameter).
 
-    Expert-parallel experts are whole on rank 0 only (other ranks get a part to discard): see
-    `expert_parallel.gather_experts`."""
+    Expert-parallel experts are whole on rank 0 only (others get an empty tensor), assembled slice by
+    slice on `device` (default: the parameter's): see `expert_gather`."""
     if is_expert_sharded(p):
-        return gather_experts(p, dtype), True
+        return gather_experts(p, dtype, device or p.to_local().device), True
     fresh = False
     if isinstance(p, DTensor) and p.device_mesh.size() == 1:
         p = p.to_local()  # a world of one holds the whole tensor: nothing to gather, and plain-tensor ops
@@ -64,7 +64,7 @@ def full_buckets(
     for names in plan:
         out = {}
         for name in names:
-            full, fresh = full_tensor(params[name].detach(), dtype)
+            full, fresh = full_tensor(params[name].detach(), dtype, device)
             if keep:
                 out[name] = full.to(device=device, dtype=dtype or full.dtype, copy=not fresh)
             del full
