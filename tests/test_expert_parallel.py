@@ -73,7 +73,12 @@ def use_fake_deep_ep(model) -> None:
 
 
 WORLD = 4
-CASES = {"ep2-fsdp2": (2, "all_to_all"), "ep4": (4, "all_to_all"), "ep4-deep_ep-fake": (4, "deep_ep-fake")}
+CASES = {
+    "ep2-fsdp2": (2, "all_to_all"),
+    "ep4": (4, "all_to_all"),
+    "ep2-fsdp2-activation-checkpointing": (2, "all_to_all"),
+    "ep4-deep_ep-fake": (4, "deep_ep-fake"),
+}
 """Run one after the other in one world of 4 ranks (the fake DeepEP last: it patches the dispatch module)."""
 
 
@@ -96,7 +101,7 @@ def _case(rank: int, world: int, ep: int, dispatch: str, out: Path) -> None:
 
     model, ids = tiny_moe(), batch()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    parallelize(model, mesh, ActorConfig(ep=ep))
+    parallelize(model, mesh, ActorConfig(ep=ep, activation_checkpointing="checkpointing" in out.name))
     if dispatch == "deep_ep-fake":
         use_fake_deep_ep(model)
     experts = model.model.layers[0].mlp.experts.gate_up_proj

@@ -1,7 +1,7 @@
 """Expert-parallel weights out of their shards for refits and checkpoints, one EP slice at a time.
 
 An expert parameter under EP is a DTensor on the `(efsdp, ep)` mesh. Each rank first gathers its own
-EP slice (`E/ep` experts) over `efsdp`, which is what FSDP unshards to compute anyway; then the ranks
+EP slice (`E/ep` experts) over `efsdp` (`ep_slice`), which is what FSDP unshards to compute anyway; then the ranks
 of rank 0's EP group hand rank 0 their slices one after the other, point to point. No rank other
 than rank 0 ever holds more than its slice, and rank 0 holds one incoming slice at a time on the
 device: a checkpoint assembles the whole tensor on the CPU, a refit sends it expert by expert under
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from molt_hpc.refit.buckets import TensorMeta, dtype_name
 from molt_hpc.refit.experts import expert_pieces, splittable
@@ -28,9 +28,7 @@ def expert_slices(p: DTensor, dtype: torch.dtype | None = None) -> Iterator[tupl
     """On rank 0: (first expert, `[E/ep, ...]` slice) for each EP rank's slice of `p`, in expert order.
     Every rank must iterate to the end (collectives); the others yield nothing."""
     mesh = p.device_mesh
-    if dtype is not None and dtype.itemsize < p.dtype.itemsize:
-        p = p.to(dtype)  # cast before moving: fewer bytes
-    mine = p.redistribute(mesh, [Replicate(), Shard(0)]).to_local().contiguous()
+    mine = ep_slice(p, dtype)
     if mesh.get_local_rank("efsdp") != 0:
         return
     me, per = mesh.get_local_rank("ep"), mine.shape[0]
@@ -44,6 +42,27 @@ def expert_slices(p: DTensor, dtype: torch.dtype | None = None) -> Iterator[tupl
             yield j * per, part
         elif me == j:
             dist.send(mine, dst=0)
+
+
+def ep_slice(p: DTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """This rank's EP slice of `p` (`[E/ep, ...]`), all-gathered over `efsdp` (a collective of that group).
+
+    FSDP2 cuts the slice along dim 0 as `torch.chunk` does (`ceil(E/ep / efsdp)` rows per rank, the
+    last ranks short or empty); gathering the padded chunks by hand keeps this independent of which
+    `_StridedShard` redistributions a torch version supports."""
+    local = p.to_local()
+    if dtype is not None and dtype.itemsize < local.dtype.itemsize:
+        local = local.to(dtype)  # cast before moving: fewer bytes
+    mesh, ep = p.device_mesh, p.device_mesh["ep"].size()
+    n, rows = mesh["efsdp"].size(), p.shape[0] // ep
+    if n == 1:
+        return local.contiguous()
+    chunk = -(-rows // n)
+    padded = local.new_zeros((chunk, *local.shape[1:]))
+    padded[: local.shape[0]].copy_(local)
+    out = local.new_empty((n * chunk, *local.shape[1:]))
+    dist.all_gather_into_tensor(out, padded, group=mesh["efsdp"].get_group())
+    return out[:rows]
 
 
 def gather_experts(p: DTensor, dtype: torch.dtype | None = None, device="cpu") -> torch.Tensor:
