@@ -1,4 +1,6 @@
-"""FSDP2 over a plain transformers model: `fully_shard` on every decoder block, then on the root.
+"""FSDP2 over a plain transformers model: `fully_shard` on every decoder block, then on the root; and
+attention confined to packed samples, split over a CP group (`molt_hpc.actor.attention`,
+`molt_hpc.actor.context_parallel`) when asked.
 
 The model code stays untouched (no wrapper modules), so parameter names stay the HF names that
 checkpoints and refits use. The same function shards the policy, the frozen reference and the critic.
@@ -9,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from molt_hpc.actor.attention import DocumentAttention, use_document_attention
 from molt_hpc.actor.expert_parallel import apply_expert_parallel
 from molt_hpc.config.train import ActorConfig
 
@@ -20,17 +23,22 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def parallelize(
-    model: nn.Module, mesh: DeviceMesh, cfg: ActorConfig, *, compute_dtype: torch.dtype = torch.float32
+    model: nn.Module,
+    mesh: DeviceMesh,
+    cfg: ActorConfig,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+    documents: DocumentAttention | None = None,
 ) -> nn.Module:
     """Shard `model` over `mesh` in place and return it.
 
     Parameters stay fp32 (the master weights); forward and backward run in `compute_dtype`, with
-    gradients reduced in fp32.
+    gradients reduced in fp32. With `documents` (packing, or `actor.cp > 1`: its `cp` group), the
+    model attends within each sample of a row and splits rows over the CP group.
     """
-    if cfg.cp > 1:
-        raise ValueError(
-            f"actor.cp = {cfg.cp}: context parallelism is not implemented in this trainer yet; set it to 1"
-        )
+    assert cfg.cp == 1 or (documents is not None and documents.cp is not None), "actor.cp > 1 needs its CP group"
+    if documents is not None:
+        use_document_attention(model, documents)
     blocks = decoder_blocks(model)
     if not blocks:
         raise ValueError(

@@ -18,6 +18,7 @@ from molt_hpc import checkpoint as ck
 from molt_hpc.actor import build, state
 from molt_hpc.actor.control import Control, Requests
 from molt_hpc.actor.feed import Feed, staleness_histogram
+from molt_hpc.actor.packing import sequence_layout
 from molt_hpc.actor.parallelize import parallelize
 from molt_hpc.actor.step import Models, train_step
 from molt_hpc.actor.sync import EngineSync
@@ -109,14 +110,19 @@ class Trainer:
         policy = build.load_causal_lm(ckpt / "policy" if ckpt else self.base, attn, trainable=True)
         if cfg.actor.freeze_router:
             build.freeze_router(policy)
-        parallelize(policy, mesh, cfg.actor, compute_dtype=dtype)
-        models = Models(policy=self._trainable("policy", policy, cfg.actor.lr))
+        docs, pack_tokens = sequence_layout(cfg, self.world, policy)
+        self.log.info(
+            "micro-batches: %s; context parallel %d", f"packed, {pack_tokens} tokens" if pack_tokens else
+            f"{cfg.actor.micro_batch_size} padded rows", cfg.actor.cp,
+        )  # fmt: skip
+        parallelize(policy, mesh, cfg.actor, compute_dtype=dtype, documents=docs)
+        models = Models(policy=self._trainable("policy", policy, cfg.actor.lr), pack_tokens=pack_tokens)
         if cfg.algorithm.uses_reference:
             ref = build.load_causal_lm(self.base, attn, trainable=False)
-            models.reference = parallelize(ref, mesh, cfg.actor, compute_dtype=dtype)
+            models.reference = parallelize(ref, mesh, cfg.actor, compute_dtype=dtype, documents=docs)
         if cfg.algorithm.uses_critic:
             critic = build.load_critic(ckpt / "critic" if ckpt else self.base, attn, seed=cfg.run.seed)
-            parallelize(critic, mesh, cfg.actor, compute_dtype=dtype)
+            parallelize(critic, mesh, cfg.actor, compute_dtype=dtype, documents=docs)
             models.critic = self._trainable("critic", critic, cfg.actor.critic_lr)
         return models
 

@@ -77,6 +77,11 @@ def actor_child(cfg: MoltConfig, run: RunDir) -> Child:
 def run_local(cfg: MoltConfig) -> int:
     """Run (or continue) `cfg`'s run on this machine; returns the process exit code."""
     log = get_logger()
+    if cfg.actor.ranks % cfg.actor.cp:
+        raise ValueError(
+            f"actor.ranks ({cfg.actor.ranks}) is not a multiple of actor.cp ({cfg.actor.cp}): each CP group "
+            "needs cp trainer ranks"
+        )
     run = prepare_run(cfg)
     log.info("run directory %s", run.path)
     pool = Child("engine pool", job_command("engine.py", str(run.path), "--role", "pool"), run.logs / "pool.log")
