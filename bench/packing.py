@@ -67,7 +67,7 @@ def main() -> int:
     from molt_hpc.actor.step import Models, train_step
     from molt_hpc.actor.world import init_world
     from molt_hpc.config import load_config
-    from molt_hpc.models import build_tiny
+    from molt_hpc.models import build_tiny, load_causal_lm
 
     h = args.hidden
     base_sets = [f"model.tiny.hidden_size={h}", f"model.tiny.num_layers={args.layers}",
@@ -86,7 +86,7 @@ def main() -> int:
     world = init_world(cfg0.actor)
     data = long_tail_groups(args.samples, args.min_len, args.max_len, 100)
     tokens = sum(len(s.tokens) for g in data for s in g.samples)
-    plain = build.load_causal_lm(base, "sdpa", trainable=True)
+    plain = load_causal_lm(base).train()
     rows = []
     for name, sets in cases.items():
         cfg = load_config(None, [*base_sets, *sets])

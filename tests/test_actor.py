@@ -114,6 +114,9 @@ def test_metrics_record_what_a_step_did(run_a) -> None:
                 "ratio_min", "ratio_max", "tokens_per_s", "staleness", "buffer_pending", "refit_s"):  # fmt: skip
         assert key in rec, key
     assert rec["version"] == 1 and rec["staleness"] == {"0": 2}
+    # a CPU trainer: host peak memory of the step (a torch process with the tiny model: a few hundred MB),
+    # and no GPU allocator peaks
+    assert 0.1 < rec["mem_peak_host_rss_gb"] < 8 and "mem_peak_allocated_gb" not in rec
     # The trainer's log-probs equal the sampler's: the first ratio is 1 up to float rounding.
     assert abs(rec["ratio_max"] - 1) < 1e-5 and abs(rec["ratio_min"] - 1) < 1e-5
 

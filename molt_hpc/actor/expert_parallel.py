@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from molt_hpc.actor.ep_check import check_ep, num_experts
@@ -66,7 +66,13 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def apply_expert_parallel(
-    model: nn.Module, ep: int, dispatch: str, mp: MixedPrecisionPolicy, *, check: bool = True
+    model: nn.Module,
+    ep: int,
+    dispatch: str,
+    mp: MixedPrecisionPolicy,
+    *,
+    offload: OffloadPolicy | None = None,
+    check: bool = True,
 ) -> list[nn.Module]:
     """Shard `model`'s experts over EP groups of `ep` ranks and give each expert module its own FSDP unit
     over the rest (call before `fully_shard` of the blocks); returns the expert units."""
@@ -81,7 +87,7 @@ def apply_expert_parallel(
     mesh = ep_mesh(_device_type(model), world, ep)
     for module in experts:
         shard_experts(module, mesh)
-        fully_shard(module, mesh=mesh["efsdp"], mp_policy=mp)
+        fully_shard(module, mesh=mesh["efsdp"], mp_policy=mp, offload_policy=offload or OffloadPolicy())
     model.set_experts_implementation(IMPLEMENTATIONS[dispatch])
     get_logger().info(
         "expert parallel: %d MoE layers' experts over EP groups of %d (FSDP over %d), dispatch %s",

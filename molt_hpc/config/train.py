@@ -135,6 +135,13 @@ class ActorConfig(Section):
     ep_dispatch: Literal["all_to_all", "deep_ep"] = "all_to_all"
     """How tokens reach their experts' ranks under `ep > 1`: `all_to_all` (torch.distributed, any
     backend) or `deep_ep` (DeepEP's NVLink kernels; GPUs only, needs the `deep_ep` package)."""
+    offload: Literal["none", "optimizer", "full"] = "none"
+    """Host memory for trainer state on GPUs. `optimizer`: AdamW's moments live in pinned host memory
+    between steps (copied to the GPU for the update and back: GPU memory for 8 bytes per parameter,
+    freed); `full`: FSDP2's CPU offload, parameters, gradients and optimizer state all on the host,
+    the update computed by the CPU (the most GPU memory saved, the slowest step). On a CPU trainer
+    everything already lives in host memory: `optimizer` changes nothing there, `full` runs the same
+    offload code path with no memory effect."""
 
     @model_validator(mode="after")
     def _check_ep_dispatch(self) -> "ActorConfig":
