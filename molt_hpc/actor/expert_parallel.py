@@ -71,6 +71,7 @@ def apply_expert_parallel(
     dispatch: str,
     mp: MixedPrecisionPolicy,
     *,
+    device_type: str,
     offload: OffloadPolicy | None = None,
     check: bool = True,
 ) -> list[nn.Module]:
@@ -84,7 +85,7 @@ def apply_expert_parallel(
     if dispatch == "deep_ep" and mp.param_dtype != torch.bfloat16:
         raise ValueError("actor.ep_dispatch = 'deep_ep' moves bf16 activations: set model.dtype = 'bfloat16'")
     register(dispatch)
-    mesh = ep_mesh(_device_type(model), world, ep)
+    mesh = ep_mesh(device_type, world, ep)  # the world mesh's type: the model may be on the meta device
     for module in experts:
         shard_experts(module, mesh)
         fully_shard(module, mesh=mesh["efsdp"], mp_policy=mp, offload_policy=offload or OffloadPolicy())
@@ -94,10 +95,6 @@ def apply_expert_parallel(
         len(experts), ep, world // ep, dispatch,
     )  # fmt: skip
     return experts
-
-
-def _device_type(model: nn.Module) -> str:
-    return next(model.parameters()).device.type
 
 
 def register(dispatch: str) -> None:

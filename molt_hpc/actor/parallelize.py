@@ -60,7 +60,7 @@ def parallelize(
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     offload = offload_policy(cfg, mesh.device_type)
     if cfg.ep > 1:  # experts first: their own FSDP units, inside their blocks' (expert_parallel.py)
-        apply_expert_parallel(model, cfg.ep, cfg.ep_dispatch, mp, offload=offload)
+        apply_expert_parallel(model, cfg.ep, cfg.ep_dispatch, mp, device_type=mesh.device_type, offload=offload)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
