@@ -4,13 +4,15 @@ packed against padded trainer steps, the cost of trainer offload.
 Runs `bench/gpu_engine.py`, `bench/gpu_refit.py`, `bench/gpu_train.py` (under torchrun, two ranks),
 `bench/gpu_pack.py` (one GPU), `bench/gpu_vllm.py` (vLLM next to the built-in engine), `bench/gpu_offload.py`
 (one GPU) and `bench/gpu_moe.py` (MoE router replay through vLLM on one GPU; like gpu_vllm skipped without
-vLLM) one after the other, each in its own processes with a time limit, collects their rows and prints one
-Markdown table: what was measured, the baseline measured in the same run, their ratio and the target.
-Made for two CUDA GPUs; on one, the trainer runs as a world of one and the refit goes through CUDA
-IPC only (the NCCL refit needs two; see `gpu_refit.py`). `--dry-run` runs the same scripts on the CPU
-with tiny shapes (a script check, not a measurement). Each benchmark's full output goes to `--logs`.
+vLLM) one after the other (and, asked for with `--only ep`, `bench/gpu_ep.py` on every GPU of a 4- or
+8-GPU host: expert parallelism against FSDP alone), each in its own processes with a time limit, collects
+their rows and prints one Markdown table: what was measured, the baseline measured in the same run, their
+ratio and the target. Made for two CUDA GPUs; on one, the trainer runs as a world of one and the refit
+goes through CUDA IPC only (the NCCL refit needs two; see `gpu_refit.py`). `--dry-run` runs the same
+scripts on the CPU with tiny shapes (a script check, not a measurement). Each benchmark's full output
+goes to `--logs`.
 
-    python bench/gpu.py [--only engine refit train pack vllm offload moe] [--logs DIR] [--dry-run]
+    python bench/gpu.py [--only engine refit train pack vllm offload moe ep] [--logs DIR] [--dry-run]
 """
 
 import argparse
@@ -24,16 +26,17 @@ import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-LIMIT_S = {"engine": 180, "refit": 300, "train": 240, "pack": 240, "vllm": 420, "offload": 150, "moe": 300}
+LIMIT_S = {"engine": 180, "refit": 300, "train": 240, "pack": 240, "vllm": 420, "offload": 150, "moe": 300, "ep": 600}
 
 
 def command(name: str, out: Path, dry: bool, gpus: int) -> list[str]:
     script = str(BENCH / f"gpu_{name}.py")
     args = ["--out", str(out)] + (["--dry-run"] if dry else [])
-    if name == "train":
+    if name in ("train", "ep"):  # ep: every GPU of the host (made for 4 or 8)
         local = Path(sys.executable).parent / "torchrun"
         torchrun = str(local) if local.exists() else shutil.which("torchrun") or "torchrun"
-        return [torchrun, "--nproc-per-node", str(2 if dry else min(2, gpus)), script, *args]
+        ranks = 2 if dry else (min(2, gpus) if name == "train" else max(gpus, 1))
+        return [torchrun, "--nproc-per-node", str(ranks), script, *args]
     return [sys.executable, script, *args]
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from molt_hpc.actor.batch import critic_values, mini_batch_rows, policy_logprobs, rows_forward
+from molt_hpc.actor.expert_parallel import clip_grad_norm, on_several_meshes
 from molt_hpc.actor.moe_router import MoeRouting
 from molt_hpc.actor.packing import rank_micro_batches
 from molt_hpc.actor.state import Trainable
@@ -115,7 +116,10 @@ def build_experience(groups: list[Group], cfg: MoltConfig, models: Models, world
 def optimizer_step(part: Trainable, max_norm: float) -> float:
     """Clip the global gradient norm, step, zero the gradients; returns the norm before clipping."""
     params = [p for p in part.model.parameters() if p.requires_grad]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if on_several_meshes(params):  # expert parallelism: experts and the rest are on two meshes
+        norm = clip_grad_norm(params, max_norm)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     part.optimizer.step()

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from molt_hpc.actor.expert_gather import refit_metas, refit_tensors
 from molt_hpc.actor.weights import full_tensor
 from molt_hpc.actor.world import World, share
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import get_logger
-from molt_hpc.refit.buckets import TensorMeta, dtype_name
 from molt_hpc.rundir import RunDir
 
 RETRY_S = 5.0
@@ -133,7 +133,7 @@ class EngineSync:
         # bytes on the link); a world of one hands its fp32 weights over as they are and the sender casts
         # them while packing (one pass instead of two).
         dtype = self.dtype if self.world.size > 1 else None
-        tensors = ((name, full_tensor(p.detach(), dtype)[0]) for name, p in model.named_parameters())
+        tensors = refit_tensors(model, dtype, lambda p, d: full_tensor(p, d)[0])  # EP experts: per expert
         ok, fatal = True, None
         if self.sender is not None:
             try:
@@ -149,7 +149,7 @@ class EngineSync:
 
     def _push(self, engines: list[Engine], model: nn.Module, tensors, version: int) -> bool:
         assert self.sender is not None
-        metas = [TensorMeta(n, dtype_name(self.dtype), tuple(p.shape)) for n, p in model.named_parameters()]
+        metas = refit_metas(model, self.dtype)
         started = time.monotonic()
         try:
             if engines != self.connected:

@@ -45,6 +45,20 @@ class RolloutConfig(Section):
     while it lasts, so the stall can be traced; the run itself is not stopped."""
 
 
+All2AllBackend = Literal[
+    "allgather_reducescatter",
+    "deepep_high_throughput",
+    "deepep_low_latency",
+    "deepep_v2",
+    "mori_high_throughput",
+    "mori_low_latency",
+    "nixl_ep",
+    "flashinfer_nvlink_two_sided",
+    "flashinfer_nvlink_one_sided",
+]
+"""vLLM 0.26's `--all2all-backend` choices (less the removed `naive` and `pplx`)."""
+
+
 class EnginesConfig(Section):
     """The inference engines of the engine pool."""
 
@@ -61,6 +75,19 @@ class EnginesConfig(Section):
     """Longest sequence (prompt + completion) an engine accepts."""
     tensor_parallel: PositiveInt = 1
     """GPUs per engine (vLLM tensor parallelism)."""
+    data_parallel: PositiveInt = 1
+    """vLLM: data-parallel replicas inside one engine (`--data-parallel-size`), each of
+    `tensor_parallel` GPUs, behind the engine's one address; an engine takes
+    `tensor_parallel × data_parallel` GPUs. With `expert_parallel`, the MoE layers' experts spread over
+    all of them and tokens move between replicas by `all2all_backend`."""
+    expert_parallel: bool = False
+    """vLLM: expert parallelism for MoE layers (`--enable-expert-parallel`): each of the engine's
+    `tensor_parallel × data_parallel` GPUs holds whole experts (E / that many) instead of a slice of
+    every expert. Needs at least two GPUs per engine."""
+    all2all_backend: All2AllBackend = "allgather_reducescatter"
+    """vLLM: how tokens reach their experts' GPUs under `expert_parallel` (`--all2all-backend`); vLLM
+    runs these kernels only with `data_parallel > 1`. `deepep_*` need the `deep_ep` package (built for
+    vLLM's torch) next to vLLM; `deepep_low_latency` also needs NVSHMEM with IBGDA."""
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
     """Fraction of its GPU's memory one engine may take, whatever its kind: vLLM reserves it at start
     (weights, activations, KV cache); the built-in engine's allocator is capped at it, and its weights
@@ -92,7 +119,36 @@ class EnginesConfig(Section):
                 "engines.kind = 'vllm' runs on GPUs but engines.device = 'cpu': set engines.device = 'cuda' "
                 "(or 'auto'), or use engines.kind = 'builtin' on a CPU"
             )
+        self._check_vllm_parallel()
         return self
+
+    def _check_vllm_parallel(self) -> None:
+        default = type(self).model_fields["all2all_backend"].default
+        used = [
+            name
+            for name, on in (
+                ("engines.data_parallel", self.data_parallel > 1),
+                ("engines.expert_parallel", self.expert_parallel),
+                ("engines.all2all_backend", self.all2all_backend != default),
+            )
+            if on
+        ]
+        if used and self.kind != "vllm":
+            raise ValueError(f"{', '.join(used)} configure vLLM engines: set engines.kind = 'vllm' or leave them unset")
+        if self.expert_parallel and self.gpus_per_engine == 1:
+            raise ValueError(
+                "engines.expert_parallel spreads experts over an engine's GPUs but it has one: raise "
+                "engines.tensor_parallel or engines.data_parallel"
+            )
+        if self.all2all_backend != default and not (self.expert_parallel and self.data_parallel > 1):
+            raise ValueError(
+                f"engines.all2all_backend = {self.all2all_backend!r} is used by vLLM only with "
+                "engines.expert_parallel = true and engines.data_parallel > 1: set both, or leave the backend unset"
+            )
+
+    @property
+    def gpus_per_engine(self) -> int:
+        return self.tensor_parallel * self.data_parallel
 
 
 class RouterConfig(Section):

@@ -151,11 +151,16 @@ class MoltConfig(Section):
                 f"actor.cp × actor.ep = {inner} exceeds slurm.actor.gpus_per_node = "
                 f"{sl.actor.gpus_per_node}: context and expert parallelism stay inside a node"
             )
-        engine_gpus = sl.engines.gpus_per_node
-        if engine_gpus and engine_gpus % self.engines.tensor_parallel:
+        if sl.actor.gpus_per_node and sl.actor.gpus_per_node % act.ep:
             raise ValueError(
-                f"slurm.engines.gpus_per_node ({engine_gpus}) is not a multiple of "
-                f"engines.tensor_parallel ({self.engines.tensor_parallel})"
+                f"actor.ep = {act.ep} does not divide slurm.actor.gpus_per_node = {sl.actor.gpus_per_node}: an "
+                "expert-parallel group stays inside a node, so pick an ep that divides the GPUs per node"
+            )
+        engine_gpus = sl.engines.gpus_per_node
+        if engine_gpus and engine_gpus % self.engines.gpus_per_engine:
+            raise ValueError(
+                f"slurm.engines.gpus_per_node ({engine_gpus}) is not a multiple of engines.tensor_parallel × "
+                f"engines.data_parallel ({self.engines.gpus_per_engine})"
             )
         if sl.signal_lead_s >= slurm_time_seconds(sl.time):
             raise ValueError(

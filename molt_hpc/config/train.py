@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from molt_hpc.config.base import Section
 
@@ -139,7 +139,12 @@ class ActorConfig(Section):
     """Context-parallel degree (inside a node): Ulysses all-to-all over `cp` adjacent ranks, each running
     1/cp of every row; needs cp to divide the attention heads and attention `sdpa` or `flash_attention_2`."""
     ep: PositiveInt = 1
-    """Expert-parallel degree (inside a node, MoE only)."""
+    """Expert-parallel degree (MoE only): each MoE layer's experts are split over groups of `ep` ranks
+    inside a node (it must divide the experts per layer and the ranks per node); the other weights stay
+    FSDP over all ranks."""
+    ep_dispatch: Literal["all_to_all", "deep_ep"] = "all_to_all"
+    """How tokens reach their experts' ranks under `ep > 1`: `all_to_all` (torch.distributed, any
+    backend) or `deep_ep` (DeepEP's NVLink kernels; GPUs only, needs the `deep_ep` package)."""
     offload: Literal["none", "optimizer", "full"] = "none"
     """Host memory for trainer state on GPUs. `optimizer`: AdamW's moments live in pinned host memory
     between steps (copied to the GPU for the update and back: GPU memory for 8 bytes per parameter,
@@ -147,6 +152,17 @@ class ActorConfig(Section):
     the update computed by the CPU (the most GPU memory saved, the slowest step). On a CPU trainer
     everything already lives in host memory: `optimizer` changes nothing there, `full` runs the same
     offload code path with no memory effect."""
+
+    @model_validator(mode="after")
+    def _check_ep_dispatch(self) -> "ActorConfig":
+        if self.ep_dispatch == "deep_ep" and self.ep == 1:
+            raise ValueError("actor.ep_dispatch = 'deep_ep' moves tokens between EP ranks: set actor.ep > 1 with it")
+        if self.ep_dispatch == "deep_ep" and self.device == "cpu":
+            raise ValueError(
+                "actor.ep_dispatch = 'deep_ep' runs on GPUs only: set actor.device = 'cuda' (or 'auto'), "
+                "or actor.ep_dispatch = 'all_to_all'"
+            )
+        return self
 
 
 class CheckpointConfig(Section):

@@ -80,6 +80,16 @@ def check_vllm() -> str:
     return version
 
 
+def check_all2all(eng) -> None:
+    """A DeepEP all-to-all backend needs `deep_ep` importable next to vLLM; else a `ValueError` naming the fix."""
+    if eng.expert_parallel and eng.all2all_backend.startswith("deepep") and importlib.util.find_spec("deep_ep") is None:
+        raise ValueError(
+            f"engines.all2all_backend = {eng.all2all_backend!r} but the deep_ep package is not installed in "
+            f"{sys.prefix}: build DeepEP for vLLM's torch and CUDA there (no PyPI wheel), or use "
+            "engines.all2all_backend = 'allgather_reducescatter'"
+        )
+
+
 def vllm_command(cfg: MoltConfig, model_dir: str | Path, port: int, index: int) -> list[str]:
     """`vllm serve` for engine `index` on 127.0.0.1:`port`. The token goes in the environment
     (`vllm_env`), not here: a command line is readable by every user of the node."""
@@ -89,6 +99,10 @@ def vllm_command(cfg: MoltConfig, model_dir: str | Path, port: int, index: int) 
     cmd += ["--tensor-parallel-size", str(eng.tensor_parallel), "--max-model-len", str(eng.max_model_len)]
     cmd += ["--gpu-memory-utilization", str(eng.gpu_memory_utilization), "--max-num-seqs", str(eng.max_batch)]
     cmd += ["--seed", str(cfg.run.seed * 1000 + index)]
+    if eng.data_parallel > 1:
+        cmd += ["--data-parallel-size", str(eng.data_parallel)]
+    if eng.expert_parallel:
+        cmd += ["--enable-expert-parallel", "--all2all-backend", eng.all2all_backend]
     if eng.enforce_eager:
         cmd.append("--enforce-eager")
     cmd.append("--enable-prefix-caching" if eng.prefix_caching else "--no-enable-prefix-caching")
@@ -225,6 +239,7 @@ async def serve(cfg: MoltConfig, run: RunDir, index: int) -> int:
 
     log = get_logger()
     version = check_vllm()  # before anything slow: a missing vLLM fails in seconds
+    check_all2all(cfg.engines)
     if version != TESTED_VLLM:
         log.warning("vLLM %s: the engine protocol and the refit were verified with vLLM %s", version, TESTED_VLLM)
     model_dir = resolve_model(cfg.model, run.models)

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from molt_hpc.actor.ep_check import check_ep, model_experts
 from molt_hpc.config import MoltConfig, to_toml
 from molt_hpc.launch.procs import REPO, Child, job_command, stop_all
 from molt_hpc.launch.progress import Progress
@@ -36,7 +37,8 @@ def prepare_run(cfg: MoltConfig) -> RunDir:
     (run.path / "control").mkdir(exist_ok=True)
     for stale in ("done", "stop", "checkpoint"):  # leftovers of an earlier, finished or stopped launch
         (run.path / "control" / stale).unlink(missing_ok=True)
-    resolve_model(cfg.model, run.models)
+    base = resolve_model(cfg.model, run.models)
+    check_ep(cfg.actor.ep, cfg.actor.ranks, cfg.actor.ranks, model_experts(base))  # one node: all ranks
     return run
 
 
@@ -53,7 +55,7 @@ def visible_gpus() -> list[str]:
 def split_gpus(cfg: MoltConfig, gpus: list[str]) -> tuple[list[str], list[str]]:
     """(actor pool GPUs, engine pool GPUs): disjoint when there are enough, else both share them all."""
     actor_n = 0 if cfg.actor.device == "cpu" else cfg.actor.ranks
-    engine_n = 0 if cfg.engines.device == "cpu" else cfg.engines.count * cfg.engines.tensor_parallel
+    engine_n = 0 if cfg.engines.device == "cpu" else cfg.engines.count * cfg.engines.gpus_per_engine
     if not gpus or actor_n + engine_n == 0:
         return [], []
     if len(gpus) >= actor_n + engine_n:

@@ -23,12 +23,12 @@ def engine_env(cfg: MoltConfig, local_index: int) -> dict[str, str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible:
         gpus = visible.split(",")
-        tp = cfg.engines.tensor_parallel
-        mine = gpus[local_index * tp : (local_index + 1) * tp]
-        if len(mine) < tp:
+        n = cfg.engines.gpus_per_engine
+        mine = gpus[local_index * n : (local_index + 1) * n]
+        if len(mine) < n:
             raise ValueError(
-                f"engine {local_index} needs {tp} GPUs but the node has {len(gpus)} for {cfg.engines.count} "
-                "engines: lower engines.count or engines.tensor_parallel"
+                f"engine {local_index} needs {n} GPUs but the node has {len(gpus)} for {cfg.engines.count} "
+                "engines: lower engines.count, engines.tensor_parallel or engines.data_parallel"
             )
         env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
     return env

@@ -10,11 +10,12 @@ would mean copying its private types, so this side imports vLLM's trainer helper
 (`NCCLWeightTransferEngine.trainer_init` / `trainer_send_weights`): the packing, buffer count and
 unique-id exchange then match the engines by construction. The actor pool needs the `gpu` extra.
 
-An engine is a tensor-parallel group of `world_size` workers (its `/get_world_size`); engine i's
-workers take ranks `1 + (sizes of engines before i)`. A push pauses every engine in `keep` mode
-(in-flight requests freeze), streams the weights while the engines' `/update_weights` calls are in
-flight, stamps the version (`/finish_weight_update`, read by our front), resets the prefix cache with
-running requests preempted (their KV is recomputed with the new weights) and resumes.
+An engine is `world_size` workers (its `/get_world_size`: TP × PP × DP, vLLM numbering its data-parallel
+replicas' workers consecutively); engine i's workers take ranks `1 + (sizes of engines before i)`. A push
+pauses every engine in `keep` mode (in-flight requests freeze), streams the weights while the engines'
+`/update_weights` calls are in flight, stamps the version (`/finish_weight_update`, read by our front),
+resets the prefix cache with running requests preempted (their KV is recomputed with the new weights) and
+resumes.
 
 An engine on this trainer's own GPU (its `/health` `device_uuids`, from our worker extension) cannot
 join an NCCL group with it. It gets the shared-memory refit instead: the trainer shares CUDA IPC
@@ -102,7 +103,7 @@ class VllmRefitSender:
         self._drop()
         t0 = time.perf_counter()
         sizes = [
-            int(get_json(f"{u.rstrip('/')}/get_world_size?include_dp=false", self.token, 30.0)["world_size"])
+            int(get_json(f"{u.rstrip('/')}/get_world_size?include_dp=true", self.token, 30.0)["world_size"])
             for u in engine_urls
         ]
         mine = place(torch.device("cuda", self.device_index))
