@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from molt_hpc.actor.features import unbuilt
 from molt_hpc.config.train import ActorConfig
 
 
@@ -26,11 +27,9 @@ def parallelize(
     Parameters stay fp32 (the master weights); forward and backward run in `compute_dtype`, with
     gradients reduced in fp32.
     """
-    if cfg.cp > 1 or cfg.ep > 1:
-        raise ValueError(
-            f"actor.cp = {cfg.cp}, actor.ep = {cfg.ep}: context and expert parallelism are not implemented "
-            "in this trainer yet; set both to 1"
-        )
+    missing = unbuilt(cfg)
+    if missing:
+        raise ValueError("; ".join(missing))
     blocks = decoder_blocks(model)
     if not blocks:
         raise ValueError(

@@ -122,6 +122,10 @@ class ActorConfig(Section):
     """Context-parallel degree (inside a node)."""
     ep: PositiveInt = 1
     """Expert-parallel degree (inside a node, MoE only)."""
+    offload: Literal["none", "optimizer", "full"] = "none"
+    """CPU offload: `optimizer` keeps the AdamW moments in pinned host memory between steps; `full`
+    offloads parameters, gradients and optimizer state (FSDP2's CPU offload policy; the optimizer
+    steps on the CPU). Saves GPU memory at a cost in step time."""
 
 
 class CheckpointConfig(Section):
