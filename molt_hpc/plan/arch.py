@@ -59,6 +59,7 @@ class Arch:
     """Multi-head latent attention (DeepSeek-V3 family): the compressed KV width; 0 for plain attention."""
     q_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     source: str = ""
     extra: dict = field(default_factory=dict, compare=False)
@@ -201,6 +202,7 @@ def arch_from_config(config, source: str = "") -> Arch:
         kv_lora_rank=_first(text, "kv_lora_rank"),
         q_lora_rank=_first(text, "q_lora_rank"),
         qk_rope_head_dim=_first(text, "qk_rope_head_dim"),
+        qk_nope_head_dim=_first(text, "qk_nope_head_dim"),
         v_head_dim=_first(text, "v_head_dim"),
         source=source,
     )
