@@ -50,7 +50,7 @@ def placement_of(cfg: MoltConfig, local: bool, gpus: int | None = None) -> Place
     if not local:
         agpu, egpu = sl.actor.gpus_per_node, sl.engines.gpus_per_node
         ranks = sl.actor.nodes * agpu if agpu else act.ranks
-        engines = sl.engines.nodes * (egpu // eng.tensor_parallel if egpu else eng.count)
+        engines = sl.engines.nodes * eng.count  # engines.count is per engine-pool node on Slurm
         return Placement("slurm", ranks, sl.actor.nodes, _device(act.device, agpu > 0),
                          engines, sl.engines.nodes * egpu, _device(eng.device, egpu > 0))  # fmt: skip
     if gpus is None:
@@ -136,8 +136,21 @@ def make_plan(cfg: MoltConfig, arch: Arch, *, local: bool = False, gpus: int | N
     host = _host(arch, cfg, where, trainer)
     plan = Plan(cfg, arch, where, trainer, engines, refit, _refit_phase(arch, cfg, trainer), host)
     plan.checks = _checks(plan, gpu)
-    plan.blockers = unbuilt(cfg.actor) + _shape_blockers(arch, cfg) + _load_blocker(arch, cfg, where)
+    plan.blockers = _engine_span(plan)
+    plan.blockers += unbuilt(cfg.actor) + _shape_blockers(arch, cfg) + _load_blocker(arch, cfg, where)
     return plan
+
+
+def _engine_span(plan: Plan) -> list[str]:
+    """An engine that fills a whole node and still does not fit needs GPUs of several nodes."""
+    eng, egpu = plan.cfg.engines, plan.cfg.slurm.engines.gpus_per_node
+    failed = any(c.what == "engine GPU" and not c.ok for c in plan.checks)
+    if not (failed and eng.kind == "vllm" and plan.placement.mode == "slurm" and eng.tensor_parallel >= egpu):
+        return []
+    return [
+        f"engines: {plan.engines.weights / GIB:,.0f} GiB of weights per GPU with tensor_parallel = "
+        f"{eng.tensor_parallel}, a whole node; an engine spanning several nodes is not supported by the engine pool yet"
+    ]
 
 
 def _load_blocker(arch: Arch, cfg: MoltConfig, where: Placement) -> list[str]:
@@ -202,6 +215,10 @@ def _shape_blockers(arch: Arch, cfg: MoltConfig) -> list[str]:
         out.append(f"actor.ep = {act.ep} but {arch.model_type} has no experts: set actor.ep = 1")
     if act.ep > 1 and arch.is_moe and arch.experts % act.ep:
         out.append(f"actor.ep = {act.ep} does not divide the model's {arch.experts} experts")
+    egpu = cfg.slurm.engines.gpus_per_node
+    if egpu and eng.count * eng.tensor_parallel > egpu:
+        out.append(f"engines.count × tensor_parallel = {eng.count * eng.tensor_parallel} GPUs per engine node but "
+                   f"slurm.engines.gpus_per_node = {egpu}")  # fmt: skip
     if eng.kind == "vllm" and not arch.mla and arch.heads % eng.tensor_parallel:
         out.append(f"engines.tensor_parallel = {eng.tensor_parallel} does not divide the {arch.heads} attention heads")
     return out
