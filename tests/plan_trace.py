@@ -37,11 +37,25 @@ def make_batch(rows: int, seq: int, prompt: int, pad: int, vocab: int):
     return compute_advantages(exp, AlgorithmConfig())
 
 
+def model_config(spec: dict):
+    """A Qwen2 (dense) or Qwen3-MoE config of the spec's shape."""
+    from transformers import Qwen2Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
+                  num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
+                  num_key_value_heads=spec["kv_heads"], tie_word_embeddings=spec["tied"],
+                  max_position_embeddings=4 * spec["seq"])  # fmt: skip
+    if spec.get("experts"):
+        return Qwen3MoeConfig(**common, num_experts=spec["experts"], num_experts_per_tok=spec["top_k"],
+                              moe_intermediate_size=spec["moe_intermediate"], head_dim=spec["hidden"] // spec["heads"])
+    return Qwen2Config(**common, use_sliding_window=False)
+
+
 def trace(spec: dict, world: int) -> dict:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
     from molt_hpc.actor import build
     from molt_hpc.actor.batch import policy_logprobs
@@ -56,11 +70,7 @@ def trace(spec: dict, world: int) -> dict:
         mesh = init_device_mesh("cpu", (world,))
         cfg = load_config(None, [f"actor.micro_batch_size={spec['rows']}", f"actor.logprob_chunk={spec['chunk']}",
                                  f"actor.activation_checkpointing={str(spec['ac']).lower()}"])  # fmt: skip
-        config = Qwen2Config(
-            vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
-            num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"],
-            tie_word_embeddings=spec["tied"], max_position_embeddings=4 * spec["seq"], use_sliding_window=False,
-        )  # fmt: skip
+        config = model_config(spec)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").train()
         build.disable_dropout(model)
@@ -89,10 +99,10 @@ def trace(spec: dict, world: int) -> dict:
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[1])
     torch.set_num_threads(1)
-    for world in spec["world"]:
-        print(json.dumps(trace(spec, world)), flush=True)
+    for spec in json.loads(sys.argv[1]):
+        for world in spec["world"]:
+            print(json.dumps({**spec, **trace(spec, world)}), flush=True)
 
 
 if __name__ == "__main__":

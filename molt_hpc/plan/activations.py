@@ -8,7 +8,8 @@ the compute dtype's bytes (bf16: 2):
   one fp32 rsqrt: `(4 + c)·h + 4`, twice per block;
 - attention keeps its projections' input (c·h), q, k, v as the kernel sees them (k and v repeated
   to every head when a mask forces SDPA off its grouped-query path), the output (c per element, the
-  same tensor o_proj keeps) and the fp32 log-sum-exp per head;
+  same tensor o_proj keeps) and the fp32 log-sum-exp per head; Qwen3's per-head q and k norms keep
+  what an RMSNorm keeps;
 - the MLP keeps its input (c·h) and four I-wide tensors (gate, up, silu(gate), their product);
 - an MoE block keeps the fp32 router softmax, and per routed copy of the token (top-k of them) its
   gathered input, four expert-I-wide tensors and its output; a shared expert counts as an MLP.
@@ -31,7 +32,8 @@ def attention_bytes(arch: Arch, c: int, kv_repeat: bool) -> int:
         lowrank = (4 + 2 * c) * (arch.q_lora_rank + arch.kv_lora_rank)
         return c * h + lowrank + c * heads * (2 * q_dim + 2 * arch.v_head_dim) + 4 * heads
     kv_heads = heads if kv_repeat else arch.kv_heads
-    return c * h + c * heads * arch.head_dim * 2 + 2 * c * kv_heads * arch.head_dim + 4 * heads
+    qk_norm = (4 + c) * (heads + arch.kv_heads) * arch.head_dim + 4 * (heads + arch.kv_heads) if arch.qk_norm else 0
+    return c * h + c * heads * arch.head_dim * 2 + 2 * c * kv_heads * arch.head_dim + 4 * heads + qk_norm
 
 
 def mlp_bytes(arch: Arch, block: Block, c: int) -> int:

@@ -61,6 +61,8 @@ class Arch:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    qk_norm: bool = False
+    """Attention normalises q and k per head (Qwen3): two more RMSNorms per block."""
     source: str = ""
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -204,6 +206,7 @@ def arch_from_config(config, source: str = "") -> Arch:
         qk_rope_head_dim=_first(text, "qk_rope_head_dim"),
         qk_nope_head_dim=_first(text, "qk_nope_head_dim"),
         v_head_dim=_first(text, "v_head_dim"),
+        qk_norm=any(".q_norm." in f".{n}" for n, _ in blocks[0].named_parameters()),
         source=source,
     )
 

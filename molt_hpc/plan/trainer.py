@@ -147,7 +147,11 @@ def _phases(arch: Arch, s: Shape, state: dict[str, float]) -> list[Phase]:
     saved = {"saved activations": sum(kept), "final norm, LM head input": n * head_bytes(arch, c),
              "logits": n * c * v}  # fmt: skip
     fwd_grads = {"gradients": grads} if s.micro_batches > 1 else {}
+    # the last block running (gathered) while the one FSDP prefetched for backward is gathered too
+    two_blocks = {"blocks (unsharded)": 2 * c * _unsharded(arch, s, arch.blocks[-1])}
     out = [
+        Phase("forward: last decoder block", {**resident, **fwd_grads, **root, **two_blocks,
+              "saved activations": sum(kept[:-1]) + per_block[-1]}),  # fmt: skip
         Phase("forward: log-probs", {**resident, **fwd_grads, **root, **saved,
               "log-prob chunk": s.chunk * v * (c + LOGPROB_CHUNK_BYTES)}),  # fmt: skip
         Phase("backward: log-probs", {**resident, **fwd_grads, **root, **saved, "logits gradient": n * c * v,
