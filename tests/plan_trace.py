@@ -32,7 +32,9 @@ def make_batch(rows: int, seq: int, prompt: int, pad: int, vocab: int):
         n = seq - pad
         toks = [rng.randrange(1, vocab) for _ in range(n)]
         lps = [-rng.uniform(0.5, 3.0) for _ in range(n - prompt)]
-        samples.append(Trajectory(toks, prompt, [(prompt, n)], lps, [0] * (n - prompt), float(i % 2), rollout_id=f"s{i}"))
+        samples.append(
+            Trajectory(toks, prompt, [(prompt, n)], lps, [0] * (n - prompt), float(i % 2), rollout_id=f"s{i}")
+        )
     exp = experience_from_groups([Group("g0", "p0", samples)], max_len=seq, pad_id=0)
     return compute_advantages(exp, AlgorithmConfig())
 
@@ -46,8 +48,13 @@ def model_config(spec: dict):
                   num_key_value_heads=spec["kv_heads"], tie_word_embeddings=spec["tied"],
                   max_position_embeddings=4 * spec["seq"])  # fmt: skip
     if spec.get("experts"):
-        return Qwen3MoeConfig(**common, num_experts=spec["experts"], num_experts_per_tok=spec["top_k"],
-                              moe_intermediate_size=spec["moe_intermediate"], head_dim=spec["hidden"] // spec["heads"])
+        return Qwen3MoeConfig(
+            **common,
+            num_experts=spec["experts"],
+            num_experts_per_tok=spec["top_k"],
+            moe_intermediate_size=spec["moe_intermediate"],
+            head_dim=spec["hidden"] // spec["heads"],
+        )
     return Qwen2Config(**common, use_sliding_window=False)
 
 

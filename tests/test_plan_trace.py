@@ -66,8 +66,10 @@ def test_predicted_peak_is_within_5_percent_of_the_trace(traces) -> None:
         err = mem.peak.total / row["peak"] - 1
         worst = max(worst, abs(err))
         kind = "moe" if row.get("experts") else f"h{row['hidden']} V{row['vocab']} ac={row['ac']}"
-        report.append(f"{kind} N={row['world']}: trace {row['peak'] / 2**20:.1f} MiB, plan {mem.peak.total / 2**20:.1f} "
-                      f"MiB ({err:+.1%}) at {mem.peak.name}")  # fmt: skip
+        mib = (row["peak"] / 2**20, mem.peak.total / 2**20)
+        report.append(
+            f"{kind} N={row['world']}: trace {mib[0]:.1f} MiB, plan {mib[1]:.1f} MiB ({err:+.1%}) at {mem.peak.name}"
+        )
     print("\n".join(report))
     assert worst <= 0.05, "\n".join(report)
 

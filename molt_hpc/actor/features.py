@@ -26,7 +26,5 @@ def unbuilt(cfg: ActorConfig) -> list[str]:
     if cfg.ep > 1 and not BUILT["ep"]:
         out.append(f"actor.ep = {cfg.ep}: expert parallelism is not built in this trainer yet (set actor.ep = 1)")
     if cfg.offload != "none" and not BUILT["offload"]:
-        out.append(
-            f"actor.offload = {cfg.offload!r}: CPU offload is not built in this trainer yet (set actor.offload = 'none')"
-        )
+        out.append(f"actor.offload = {cfg.offload!r}: CPU offload is not built in this trainer yet (set it to 'none')")
     return out

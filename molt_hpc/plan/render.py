@@ -65,7 +65,9 @@ def report(plan: Plan, suggestions: list[Suggestion]) -> str:
         lines.append(f"  {'ok  ' if c.ok else 'FAIL'} {c.what:<30} {gib(c.need):>14} of {gib(c.limit)}")
     for b in plan.blockers:
         lines.append(f"  BLOCKED {b}")
-    lines.append("  " + verdict_line(plan, suggestions).removeprefix("plan: ").removesuffix(" (details: molt-hpc plan)"))
+    lines.append(
+        "  " + verdict_line(plan, suggestions).removeprefix("plan: ").removesuffix(" (details: molt-hpc plan)")
+    )
     if suggestions:
         lines += ["", "changes that would help (cheapest first):"]
         lines += [f"  {i}. {change_text(s, plan)}" for i, s in enumerate(suggestions, 1)]
@@ -89,7 +91,9 @@ def _engine_lines(plan: Plan) -> list[str]:
     lines.append(f"  holds {e.full_sequences:,} sequences of max_model_len {e.max_model_len:,} at once; the rollout "
                  f"keeps {e.wanted_sequences:,} per engine in flight ({need:,} tokens at full length)")  # fmt: skip
     if e.kv_tokens < need:
-        lines.append("  (engines will queue or preempt sequences at full length: more engines, or fewer groups in flight)")
+        lines.append(
+            "  (engines will queue or preempt sequences at full length: more engines, or fewer groups in flight)"
+        )
     return lines
 
 

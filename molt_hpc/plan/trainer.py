@@ -150,16 +150,39 @@ def _phases(arch: Arch, s: Shape, state: dict[str, float]) -> list[Phase]:
     # the last block running (gathered) while the one FSDP prefetched for backward is gathered too
     two_blocks = {"blocks (unsharded)": 2 * c * _unsharded(arch, s, arch.blocks[-1])}
     out = [
-        Phase("forward: last decoder block", {**resident, **fwd_grads, **root, **two_blocks,
-              "saved activations": sum(kept[:-1]) + per_block[-1]}),  # fmt: skip
-        Phase("forward: log-probs", {**resident, **fwd_grads, **root, **saved,
-              "log-prob chunk": s.chunk * v * (c + LOGPROB_CHUNK_BYTES)}),  # fmt: skip
-        Phase("backward: log-probs", {**resident, **fwd_grads, **root, **saved, "logits gradient": n * c * v,
-              "log-prob chunk": s.chunk * v * (2 * c + LOGPROB_CHUNK_BYTES - 2)}),  # fmt: skip
+        Phase(
+            "forward: last decoder block",
+            {**resident, **fwd_grads, **root, **two_blocks, "saved activations": sum(kept[:-1]) + per_block[-1]},
+        ),
+        Phase(
+            "forward: log-probs",
+            {**resident, **fwd_grads, **root, **saved, "log-prob chunk": s.chunk * v * (c + LOGPROB_CHUNK_BYTES)},
+        ),
+        Phase(
+            "backward: log-probs",
+            {
+                **resident,
+                **fwd_grads,
+                **root,
+                **saved,
+                "logits gradient": n * c * v,
+                "log-prob chunk": s.chunk * v * (2 * c + LOGPROB_CHUNK_BYTES - 2),
+            },
+        ),
     ]
     out += _block_backward(arch, s, resident, grads, root, kept, per_block)
-    out.append(Phase("backward: root reduce-scatter", {**resident, "gradients": grads, **root,
-                     "root gradients (unsharded)": c * arch.root_params, "reduce-scatter (fp32)": 4 * arch.root_params}))
+    out.append(
+        Phase(
+            "backward: root reduce-scatter",
+            {
+                **resident,
+                "gradients": grads,
+                **root,
+                "root gradients (unsharded)": c * arch.root_params,
+                "reduce-scatter (fp32)": 4 * arch.root_params,
+            },
+        )
+    )
     opt = {"optimizer step temporaries": 0.0 if s.fused_adam else 4 * (arch.params - arch.router_params) / s.ranks}
     out.append(Phase("optimizer step", {**resident, "gradients": grads, **opt}))
     if s.reference:
@@ -182,7 +205,8 @@ def _block_backward(arch, s, resident, grads, root, kept, per_block) -> list[Pha
         p = _unsharded(arch, s, block)
         # the first micro-batch of an update has only the gradients of the blocks after i so far
         done = grads * sum(b.params for b in arch.blocks[i + 1 :]) / arch.params
-        parts = {**resident, "gradients": grads if s.micro_batches > 1 else done, **root, "LM head gradient": c * arch.vocab * h,
+        parts = {**resident, "gradients": grads if s.micro_batches > 1 else done, **root,
+                 "LM head gradient": c * arch.vocab * h,
                  "saved activations": sum(kept[:i]) + (per_block[i] if s.ac else kept[i]),
                  "block (unsharded)": c * p, "residual gradient": n * c * h,
                  "activation gradients": GRAD_TRANSIENT[s.ac] * n * c * mlp_width(arch, block)}  # fmt: skip

@@ -160,7 +160,7 @@ def _load_blocker(arch: Arch, cfg: MoltConfig, where: Placement) -> list[str]:
         return []
     return [
         f"loading: every trainer rank reads the whole model in fp32 ({whole / GIB:,.0f} GiB per node of "
-        f"{cfg.plan.host_memory_gib:,.0f}); sharded loading (each rank reads its shard) is not built in this trainer yet"
+        f"{cfg.plan.host_memory_gib:,.0f}); sharded loading (each rank reads its shard) is not built yet"
     ]
 
 
@@ -168,8 +168,8 @@ def _refit_phase(arch: Arch, cfg: MoltConfig, trainer: TrainerMemory) -> Phase:
     """Rank 0 during a refit: its resident state, one whole tensor in the wire dtype and one bucket."""
     b = 4 if cfg.model.dtype == "float32" else 2
     resident = {k: v for k, v in trainer.state.items() if k != "gradients"}
-    return Phase("refit (rank 0)", {**resident, "whole tensor": b * largest_tensor(arch),
-                                    "refit bucket": float(min(cfg.refit.bucket_mb << 20, b * arch.params))})  # fmt: skip
+    bucket = float(min(cfg.refit.bucket_mb << 20, b * arch.params))
+    return Phase("refit (rank 0)", {**resident, "whole tensor": b * largest_tensor(arch), "refit bucket": bucket})
 
 
 def _host(arch: Arch, cfg: MoltConfig, where: Placement, trainer: TrainerMemory) -> dict[str, float]:
@@ -208,7 +208,9 @@ def _shape_blockers(arch: Arch, cfg: MoltConfig) -> list[str]:
     act, eng = cfg.actor, cfg.engines
     out = []
     if act.cp > 1 and arch.heads % act.cp:
-        out.append(f"actor.cp = {act.cp} does not divide the model's {arch.heads} attention heads (Ulysses splits heads)")
+        out.append(
+            f"actor.cp = {act.cp} does not divide the model's {arch.heads} attention heads (Ulysses splits heads)"
+        )
     if act.cp > 1 and arch.kv_heads % act.cp and act.cp % arch.kv_heads:
         out.append(f"actor.cp = {act.cp} and the model's {arch.kv_heads} KV heads: one must divide the other")
     if act.ep > 1 and not arch.is_moe:
