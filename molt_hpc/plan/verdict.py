@@ -23,6 +23,7 @@ ALLOCATOR_SLACK = 1.08
 segments keep it low); checked by `bench/plan.py`."""
 CONTEXT_BYTES = 2.0 * GIB
 """CUDA context, cuBLAS workspaces and NCCL buffers on each trainer GPU: outside the allocator."""
+TODAY = "loading today (fp32 model per rank)"
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,8 @@ def _host(arch: Arch, cfg: MoltConfig, where: Placement, trainer: TrainerMemory)
     """Host bytes per actor node: loading (each rank reads its own shard), offloaded state, a CPU trainer."""
     per_node = where.ranks_per_node
     out = {"loading (own shards)": per_node * 4 * arch.params / where.actor_ranks}
+    if not BUILT["sharded_load"]:  # what loading takes today; `_load_blocker` refuses it when too much
+        out[TODAY] = per_node * 4 * arch.params
     for key, value in trainer.host.items():
         out[f"offloaded {key}"] = per_node * value
     if where.actor_device == "cpu":
@@ -199,7 +202,7 @@ def _checks(plan: Plan, gpu: float) -> list[Check]:
             one = eng.kv_bytes_per_token * eng.max_model_len
             out.append(Check("engine GPU", eng.weights + eng.other + one, eng.budget))
     load = plan.host.get("loading (own shards)", 0.0)
-    steady = sum(v for k, v in plan.host.items() if not k.startswith("loading"))
+    steady = sum(v for k, v in plan.host.items() if not k.startswith("loading") and k != TODAY)
     out.append(Check("host memory per actor node", max(load, steady), host_limit))
     return out
 
