@@ -16,6 +16,7 @@ same step runs on the CPU at small shapes and torch's memory tracker measures it
 
 import argparse
 import dataclasses
+import gc
 import random
 import sys
 import time
@@ -104,6 +105,7 @@ def measure(shape: str, cfg, group, world) -> tuple[float, float]:
         peak = tracker.get_tracker_snapshot("peak")
         out = next(v["Total"] for k, v in peak.items() if str(k).startswith("cpu")), 0.0
     del models, model, opt
+    gc.collect()  # FSDP's hooks hold the model in reference cycles: free it before the next case
     if world.device.type == "cuda":
         torch.cuda.empty_cache()
     return out
