@@ -13,9 +13,11 @@ BUILT: dict[str, bool] = {
     "ep": False,
     "offload": False,
     "sharded_load": False,
+    "reference_bf16": False,
 }
 """Feature → whether this trainer implements it. `sharded_load`: each rank reads only its shard of
-the checkpoint (otherwise every rank holds the whole fp32 model in host memory while loading)."""
+the checkpoint (otherwise every rank holds the whole fp32 model in host memory while loading);
+`reference_bf16`: the frozen reference model is held in bf16 (otherwise fp32, like the policy)."""
 
 
 def unbuilt(cfg: ActorConfig) -> list[str]:

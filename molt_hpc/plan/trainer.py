@@ -21,6 +21,7 @@ the optimizer step (foreach temporaries) or the reference forward. Numbers are w
 import math
 from dataclasses import dataclass, field
 
+from molt_hpc.actor.features import BUILT
 from molt_hpc.config import MoltConfig
 from molt_hpc.plan.activations import block_bytes, head_bytes, mlp_width
 from molt_hpc.plan.arch import Arch
@@ -123,7 +124,7 @@ def trainer_memory(arch: Arch, s: Shape) -> TrainerMemory:
         host[key] = state[key]
         state[key] = 0.0
     if s.reference:
-        state["reference"] = 4 * p_all / s.ranks  # the trainer loads it fp32, like the policy
+        state["reference"] = (2 if BUILT["reference_bf16"] else 4) * p_all / s.ranks
     if s.critic:
         p_critic = p_all - (0 if arch.tied else arch.vocab * arch.hidden) + arch.hidden
         state["critic"] = 16 * p_critic / s.ranks
@@ -148,7 +149,7 @@ def _phases(arch: Arch, s: Shape, state: dict[str, float]) -> list[Phase]:
              "logits": n * c * v}  # fmt: skip
     fwd_grads = {"gradients": grads} if s.micro_batches > 1 else {}
     # the last block running (gathered) while the one FSDP prefetched for backward is gathered too
-    two_blocks = {"blocks (unsharded)": 2 * c * _unsharded(arch, s, arch.blocks[-1])}
+    two_blocks = {"blocks (unsharded)": 2 * c * _unsharded(arch, s, arch.blocks[-1]), **_ulysses(arch, s)}
     out = [
         Phase(
             "forward: last decoder block",
@@ -212,8 +213,17 @@ def _block_backward(arch, s, resident, grads, root, kept, per_block) -> list[Pha
                  "activation gradients": GRAD_TRANSIENT[s.ac] * n * c * mlp_width(arch, block)}  # fmt: skip
         if i < len(per_block) - 1:
             parts["reduce-scatter (fp32)"] = 4 * _unsharded(arch, s, arch.blocks[i + 1])
+        parts.update(_ulysses(arch, s))
         out.append(Phase(name, parts))
     return out
+
+
+def _ulysses(arch: Arch, s: Shape) -> dict[str, float]:
+    """Context parallelism's all-to-all outputs of the running layer: q, k, v in, the output back."""
+    if s.cp == 1:
+        return {}
+    width = 2 * arch.heads * arch.head_dim + 2 * arch.kv_heads * arch.head_dim
+    return {"context-parallel all-to-all": s.tokens * s.compute_bytes * width}
 
 
 def _reference_forward(arch: Arch, s: Shape, resident) -> Phase:
