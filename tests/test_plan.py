@@ -150,3 +150,18 @@ def test_dry_run_renders_and_prints_the_verdict() -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("#!") and "#SBATCH hetjob" in result.stdout
     assert result.stderr.startswith("plan: does not fit: engine GPU needs")
+
+
+def test_the_trainer_refuses_what_it_has_not_built(monkeypatch) -> None:
+    from molt_hpc.actor.parallelize import parallelize
+    from molt_hpc.config.train import ActorConfig
+
+    monkeypatch.setitem(features.BUILT, "ep", False)
+    monkeypatch.setitem(features.BUILT, "offload", False)
+    cfg = ActorConfig(ep=2, offload="full")
+    assert [line.split(":")[0] for line in features.unbuilt(cfg)] == ["actor.ep = 2", "actor.offload = 'full'"]
+    with pytest.raises(ValueError, match="expert parallelism is not built"):
+        parallelize(None, None, cfg)  # refused before the model or the mesh is touched
+    monkeypatch.setitem(features.BUILT, "ep", True)
+    monkeypatch.setitem(features.BUILT, "offload", True)
+    assert features.unbuilt(cfg) == []
