@@ -25,15 +25,17 @@ def norm_bytes(arch: Arch, c: int) -> int:
     return (4 + c) * arch.hidden + 4
 
 
-def attention_bytes(arch: Arch, c: int, kv_repeat: bool) -> int:
+def attention_bytes(arch: Arch, c: int, kv_repeat: bool, eager_seq: int = 0) -> int:
+    """`eager_seq`: the row length when attention is `eager`, which keeps its scores and softmax."""
     h, heads = arch.hidden, arch.heads
+    scores = 2 * c * heads * eager_seq
     if arch.mla:  # q and kv through their low-rank projections and norms, then full-width q, k, v
         q_dim = arch.qk_nope_head_dim + arch.qk_rope_head_dim
         lowrank = (4 + 2 * c) * (arch.q_lora_rank + arch.kv_lora_rank)
-        return c * h + lowrank + c * heads * (2 * q_dim + 2 * arch.v_head_dim) + 4 * heads
+        return c * h + lowrank + c * heads * (2 * q_dim + 2 * arch.v_head_dim) + 4 * heads + scores
     kv_heads = heads if kv_repeat else arch.kv_heads
     qk_norm = (4 + c) * (heads + arch.kv_heads) * arch.head_dim + 4 * (heads + arch.kv_heads) if arch.qk_norm else 0
-    return c * h + c * heads * arch.head_dim * 2 + 2 * c * kv_heads * arch.head_dim + 4 * heads + qk_norm
+    return c * h + c * heads * arch.head_dim * 2 + 2 * c * kv_heads * arch.head_dim + 4 * heads + qk_norm + scores
 
 
 def mlp_bytes(arch: Arch, block: Block, c: int) -> int:
@@ -45,9 +47,9 @@ def mlp_bytes(arch: Arch, block: Block, c: int) -> int:
     return c * h + 4 * arch.experts + routed + shared
 
 
-def block_bytes(arch: Arch, block: Block, c: int, kv_repeat: bool) -> int:
+def block_bytes(arch: Arch, block: Block, c: int, kv_repeat: bool, eager_seq: int = 0) -> int:
     """Bytes one token leaves saved in one decoder block without activation checkpointing."""
-    return 2 * norm_bytes(arch, c) + attention_bytes(arch, c, kv_repeat) + mlp_bytes(arch, block, c)
+    return 2 * norm_bytes(arch, c) + attention_bytes(arch, c, kv_repeat, eager_seq) + mlp_bytes(arch, block, c)
 
 
 def mlp_width(arch: Arch, block: Block) -> int:

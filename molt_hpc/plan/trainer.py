@@ -60,6 +60,8 @@ class Shape:
     reference: bool
     critic: bool
     freeze_router: bool
+    eager_seq: int = 0
+    """The row length when attention is `eager` (it keeps [heads, T, T] scores per row); 0 otherwise."""
 
     @property
     def tokens(self) -> int:
@@ -80,6 +82,7 @@ def shape_of(cfg: MoltConfig, ranks: int, device: str) -> Shape:
         kv_repeat=cfg.model.attn_implementation != "flash_attention_2", fused_adam=device == "cuda",
         offload=act.offload, reference=cfg.algorithm.uses_reference, critic=cfg.algorithm.uses_critic,
         freeze_router=act.freeze_router,
+        eager_seq=math.ceil(ro.max_total_tokens / act.cp) if cfg.model.attn_implementation == "eager" else 0,
     )  # fmt: skip
 
 
@@ -128,8 +131,9 @@ def trainer_memory(arch: Arch, s: Shape) -> TrainerMemory:
     if s.critic:
         p_critic = p_all - (0 if arch.tied else arch.vocab * arch.hidden) + arch.hidden
         state["critic"] = 16 * p_critic / s.ranks
+    per_token = sum(block_bytes(arch, b, c, s.kv_repeat, s.eager_seq) for b in arch.blocks)
     acts = {
-        "activations (no checkpointing)": n * sum(block_bytes(arch, b, c, s.kv_repeat) for b in arch.blocks),
+        "activations (no checkpointing)": n * per_token,
         "activations (checkpointing)": n * c * arch.hidden * arch.layers,
         "log-prob buffers": n * (head_bytes(arch, c) + 2 * c * arch.vocab) + s.chunk * arch.vocab * (c + 8),
     }
@@ -143,7 +147,7 @@ def _phases(arch: Arch, s: Shape, state: dict[str, float]) -> list[Phase]:
     grads = state["gradients"]
     resident = {k: x for k, x in state.items() if k != "gradients"}
     root = {"root group (unsharded)": c * arch.root_params}
-    per_block = [n * block_bytes(arch, b, c, s.kv_repeat) for b in arch.blocks]
+    per_block = [n * block_bytes(arch, b, c, s.kv_repeat, s.eager_seq) for b in arch.blocks]
     kept = [n * c * h] * len(per_block) if s.ac else per_block
     saved = {"saved activations": sum(kept), "final norm, LM head input": n * head_bytes(arch, c),
              "logits": n * c * v}  # fmt: skip
@@ -231,5 +235,5 @@ def _reference_forward(arch: Arch, s: Shape, resident) -> Phase:
     big = max(arch.blocks, key=lambda b: b.params)
     return Phase("reference forward", {**resident, "reference root group": c * arch.root_params,
                  "reference blocks (unsharded)": 2 * c * _unsharded(arch, s, big),
-                 "block activations (no grad)": n * block_bytes(arch, big, c, s.kv_repeat) / 2,
+                 "block activations (no grad)": n * block_bytes(arch, big, c, s.kv_repeat, s.eager_seq) / 2,
                  "logits": n * c * v, "log-prob chunk": s.chunk * v * (c + LOGPROB_CHUNK_BYTES)})  # fmt: skip
