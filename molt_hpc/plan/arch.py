@@ -112,11 +112,11 @@ def load_hf_config(model: ModelConfig):
     if model.architecture:
         path = _arch_file(model.architecture)
         return _config_from_file(path), str(path)
-    where = f"{model.path} is not readable here" if own is not None else f"{model.path} has no shipped shape"
-    raise ValueError(
-        f"the plan needs the model's config.json, but model.path = {where}: set model.architecture to its "
-        "HF config.json (configs/models/ holds the shipped ones)"
-    )
+    hint = "set model.architecture to its HF config.json to plan a model whose weights are elsewhere (configs/models/)"
+    if own is None:
+        raise ValueError(f"the plan needs the shape of model.path = {model.path}: {hint}")
+    missing = "does not exist" if not own.parent.exists() else "has no config.json"
+    raise ValueError(f"model.path {own.parent} {missing}; point it at an HF model directory, or {hint}")
 
 
 def _arch_file(text: str) -> Path:
