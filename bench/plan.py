@@ -2,10 +2,11 @@
 
 Each case builds a Qwen2-shaped model from its config with random weights (fp32 master weights,
 bf16 compute, as the trainer does: `parallelize`, `build_optimizer`), runs the trainer's own
-`train_step` once to create the optimizer state, resets the peak counters and runs it again. The
-measured peak is `torch.cuda.max_memory_allocated` of that second step (its reserved peak beside
-it, which the plan's allocator slack covers); the prediction is `molt_hpc.plan`'s from the same
-config and shape, made before the model is built. Target: within ±15%.
+`train_step` (rows packed to its token budget, as the trainer runs them) once to create the
+optimizer state, resets the peak counters and runs it again. The measured peak is
+`torch.cuda.max_memory_allocated` of that second step (its reserved peak beside it, which the plan's
+allocator slack covers); the prediction is `molt_hpc.plan`'s from the same config and shape, made
+before the model is built. Target: within ±15%.
 
 On one H200 (< 3 min): 0.5B without and with activation checkpointing, 1.5B, 7B (7B's whole fp32
 state, 122 GB, on one GPU: checkpointing and 2k-token rows). Without CUDA, or with `--dry-run`, the
@@ -15,7 +16,6 @@ same step runs on the CPU at small shapes and torch's memory tracker measures it
 """
 
 import argparse
-import dataclasses
 import gc
 import random
 import sys
@@ -38,7 +38,7 @@ CPU_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, nu
 
 
 def make_group(rows: int, seq: int, vocab: int):
-    """`rows` samples of exactly `seq` tokens (rows without padding: SDPA keeps grouped-query k and v)."""
+    """`rows` samples of exactly `seq` tokens: micro-batches as full as the configured budget allows."""
     from molt_hpc.trajectory import Group, Trajectory
 
     rng = random.Random(0)
@@ -70,8 +70,7 @@ def predict(shape: str, cfg, device: str):
     from molt_hpc.plan.trainer import shape_of, trainer_memory
 
     arch = arch_from_config(qwen2_config(shape))
-    s = dataclasses.replace(shape_of(cfg, 1, device), kv_repeat=False)  # full rows: no mask
-    return trainer_memory(arch, s).peak
+    return trainer_memory(arch, shape_of(cfg, 1, device)).peak
 
 
 def measure(shape: str, cfg, group, world) -> tuple[float, float]:
@@ -79,15 +78,18 @@ def measure(shape: str, cfg, group, world) -> tuple[float, float]:
     from gpu_common import build_model
 
     from molt_hpc.actor import build
+    from molt_hpc.actor.packing import sequence_layout
     from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.state import Trainable
     from molt_hpc.actor.step import Models, train_step
 
     model = build_model(shape, torch.float32, world.device, seed=0).train()
     build.disable_dropout(model)
-    parallelize(model, world.mesh, cfg.actor, compute_dtype=torch.bfloat16)
+    documents, budget = sequence_layout(cfg, world, model)  # packed rows, as the trainer runs them
+    parallelize(model, world.mesh, cfg.actor, compute_dtype=torch.bfloat16, documents=documents)
     opt = build.build_optimizer(model, cfg.actor, 1e-5)
-    models = Models(policy=Trainable("policy", model, opt, build.build_scheduler(opt, cfg.actor, 100)))
+    scheduler = build.build_scheduler(opt, cfg.actor, 100)
+    models = Models(policy=Trainable("policy", model, opt, scheduler), pack_tokens=budget)
     train_step([group], cfg, models, world, pad_id=0)  # creates the optimizer state
     if world.device.type == "cuda":
         torch.cuda.synchronize()

@@ -56,7 +56,7 @@ def test_persistent_state_is_16_bytes_per_parameter_over_the_ranks() -> None:
     off = trainer_memory(a, shape_of(with_changes(cfg, ["actor.offload='optimizer'"]), 8, "cuda"))
     assert off.state["optimizer"] == 0 and off.host["optimizer"] == 8 * a.params / 8
     ref = trainer_memory(a, shape_of(with_changes(cfg, ["algorithm.kl_coef=0.01"]), 8, "cuda"))
-    assert ref.state["reference"] == 4 * a.params / 8
+    assert ref.state["reference"] == 2 * a.params / 8  # stored in model.dtype (bf16)
     assert ref.peak.total > mem.peak.total
 
 

@@ -9,15 +9,13 @@ on a cluster only to be refused there. Work that builds a feature flips its entr
 from molt_hpc.config.train import ActorConfig
 
 BUILT: dict[str, bool] = {
-    "cp": False,
+    "cp": True,
     "ep": False,
-    "offload": False,
-    "sharded_load": False,
-    "reference_bf16": False,
+    "offload": True,
+    "sharded_load": True,
 }
 """Feature → whether this trainer implements it. `sharded_load`: each rank reads only its shard of
-the checkpoint (otherwise every rank holds the whole fp32 model in host memory while loading);
-`reference_bf16`: the frozen reference model is held in bf16 (otherwise fp32, like the policy)."""
+the checkpoint (otherwise every rank holds the whole fp32 model in host memory while loading)."""
 
 
 def unbuilt(cfg: ActorConfig) -> list[str]:

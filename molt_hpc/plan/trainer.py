@@ -21,7 +21,6 @@ the optimizer step (foreach temporaries) or the reference forward. Numbers are w
 import math
 from dataclasses import dataclass, field
 
-from molt_hpc.actor.features import BUILT
 from molt_hpc.config import MoltConfig
 from molt_hpc.plan.activations import block_bytes, head_bytes, mlp_width
 from molt_hpc.plan.arch import Arch
@@ -54,7 +53,7 @@ class Shape:
     ac: bool
     chunk: int
     kv_repeat: bool
-    """SDPA with padded rows gets a mask, which sends grouped-query attention through repeated k and v."""
+    """k and v repeated to every head (SDPA with a padded row's mask leaves its grouped-query path)."""
     fused_adam: bool
     offload: str
     reference: bool
@@ -69,17 +68,33 @@ class Shape:
         return self.rows * math.ceil(self.seq / self.cp)
 
 
+def packs(cfg: MoltConfig) -> bool:
+    """Whether the trainer packs rows (`molt_hpc.actor.packing`: `auto` packs what attention allows)."""
+    return cfg.actor.packing == "on" or (cfg.actor.packing == "auto" and cfg.model.attn_implementation != "eager")
+
+
 def shape_of(cfg: MoltConfig, ranks: int, device: str) -> Shape:
+    """One rank's micro-batch: padded rows of `max_total_tokens`, or one packed row filled to the token
+    budget (every sample at full length: the worst case)."""
     act, ro = cfg.actor, cfg.rollout
     dp = max(1, ranks // act.cp)
     rows_per_update = math.ceil(cfg.actor.groups_per_step * ro.n_samples / act.mini_batches)
     mine = math.ceil(rows_per_update / dp)
-    rows = min(act.micro_batch_size, mine)
+    if packs(cfg):
+        budget = act.max_tokens_per_micro_batch or act.micro_batch_size * ro.max_total_tokens
+        rows, seq = 1, min(budget, mine * ro.max_total_tokens)
+        micro = math.ceil(mine * ro.max_total_tokens / budget)
+    else:
+        rows, seq = min(act.micro_batch_size, mine), ro.max_total_tokens
+        micro = math.ceil(mine / rows)
     return Shape(
-        ranks=ranks, cp=act.cp, ep=act.ep, rows=rows, seq=ro.max_total_tokens,
-        micro_batches=math.ceil(mine / rows), compute_bytes=4 if cfg.model.dtype == "float32" else 2,
+        ranks=ranks, cp=act.cp, ep=act.ep, rows=rows, seq=seq,
+        micro_batches=micro, compute_bytes=4 if cfg.model.dtype == "float32" else 2,
         ac=act.activation_checkpointing, chunk=act.logprob_chunk,
-        kv_repeat=cfg.model.attn_implementation != "flash_attention_2", fused_adam=device == "cuda",
+        # a padded row's mask sends SDPA's grouped-query attention through repeated k and v; packed
+        # rows attend through the varlen kernel (or a sample at a time), without a mask
+        kv_repeat=not packs(cfg) and cfg.model.attn_implementation != "flash_attention_2",
+        fused_adam=device == "cuda",
         offload=act.offload, reference=cfg.algorithm.uses_reference, critic=cfg.algorithm.uses_critic,
         freeze_router=act.freeze_router,
         eager_seq=math.ceil(ro.max_total_tokens / act.cp) if cfg.model.attn_implementation == "eager" else 0,
@@ -127,7 +142,7 @@ def trainer_memory(arch: Arch, s: Shape) -> TrainerMemory:
         host[key] = state[key]
         state[key] = 0.0
     if s.reference:
-        state["reference"] = (2 if BUILT["reference_bf16"] else 4) * p_all / s.ranks
+        state["reference"] = s.compute_bytes * p_all / s.ranks  # stored in model.dtype (it never trains)
     if s.critic:
         p_critic = p_all - (0 if arch.tied else arch.vocab * arch.hidden) + arch.hidden
         state["critic"] = 16 * p_critic / s.ranks
