@@ -91,11 +91,45 @@ def sample_cmd(config: str | None, overrides: tuple[str, ...], prompt: str) -> N
     click.echo(sample_reply(_load(config, overrides), prompt))
 
 
+NO_PLAN_HELP = "Start even when the memory plan says the config does not fit or cannot run."
+
+
+def _plan_first(cfg, *, local: bool, refuse: bool) -> None:
+    """Plan `cfg`; print its one-line verdict when it does not fit, and exit 2 when `refuse`."""
+    from molt_hpc.plan import plan_config, verdict_line
+
+    plan, suggestions = plan_config(cfg, local=local)
+    if plan.runnable:
+        return
+    click.echo(verdict_line(plan, suggestions), err=True)
+    if refuse:
+        click.echo("error: the plan refuses this config; change it, or pass --no-plan to start anyway", err=True)
+        sys.exit(2)
+
+
+@main.command("plan")
+@click.argument("config", required=False)
+@click.option("--set", "overrides", multiple=True, help=SET_HELP)
+@click.option("--local/--slurm", "local", default=None,
+              help="Plan this machine's placement (molt-hpc run) or the Slurm job's (molt-hpc submit); "
+              "default: Slurm when the slurm section asks for GPUs.")  # fmt: skip
+def plan_cmd(config: str | None, overrides: tuple[str, ...], local: bool | None) -> None:
+    """Does CONFIG fit? Per-GPU memory of each pool by category and phase, KV cache, refit, host
+    memory, a verdict and the changes that would make it fit. Exit 0: it fits and can run; 1: not."""
+    from molt_hpc.plan import default_local, plan_config, report
+
+    cfg = _load(config, overrides)
+    plan, suggestions = plan_config(cfg, local=default_local(cfg) if local is None else local)
+    click.echo(report(plan, suggestions))
+    sys.exit(0 if plan.runnable else 1)
+
+
 @main.command("run")
 @click.argument("config", required=False)
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)
 @click.option("--resume", "resume_dir", default=None, help="Continue the run in this run directory.")
-def run_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: str | None) -> None:
+@click.option("--no-plan", is_flag=True, help=NO_PLAN_HELP)
+def run_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: str | None, no_plan: bool) -> None:
     """Run the whole RL loop on this machine (CONFIG, or the embedded tiny CPU default)."""
     from molt_hpc.launch.local import resume_config, run_local
     from molt_hpc.log import setup_logging
@@ -103,6 +137,8 @@ def run_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: str | No
     if resume_dir and config:
         raise click.UsageError("give either CONFIG or --resume RUN_DIR (a resumed run keeps its own config)")
     cfg = resume_config(resume_dir, overrides) if resume_dir else _load(config, overrides)
+    if not no_plan:
+        _plan_first(cfg, local=True, refuse=True)
     setup_logging("launcher", cfg.logging.level)
     sys.exit(run_local(cfg))
 
@@ -145,14 +181,22 @@ def buffer_stats_cmd(run_dir: str) -> None:
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)
 @click.option("--dry-run", is_flag=True, help="Print the exact batch script and exit; nothing is created.")
 @click.option("--resume", "resume_dir", default=None, help="Submit a new job that continues this run directory.")
-def submit_cmd(config: str | None, overrides: tuple[str, ...], dry_run: bool, resume_dir: str | None) -> None:
-    """Submit the run as one heterogeneous Slurm job: het group 0 = actor pool, 1 = engine pool."""
+@click.option("--no-plan", is_flag=True, help=NO_PLAN_HELP)
+def submit_cmd(
+    config: str | None, overrides: tuple[str, ...], dry_run: bool, resume_dir: str | None, no_plan: bool
+) -> None:
+    """Submit the run as one heterogeneous Slurm job: het group 0 = actor pool, 1 = engine pool.
+
+    The memory plan runs first: a config that does not fit or cannot run is refused (exit 2) with
+    its verdict in one line; with --dry-run the verdict is only printed (stderr)."""
     from molt_hpc.launch import slurm
     from molt_hpc.launch.local import resume_config
 
     if resume_dir and config:
         raise click.UsageError("give either CONFIG or --resume RUN_DIR (a resumed run keeps its own config)")
     cfg = resume_config(resume_dir, overrides) if resume_dir else _load(config, overrides)
+    if not no_plan:
+        _plan_first(cfg, local=False, refuse=not dry_run)
     if dry_run:
         click.echo(slurm.dry_run_script(cfg), nl=False)
         return

@@ -165,6 +165,20 @@ class SlurmConfig(Section):
         return max(self.signal_lead_s - 30, self.signal_lead_s // 2)
 
 
+class PlanConfig(Section):
+    """The hardware `molt-hpc plan` (and the plan before `run` and `submit`) checks a config against."""
+
+    gpu_memory_gib: PositiveFloat = 139.8
+    """Memory of one GPU as torch reports it (`torch.cuda.get_device_properties(0).total_memory`):
+    H200 139.8 GiB, H100 79.6 GiB, A100-80GB 79.2 GiB."""
+    host_memory_gib: PositiveFloat = 1800.0
+    """Host memory per node that the job may use (a DGX H100/H200 node has 2 TB: leave room for the
+    OS and the page cache)."""
+    network_gb_per_s: PositiveFloat = 45.0
+    """Bandwidth between nodes, per GPU's NIC, in GB/s (400 Gb/s InfiniBand NDR reaches ~45): the refit
+    sends from trainer rank 0 through one NIC."""
+
+
 class WandbConfig(Section):
     """Weights & Biases: every `metrics.jsonl` record of the run, as one W&B run that a resumed or
     requeued job continues (needs `pip install 'molt-hpc[wandb]'`)."""

@@ -92,6 +92,12 @@ class ModelConfig(Section):
     """Shape of the builtin tiny model; ignored for a directory path."""
     tiny_moe: TinyMoeConfig = Field(default_factory=TinyMoeConfig)
     """Shape of the builtin tiny MoE model; ignored unless `path = "builtin:tiny-moe"`."""
+    architecture: str | None = None
+    """For `molt-hpc plan` only: an HF `config.json` (the file, or a directory holding one) with the
+    model's shape, for when `model.path` is not readable here (a cluster path, a placeholder). The run
+    itself always reads `model.path`; where both are readable, every field given here must equal the
+    one in `model.path`'s config.json, or the plan refuses (it would plan another model). The shipped
+    shapes are in `configs/models/`."""
 
     @property
     def is_builtin(self) -> bool:

@@ -9,6 +9,7 @@ from molt_hpc.config.base import Section
 from molt_hpc.config.infra import (
     BufferConfig,
     LoggingConfig,
+    PlanConfig,
     RefitConfig,
     RunConfig,
     SlurmConfig,
@@ -50,6 +51,8 @@ class MoltConfig(Section):
     """The heterogeneous Slurm job."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Logs and metrics."""
+    plan: PlanConfig = Field(default_factory=PlanConfig)
+    """The hardware the memory plan checks against (`molt-hpc plan`)."""
 
     @model_validator(mode="after")
     def _cross_section_rules(self) -> "MoltConfig":
