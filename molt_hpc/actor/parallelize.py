@@ -15,7 +15,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from molt_hpc.actor.attention import DocumentAttention, use_document_attention
 from molt_hpc.actor.expert_parallel import apply_expert_parallel
-from molt_hpc.actor.features import unbuilt
 from molt_hpc.actor.moe_router import shard_routers
 from molt_hpc.config.train import ActorConfig
 
@@ -41,9 +40,6 @@ def parallelize(
     `cp` group), the model attends within each sample of a row and splits rows over the CP group.
     Works on a meta-device model too (sharded loading materialises it afterwards).
     """
-    missing = unbuilt(cfg)
-    if missing:
-        raise ValueError("; ".join(missing))
     assert cfg.cp == 1 or (documents is not None and documents.cp is not None), "actor.cp > 1 needs its CP group"
     if documents is not None:
         use_document_attention(model, documents)

@@ -78,3 +78,18 @@ def build_once(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def builtin_config(cfg: ModelConfig):
+    """The transformers config a builtin model is built from (no weights, nothing written), for
+    `molt-hpc plan`; None for a builtin converted from an installed file (read its directory)."""
+    if cfg.path == "builtin:tiny-char":
+        from molt_hpc.models.tiny_char import tiny_config
+
+        return tiny_config(cfg.tiny)
+    if cfg.path == "builtin:tiny-moe":
+        from molt_hpc.models.tiny_char import build_tiny_tokenizer
+        from molt_hpc.models.tiny_moe import tiny_moe_config
+
+        return tiny_moe_config(cfg.tiny_moe, build_tiny_tokenizer())
+    return None

@@ -4,7 +4,7 @@ No weights are read: the transformers class is built on the meta device from the
 parameters are counted per decoder block (dense part, routed experts, router) and outside the blocks
 (embeddings, final norm, LM head: the FSDP root group). Where the config comes from:
 
-- `builtin:tiny-char`: built from `model.tiny`, as the model itself is;
+- `builtin:tiny-char`, `builtin:tiny-moe`: built from their spec (`model.tiny`, `model.tiny_moe`), as the model is;
 - a readable `model.path`: its `config.json`; `model.architecture`, when also set, must agree with it;
 - otherwise `model.architecture` (the shapes shipped in `configs/models/` for models whose weights
   live on a cluster).
@@ -99,10 +99,10 @@ class Arch:
 
 def load_hf_config(model: ModelConfig):
     """(transformers config of the policy, where it came from). Raises ValueError with the fix."""
-    if model.path == "builtin:tiny-char":
-        from molt_hpc.models.tiny_char import tiny_config
+    from molt_hpc.models.resolve import builtin_config
 
-        return tiny_config(model.tiny), "model.tiny"
+    if model.is_builtin and (config := builtin_config(model)) is not None:
+        return config, f"the {model.path} spec"
     own = None if model.is_builtin else Path(model.path).expanduser() / "config.json"
     if own is not None and own.is_file():
         config = _config_from_file(own)

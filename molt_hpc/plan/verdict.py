@@ -4,15 +4,14 @@ A GPU fits when the trainer's predicted peak (what `torch.cuda.max_memory_alloca
 allocator's slack, plus the CUDA context and NCCL buffers, is within `plan.gpu_memory_gib`; an
 engine GPU when its weights and working memory leave KV cache for one `max_model_len` sequence; a
 node when the host memory the trainer ranks take (loading, offloaded state) is within
-`plan.host_memory_gib`. Blockers are what no amount of memory fixes: features this trainer has not
-built (`molt_hpc/actor/features.py`) and shapes a parallelism cannot split.
+`plan.host_memory_gib`. Blockers are what no amount of memory fixes: shapes a parallelism cannot split,
+and an engine bigger than a node.
 """
 
 import math
 import os
 from dataclasses import dataclass, field
 
-from molt_hpc.actor.features import BUILT, unbuilt
 from molt_hpc.config import MoltConfig
 from molt_hpc.plan.arch import Arch
 from molt_hpc.plan.engine import GIB, EngineMemory, Refit, engine_memory, largest_tensor, refit_estimate
@@ -23,7 +22,6 @@ ALLOCATOR_SLACK = 1.08
 segments keep it low); checked by `bench/plan.py`."""
 CONTEXT_BYTES = 2.0 * GIB
 """CUDA context, cuBLAS workspaces and NCCL buffers on each trainer GPU: outside the allocator."""
-TODAY = "loading today (fp32 model per rank)"
 
 
 @dataclass(frozen=True)
@@ -138,7 +136,7 @@ def make_plan(cfg: MoltConfig, arch: Arch, *, local: bool = False, gpus: int | N
     plan = Plan(cfg, arch, where, trainer, engines, refit, _refit_phase(arch, cfg, trainer), host)
     plan.checks = _checks(plan, gpu)
     plan.blockers = _engine_span(plan)
-    plan.blockers += unbuilt(cfg.actor) + _shape_blockers(arch, cfg) + _load_blocker(arch, cfg, where)
+    plan.blockers += _shape_blockers(arch, cfg)
     return plan
 
 
@@ -154,17 +152,6 @@ def _engine_span(plan: Plan) -> list[str]:
     ]
 
 
-def _load_blocker(arch: Arch, cfg: MoltConfig, where: Placement) -> list[str]:
-    """Until sharded loading is built, every rank holds the whole fp32 model in host memory at start."""
-    whole = where.ranks_per_node * 4 * arch.params
-    if BUILT["sharded_load"] or whole <= cfg.plan.host_memory_gib * GIB:
-        return []
-    return [
-        f"loading: every trainer rank reads the whole model in fp32 ({whole / GIB:,.0f} GiB per node of "
-        f"{cfg.plan.host_memory_gib:,.0f}); sharded loading (each rank reads its shard) is not built yet"
-    ]
-
-
 def _refit_phase(arch: Arch, cfg: MoltConfig, trainer: TrainerMemory) -> Phase:
     """Rank 0 during a refit: its resident state, one whole tensor in the wire dtype and one bucket."""
     b = 4 if cfg.model.dtype == "float32" else 2
@@ -177,8 +164,6 @@ def _host(arch: Arch, cfg: MoltConfig, where: Placement, trainer: TrainerMemory)
     """Host bytes per actor node: loading (each rank reads its own shard), offloaded state, a CPU trainer."""
     per_node = where.ranks_per_node
     out = {"loading (own shards)": per_node * 4 * arch.params / where.actor_ranks}
-    if not BUILT["sharded_load"]:  # what loading takes today; `_load_blocker` refuses it when too much
-        out[TODAY] = per_node * 4 * arch.params
     for key, value in trainer.host.items():
         out[f"offloaded {key}"] = per_node * value
     if where.actor_device == "cpu":
@@ -202,7 +187,7 @@ def _checks(plan: Plan, gpu: float) -> list[Check]:
             one = eng.kv_bytes_per_token * eng.max_model_len
             out.append(Check("engine GPU", eng.weights + eng.other + one, eng.budget))
     load = plan.host.get("loading (own shards)", 0.0)
-    steady = sum(v for k, v in plan.host.items() if not k.startswith("loading") and k != TODAY)
+    steady = sum(v for k, v in plan.host.items() if not k.startswith("loading"))
     out.append(Check("host memory per actor node", max(load, steady), host_limit))
     return out
 
