@@ -34,6 +34,13 @@ def _load(config: str | None, overrides: tuple[str, ...]):
     return load_config(config, overrides)
 
 
+def _preflight(cfg):
+    """The pre-flight every launch passes first (molt_hpc.launch.preflight): the config with absolute paths."""
+    from molt_hpc.launch.preflight import preflight
+
+    return preflight(cfg)
+
+
 @click.group(cls=_Group)
 @click.version_option(package_name="molt-hpc")
 def main() -> None:
@@ -102,6 +109,7 @@ def run_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: str | No
     if resume_dir and config:
         raise click.UsageError("give either CONFIG or --resume RUN_DIR (a resumed run keeps its own config)")
     cfg = resume_config(resume_dir, overrides) if resume_dir else _load(config, overrides)
+    cfg = _preflight(cfg)
     setup_logging("launcher", cfg.logging.level)
     sys.exit(run_local(cfg))
 
@@ -152,10 +160,18 @@ def submit_cmd(config: str | None, overrides: tuple[str, ...], dry_run: bool, re
     if resume_dir and config:
         raise click.UsageError("give either CONFIG or --resume RUN_DIR (a resumed run keeps its own config)")
     cfg = resume_config(resume_dir, overrides) if resume_dir else _load(config, overrides)
-    if dry_run:
+    if dry_run:  # the script, and the pre-flight's verdict: a job that submit would refuse exits 2 here too
+        from molt_hpc.launch.preflight import PreflightError
+
+        try:
+            cfg, refused = _preflight(cfg), None
+        except PreflightError as err:
+            refused = err
         click.echo(slurm.dry_run_script(cfg), nl=False)
+        if refused is not None:
+            raise refused
         return
-    job_id, run_dir = slurm.submit(cfg, resume=resume_dir is not None)
+    job_id, run_dir = slurm.submit(_preflight(cfg), resume=resume_dir is not None)
     click.echo(f"submitted job {job_id}\nrun directory {run_dir}")
 
 
@@ -169,7 +185,7 @@ def sbatch_cmd(config: str | None, overrides: tuple[str, ...], out: str) -> None
 
     from molt_hpc.launch import slurm
 
-    Path(out).write_text(slurm.standalone_script(_load(config, overrides)))
+    Path(out).write_text(slurm.standalone_script(_preflight(_load(config, overrides))))
     click.echo(f"wrote {out}; submit it with: sbatch {out}")
 
 

@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from molt_hpc.log import read_metrics
+from molt_hpc.log import read_metrics, training_steps
 from molt_hpc.plot import reward_summary
 
 
@@ -34,7 +34,7 @@ def status_lines(run_dir: str | Path) -> list[str]:
 
     cfg = load_config(run_dir / "config.toml")
     lines = [f"run: {run_dir}"]
-    actor = read_metrics(run_dir / "metrics.jsonl", source="actor")
+    actor = training_steps(read_metrics(run_dir / "metrics.jsonl", source="actor"))
     if actor:
         last = actor[-1]
         lines.append(

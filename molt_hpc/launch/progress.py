@@ -1,7 +1,9 @@
 """What an interactive or logged local run shows: a progress bar or one line per step, then a summary.
 
 It follows the trainer's records in `metrics.jsonl` (source `actor`), so it shows exactly what the
-machine-readable record holds.
+machine-readable record holds; only records written after it started count, so a resumed run shows
+its new steps, not the old ones again. The rollout's records add the env and engine error counts so
+far to each step line, and a line of their own when groups fail while no step comes.
 """
 
 import json
@@ -14,27 +16,55 @@ from molt_hpc.rundir import RunDir
 class Progress:
     """Follows `metrics.jsonl` and renders new trainer steps."""
 
-    def __init__(self, cfg: MoltConfig, run: RunDir):
+    def __init__(self, cfg: MoltConfig, run: RunDir, start_step: int = 0):
         self.run = run
         self.records: list[dict] = []
-        self._offset = 0
+        self._offset = run.metrics.stat().st_size if run.metrics.exists() else 0  # earlier starts' records
+        self.errors = {"env_errors": 0, "engine_errors": 0}
+        """Env errors and engine failures the rollout reported since this start."""
+        self._reported = dict(self.errors)
+        self.first_failure: str | None = None
         mode = cfg.logging.progress
         self.bar = None
         if mode == "bar" or (mode == "auto" and interactive()):
             from tqdm import tqdm
 
-            self.bar = tqdm(total=cfg.run.steps, desc="steps", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=cfg.run.steps, initial=start_step, desc="steps", unit="step", dynamic_ncols=True)
 
     def update(self) -> None:
+        stepped = False
         for rec in self._new_records():
+            if rec.get("source") == "rollout":
+                self._count_errors(rec)
             if rec.get("source") != "actor" or "step" not in rec:
                 continue
+            stepped = True
             self.records.append(rec)
+            shown = {**rec, **{k: v for k, v in self.errors.items() if v}}
+            self._reported = dict(self.errors)
             if self.bar is not None:
                 self.bar.n = rec["step"]
-                self.bar.set_postfix_str(_postfix(rec), refresh=True)
+                self.bar.set_postfix_str(_postfix(shown), refresh=True)
             else:
-                print(step_line(rec["step"], rec), flush=True)
+                print(step_line(rec["step"], shown), flush=True)
+        if not stepped and self.errors != self._reported:  # failures while no step comes: say so now
+            self._reported = dict(self.errors)
+            first = f"; first: {self.first_failure}" if self.first_failure else ""
+            self._write(
+                f"rollout: {self.errors['env_errors']} env errors, {self.errors['engine_errors']} engine errors{first}"
+            )
+
+    def _count_errors(self, rec: dict) -> None:
+        self.errors["env_errors"] += sum(v for k, v in rec.items() if k.startswith("env_errors_"))
+        self.errors["engine_errors"] += rec.get("samples_engine_retries", 0)
+        if self.first_failure is None and rec.get("first_failure"):
+            self.first_failure = rec["first_failure"]
+
+    def _write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
 
     def _new_records(self) -> list[dict]:
         path = self.run.metrics
@@ -54,9 +84,10 @@ class Progress:
         return out
 
     def summary(self) -> None:
+        from molt_hpc.log import read_metrics, training_steps
         from molt_hpc.plot import plot_run, reward_summary
 
-        print(reward_summary(self.records), flush=True)
+        print(reward_summary(training_steps(read_metrics(self.run.metrics, source="actor"))), flush=True)
         png = plot_run(self.run.path)
         print(f"plot: {png}", flush=True)
 
@@ -73,6 +104,8 @@ def _postfix(rec: dict) -> str:
         ("kl_rollout", "kl(rollout)", ".4f"),
         ("tokens_per_s", "tok/s", ".0f"),
         ("buffer_pending", "buffer", "d"),
+        ("env_errors", "env errors", "d"),
+        ("engine_errors", "engine errors", "d"),
     ):
         if rec.get(key) is not None:
             parts.append(f"{label} {format(rec[key], fmt)}")

@@ -90,7 +90,7 @@ def procs_per_node(cfg: MoltConfig) -> int:
 
 def actor_command(cfg: MoltConfig, run_dir: Path, nodes: list[str], endpoint: str, job_id: str) -> list[str]:
     torchrun = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "molt_hpc.launch.torchrun",
         f"--nnodes={len(nodes)}", f"--nproc-per-node={procs_per_node(cfg)}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id=molt-{job_id}", "--max-restarts=0",
         script_path(cfg.slurm.actor_script), str(run_dir),
