@@ -194,7 +194,8 @@ def sbatch_cmd(config: str | None, overrides: tuple[str, ...], out: str) -> None
 @click.option("--now", is_flag=True, help="Cancel at once, without waiting for a checkpoint.")
 @click.option("--timeout", "timeout_s", type=float, default=None, help="Seconds to wait for the checkpoint.")
 def cancel_cmd(run_dir: str, now: bool, timeout_s: float | None) -> None:
-    """End a run's Slurm job cleanly: the actor pool checkpoints first (unless --now)."""
+    """End a run's Slurm job cleanly: the actor pool checkpoints first (unless --now, a plain scancel).
+    Blocks until the job has ended: at most slurm.stop_timeout_s + 75 s unless --timeout says otherwise."""
     from molt_hpc.launch import slurm
 
     click.echo(slurm.cancel(run_dir, now=now, timeout_s=timeout_s))

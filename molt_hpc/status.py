@@ -52,10 +52,11 @@ def status_lines(run_dir: str | Path) -> list[str]:
         lines.append(f"rollout: {last['groups_per_s']:.2f} groups/s, {last.get('tokens_per_s', 0):.0f} tokens/s")
     lines.append(_buffer_line(run_dir))
     lines.append(_checkpoint_line(run_dir))
-    lines.extend(_process_lines(run_dir))
-    slurm = _slurm_line(run_dir)
-    if slurm:
-        lines.append(slurm)
+    slurm = _slurm_lines(run_dir)
+    lines.extend(slurm or _process_lines(run_dir))  # a Slurm run's processes are its job steps
+    failure = _failure_line(run_dir)
+    if failure:
+        lines.append(failure)
     return lines
 
 
@@ -89,8 +90,27 @@ def _process_lines(run_dir: Path) -> list[str]:
     return [("processes: " if not done else "finished; processes: ") + ", ".join(parts)]
 
 
-def _slurm_line(run_dir: Path) -> str | None:
-    from molt_hpc.launch.slurm_state import slurm_job_state
+def _slurm_lines(run_dir: Path) -> list[str]:
+    """The run's Slurm job (state, restarts, nodes) and its running steps; [] for a local run."""
+    from molt_hpc.launch.slurm_state import job_components, job_step_lines, read_job_id, slurm_job_state
 
     state = slurm_job_state(run_dir)
-    return f"slurm: {state}" if state else None
+    if state is None:
+        return []
+    job_id = read_job_id(run_dir)
+    comps = job_components(job_id)
+    if comps:
+        nodes = " + ".join(c.get("NodeList") or "(none yet)" for c in comps)
+        state += f", restarts {comps[0].get('Restarts', '0')}, nodes {nodes}"
+    steps = job_step_lines(job_id)
+    return [f"slurm: {state}", "job steps: " + ("; ".join(steps) if steps else "none running")]
+
+
+def _failure_line(run_dir: Path) -> str | None:
+    """Why the run stopped on its own (a breaker, a failed job), as recorded in control/failed."""
+    from molt_hpc.fault import read_failure
+
+    failure = read_failure(run_dir)
+    if failure is None:
+        return None
+    return f"failed ({failure.get('source', '?')}, {_ago(failure['time'])}): {failure['reason']}"

@@ -56,6 +56,8 @@ def main(argv: list[str]) -> int:
     except SignalException as err:  # an older torch handled the signal itself: say so in one line
         print(f"torchrun: stopped by {signal.Signals(err.sigval).name}", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
+    finally:  # the ranks have ended: a late copy of the stop must not kill the exiting interpreter
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return 0
 
 
