@@ -1,7 +1,7 @@
 """Stand-in for `jobs/engine.py --role pool` in the Slurm driver tests: the pool's contract, no engines.
 
 Run as `SCRIPT RUN_DIR --role pool` on every node of het group 1; it records where it runs
-(`RUN_DIR/standin/engine.jsonl`) and idles until SIGTERM, then exits 0, like the real pool.
+(`RUN_DIR/standin/engine.jsonl`) and idles until SIGTERM or SIGINT, then exits 0, like the real pool.
 Fault injection: MOLT_STANDIN_ENGINE_FAIL_AFTER=S exits with code 3 after S seconds (every launch);
 MOLT_STANDIN_ENGINE_CONFIG_ERROR=TEXT records TEXT as the run's failure, a config error, the way the real
 orchestrator records one it finds at run time (`molt_hpc.fault`), and exits with code 2.
@@ -19,6 +19,7 @@ FAIL_AFTER = float(os.environ.get("MOLT_STANDIN_ENGINE_FAIL_AFTER", "0"))
 CONFIG_ERROR = os.environ.get("MOLT_STANDIN_ENGINE_CONFIG_ERROR")
 stopping = []
 signal.signal(signal.SIGTERM, lambda s, f: stopping.append(s))
+signal.signal(signal.SIGINT, lambda s, f: stopping.append(s))  # the driver stops the pool step with INT
 
 
 def record(event: str, **fields) -> None:

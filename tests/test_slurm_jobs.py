@@ -161,7 +161,8 @@ def test_het_job_runs_both_pools_and_ends_when_training_is_done(slurm_cluster, t
     [pool_start], [pool_stop] = events(run, "engine", "start"), events(run, "engine", "stop")
     [done] = events(run, "actor", "done")
     assert pool_start["node"] == engine_node
-    assert pool_start["time"] < done["time"] < pool_stop["time"]  # served throughout, stopped (TERM) after
+    assert pool_start["time"] < done["time"] < pool_stop["time"]  # served throughout, stopped after
+    assert "CANCELLED" not in (run / "logs" / "pool.log").read_text()  # a clean stop reads as one
 
     again = molt("submit", *sets(f"run.root={tmp_path}", "run.name=done"))
     assert again.returncode == 2 and "already exists" in again.stderr and "--resume" in again.stderr
@@ -411,7 +412,7 @@ def test_real_pools_run_the_tiny_config_to_completion_and_learn(real_run) -> Non
     # Quiet, truthful logs: the requeue's stop is a clean stop of every process, not a crash.
     actor_log, pool_log = ((run / "logs" / f"{n}.log").read_text() for n in ("actor", "pool"))
     assert "SignalException" not in actor_log and "Traceback" not in actor_log
-    assert "died (exit 0)" not in pool_log and "restarting" not in pool_log
+    assert "died (exit 0)" not in pool_log and "restarting" not in pool_log and "CANCELLED" not in pool_log
     records = actor_metrics(run)
     assert [r["step"] for r in records] == list(range(1, REAL_STEPS + 1))  # each step once, across the requeue
     rewards = [r["reward"] for r in records]

@@ -30,10 +30,10 @@ POLL_S = 0.5
 POOL_STOP_S = 15.0
 REQUEUED_EXIT = 0
 STOP_SIGNALS_TEXT = {
-    "warning": "the time-limit warning (or a preemption notice)",
+    "warning": "the time-limit warning or a preemption notice",
     "preempted": "a preemption",
     "time limit": "the time limit",
-    "requeued": "a requeue by Slurm (a preemption or `scontrol requeue`)",
+    "requeued": "a requeue by Slurm: a preemption or `scontrol requeue`",
     "cancelled": "`scancel`",
     "signal": "a SIGTERM that no preemption, time limit or requeue explains (sent by hand)",
     "cancel": "`molt-hpc cancel`",
