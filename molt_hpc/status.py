@@ -92,16 +92,25 @@ def _process_lines(run_dir: Path) -> list[str]:
 
 def _slurm_lines(run_dir: Path) -> list[str]:
     """The run's Slurm job (state, restarts, nodes) and its running steps; [] for a local run."""
-    from molt_hpc.launch.slurm_state import job_components, job_step_lines, read_job_id, slurm_job_state
+    from molt_hpc.launch.slurm_state import (
+        job_components,
+        job_step_lines,
+        queue_detail,
+        read_job_id,
+        slurm_job_state,
+    )
 
     state = slurm_job_state(run_dir)
     if state is None:
         return []
+    detail = queue_detail(run_dir) if state.endswith(" PENDING") else None
     job_id = read_job_id(run_dir)
     comps = job_components(job_id)
     if comps:
         nodes = " + ".join(c.get("NodeList") or "(none yet)" for c in comps)
         state += f", restarts {comps[0].get('Restarts', '0')}, nodes {nodes}"
+    if detail:
+        state += f" ({detail})"
     steps = job_step_lines(job_id)
     return [f"slurm: {state}", "job steps: " + ("; ".join(steps) if steps else "none running")]
 

@@ -26,6 +26,7 @@ from molt_hpc.launch.watchdog import Watchdog
 from molt_hpc.log import MetricsWriter, get_logger, log_tail
 from molt_hpc.models import resolve_model
 from molt_hpc.rundir import RunDir, atomic_write, create_run_dir
+from molt_hpc.trackers import Trackers, check_optional_packages
 
 STOP_WAIT_S = 300.0
 
@@ -81,6 +82,12 @@ def actor_child(cfg: MoltConfig, run: RunDir) -> Child:
 def run_local(cfg: MoltConfig) -> int:
     """Run (or continue) `cfg`'s run on this machine; returns the process exit code."""
     log = get_logger()
+    check_optional_packages(cfg)
+    if cfg.actor.ranks % cfg.actor.cp:
+        raise ValueError(
+            f"actor.ranks ({cfg.actor.ranks}) is not a multiple of actor.cp ({cfg.actor.cp}): each CP group "
+            "needs cp trainer ranks"
+        )
     run = prepare_run(cfg)
     log.info("run directory %s", run.path)
     resumed = _latest(run)
@@ -94,7 +101,8 @@ def run_local(cfg: MoltConfig) -> int:
         actor.env.update(_gpu_env(actor_gpus))
         pool.env.update(_gpu_env(pool_gpus))
         log.info("GPUs: actor pool %s, engine pool %s", actor_gpus or "none", pool_gpus or "none")
-    progress = Progress(cfg, run, start_step=resumed[1] if resumed else 0)  # before any child writes a record
+    trackers = Trackers(cfg.logging, run, cfg.run.name)
+    progress = Progress(cfg, run, trackers, start_step=resumed[1] if resumed else 0)  # before a child writes
     watchdog = Watchdog(cfg, run.path)
     children = [pool.start(), actor.start()]
     record = {"launcher": os.getpid(), **{c.name: c.pid for c in children}}
@@ -119,6 +127,7 @@ def run_local(cfg: MoltConfig) -> int:
     finally:
         stop_all(children)
         progress.close()
+        trackers.close()
         for s, handler in old.items():
             signal.signal(s, handler)
 

@@ -3,10 +3,15 @@
 It follows the trainer's records in `metrics.jsonl` (source `actor`), so it shows exactly what the
 machine-readable record holds; only records written after it started count, so a resumed run shows
 its new steps, not the old ones again. The rollout's records add the env and engine error counts so
-far to each step line, and a line of their own when groups fail while no step comes.
+far to each step line, and a line of their own when groups fail while no step comes. Where no step
+comes for a while, it says what the run is doing instead (`activity`): engines starting (a vLLM
+engine loads for minutes) or a checkpoint being written, with the bytes so far.
 """
 
+import contextlib
 import json
+import time
+from typing import Any
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import interactive, step_line
@@ -16,8 +21,12 @@ from molt_hpc.rundir import RunDir
 class Progress:
     """Follows `metrics.jsonl` and renders new trainer steps."""
 
-    def __init__(self, cfg: MoltConfig, run: RunDir, start_step: int = 0):
+    def __init__(self, cfg: MoltConfig, run: RunDir, trackers: Any = None, start_step: int = 0):
         self.run = run
+        self.trackers = trackers
+        """`molt_hpc.trackers.Trackers` fed on every update (W&B, TensorBoard), or None."""
+        self._last_shown = time.monotonic()
+        self.engines = cfg.engines.count  # a local run has one node
         self.records: list[dict] = []
         self._offset = run.metrics.stat().st_size if run.metrics.exists() else 0  # earlier starts' records
         self.errors = {"env_errors": 0, "engine_errors": 0}
@@ -32,6 +41,9 @@ class Progress:
             self.bar = tqdm(total=cfg.run.steps, initial=start_step, desc="steps", unit="step", dynamic_ncols=True)
 
     def update(self) -> None:
+        if self.trackers is not None:
+            self.trackers.update()
+        self._show_activity()
         stepped = False
         for rec in self._new_records():
             if rec.get("source") == "rollout":
@@ -40,6 +52,7 @@ class Progress:
                 continue
             stepped = True
             self.records.append(rec)
+            self._last_shown = time.monotonic()
             shown = {**rec, **{k: v for k, v in self.errors.items() if v}}
             self._reported = dict(self.errors)
             if self.bar is not None:
@@ -53,6 +66,20 @@ class Progress:
             self._write(
                 f"rollout: {self.errors['env_errors']} env errors, {self.errors['engine_errors']} engine errors{first}"
             )
+
+    def _show_activity(self) -> None:
+        """Every `ACTIVITY_S` without a new step: one line (or the bar's postfix) saying what happens."""
+        now = time.monotonic()
+        if now - self._last_shown < ACTIVITY_S:
+            return
+        what = activity(self.run, self.engines)
+        if what is None:
+            return
+        self._last_shown = now
+        if self.bar is not None:
+            self.bar.set_postfix_str(what, refresh=True)
+        else:
+            print(what, flush=True)
 
     def _count_errors(self, rec: dict) -> None:
         self.errors["env_errors"] += sum(v for k, v in rec.items() if k.startswith("env_errors_"))
@@ -110,3 +137,22 @@ def _postfix(rec: dict) -> str:
         if rec.get(key) is not None:
             parts.append(f"{label} {format(rec[key], fmt)}")
     return ", ".join(parts)
+
+
+ACTIVITY_S = 15.0
+
+
+def activity(run: RunDir, engines: int) -> str | None:
+    """What the run is busy with when no step is coming: a checkpoint being written, or start-up."""
+    from molt_hpc.checkpoint import TMP_PREFIX
+
+    for tmp in run.checkpoints.glob(f"{TMP_PREFIX}*"):
+        written = 0
+        for f in tmp.rglob("*"):
+            with contextlib.suppress(OSError):  # published (renamed) while we count: the total is a sketch
+                written += f.stat().st_size if f.is_file() else 0
+        return f"writing checkpoint {tmp.name.removeprefix(TMP_PREFIX)}: {written / 1e9:.3g} GB so far"
+    up = len(list(run.rendezvous.glob("engine-*.json")))
+    if up < engines:
+        return f"starting: {up}/{engines} engines up (a vLLM engine loads and compiles for minutes; see logs/)"
+    return None

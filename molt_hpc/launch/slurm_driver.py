@@ -16,6 +16,8 @@ from molt_hpc.fault import fail
 from molt_hpc.launch.slurm_lifecycle import POOL_STOP_S, DriverError, Lifecycle, cancel_job
 from molt_hpc.launch.slurm_state import control_file, record_job_id
 from molt_hpc.log import get_logger, setup_logging
+from molt_hpc.rundir import RunDir
+from molt_hpc.trackers import Trackers
 
 __all__ = ["POOL_STOP_S", "DriverError", "SlurmDriver", "drive", "main", "run_config"]
 
@@ -78,12 +80,14 @@ def drive(run_dir: Path) -> dict[str, object]:
 
     prepare_run(cfg)
     actor, pool = job_steps(cfg, run_dir, job_id)
+    trackers = Trackers(cfg.logging, RunDir(run_dir), cfg.run.name)
     try:
         for step in (actor, pool):
             step.start()
             log.info("started %s: %s", step.name, " ".join(step.cmd))
-        return Lifecycle(cfg, run_dir, job_id, actor, pool, signals, restart).run()
+        return Lifecycle(cfg, run_dir, job_id, actor, pool, signals, restart, trackers).run()
     finally:
+        trackers.close()
         for step in (pool, actor):  # whatever happened, no step outlives the driver
             if step.proc is not None and step.poll() is None:
                 step.stop(POOL_STOP_S)

@@ -51,9 +51,11 @@ class DriverError(RuntimeError):
 class Lifecycle:
     """The watch loop and what follows it; one instance per job start."""
 
-    def __init__(self, cfg: MoltConfig, run_dir: Path, job_id: str, actor: Child, pool: Child, signals, restart: int):
+    def __init__(
+        self, cfg: MoltConfig, run_dir: Path, job_id: str, actor: Child, pool: Child, signals, restart: int, trackers
+    ):
         self.cfg, self.run_dir, self.job_id, self.restart = cfg, run_dir, job_id, restart
-        self.actor, self.pool, self.signals = actor, pool, signals
+        self.actor, self.pool, self.signals, self.trackers = actor, pool, signals, trackers
         self.watchdog = Watchdog(cfg, run_dir)
         self.log = get_logger()
 
@@ -94,6 +96,7 @@ class Lifecycle:
         """Poll both steps until: done, signal, cancel, failed, actor/pool stopped, engines failed (or raise)."""
         while True:
             time.sleep(POLL_S)
+            self.trackers.update()
             if self.signals.received:
                 return "signal"
             if control_file(self.run_dir, "cancel").exists():
