@@ -156,6 +156,12 @@ def preflight(cfg: MoltConfig, cwd: str | Path | None = None, warn: Callable[[st
     resolved = resolve_paths(cfg, cwd)
     check_run_root(resolved, cfg.run.root, cwd)
     check_scripts(resolved)
+    from molt_hpc.trackers import check_optional_packages
+
+    try:
+        check_optional_packages(resolved)  # trackers and router kinds that need a package
+    except ValueError as err:
+        raise PreflightError(str(err)) from None
     files = [("data.path", cfg.data.path, resolved.data.path)]
     if cfg.data.eval is not None:
         files.append(("data.eval.path", cfg.data.eval.path, resolved.data.eval.path))
