@@ -104,15 +104,14 @@ def _slurm_lines(run_dir: Path) -> list[str]:
     if state is None:
         return []
     detail = queue_detail(run_dir) if state.endswith(" PENDING") else None
+    lines = [f"slurm: {state}" + (f" ({detail})" if detail else "")]
     job_id = read_job_id(run_dir)
     comps = job_components(job_id)
     if comps:
         nodes = " + ".join(c.get("NodeList") or "(none yet)" for c in comps)
-        state += f", restarts {comps[0].get('Restarts', '0')}, nodes {nodes}"
-    if detail:
-        state += f" ({detail})"
+        lines.append(f"job: restarts {comps[0].get('Restarts', '0')}, nodes {nodes} (het groups 0 + 1)")
     steps = job_step_lines(job_id)
-    return [f"slurm: {state}", "job steps: " + ("; ".join(steps) if steps else "none running")]
+    return [*lines, "job steps: " + ("; ".join(steps) if steps else "none running")]
 
 
 def _failure_line(run_dir: Path) -> str | None:

@@ -190,7 +190,9 @@ def test_a_failed_step_ends_the_job(slurm_cluster, tmp_path, tiny_model_dir) -> 
     # The reason is in the driver's log and in `status`, not only in submitit's traceback.
     assert "job failed: the actor pool step exited with code 1" in (run_a / "logs" / "driver.log").read_text()
     lines = status_of(run_a)
-    assert any(line.startswith(f"slurm: job {job_a} FAILED, restarts 0, nodes node") for line in lines), lines
+    assert f"slurm: job {job_a} FAILED" in lines and any(
+        line.startswith("job: restarts 0, nodes node") for line in lines
+    )
     assert "job steps: none running" in lines
     [failed] = [line for line in lines if line.startswith("failed (driver, ")]
     assert "the actor pool step exited with code 1 before training finished" in failed
@@ -241,7 +243,8 @@ def test_cancel_checkpoints_first_unless_now(slurm_cluster, tmp_path, tiny_model
     # `status` of a running Slurm job: its state, nodes and job steps.
     lines = status_of(run)
     actor_node, engine_node = slurm_cluster.component_nodes(job)
-    assert f"slurm: job {job} RUNNING, restarts 0, nodes {actor_node} + {engine_node}" in lines
+    assert f"slurm: job {job} RUNNING" in lines
+    assert f"job: restarts 0, nodes {actor_node} + {engine_node} (het groups 0 + 1)" in lines
     [steps] = [line for line in lines if line.startswith("job steps: ")]
     assert f"molt-actor-pool on {actor_node}" in steps and f"molt-engine-pool on {engine_node}" in steps
 
