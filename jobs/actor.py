@@ -7,6 +7,7 @@ it, `checkpoint.resume` decides (`auto`: resume when the run directory has one).
 """
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -29,6 +30,12 @@ def main() -> int:
     except ValueError as err:  # a user error (config, model, checkpoint): one line, not a traceback per rank
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
+    finally:
+        # A stop reaches a rank more than once (Slurm signals every process of the step, torchrun passes it
+        # on): one that lands while the interpreter shuts down, when Python's handlers are gone, would kill
+        # the rank after its good checkpoint. What is left to do here is to exit.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

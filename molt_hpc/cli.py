@@ -34,6 +34,13 @@ def _load(config: str | None, overrides: tuple[str, ...]):
     return load_config(config, overrides)
 
 
+def _preflight(cfg):
+    """The pre-flight every launch passes first (molt_hpc.launch.preflight): the config with absolute paths."""
+    from molt_hpc.launch.preflight import preflight
+
+    return preflight(cfg)
+
+
 @click.group(cls=_Group)
 @click.version_option(package_name="molt-hpc")
 def main() -> None:
@@ -137,6 +144,7 @@ def run_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: str | No
     if resume_dir and config:
         raise click.UsageError("give either CONFIG or --resume RUN_DIR (a resumed run keeps its own config)")
     cfg = resume_config(resume_dir, overrides) if resume_dir else _load(config, overrides)
+    cfg = _preflight(cfg)
     if not no_plan:
         _plan_first(cfg, local=True, refuse=True)
     setup_logging("launcher", cfg.logging.level)
@@ -195,11 +203,22 @@ def submit_cmd(
     if resume_dir and config:
         raise click.UsageError("give either CONFIG or --resume RUN_DIR (a resumed run keeps its own config)")
     cfg = resume_config(resume_dir, overrides) if resume_dir else _load(config, overrides)
-    if not no_plan:
-        _plan_first(cfg, local=False, refuse=not dry_run)
-    if dry_run:
+    if dry_run:  # the script, and the pre-flight's verdict: a job that submit would refuse exits 2 here too
+        from molt_hpc.launch.preflight import PreflightError
+
+        try:
+            cfg, refused = _preflight(cfg), None
+        except PreflightError as err:
+            refused = err
+        if not no_plan:
+            _plan_first(cfg, local=False, refuse=False)
         click.echo(slurm.dry_run_script(cfg), nl=False)
+        if refused is not None:
+            raise refused
         return
+    cfg = _preflight(cfg)
+    if not no_plan:
+        _plan_first(cfg, local=False, refuse=True)
     job_id, run_dir = slurm.submit(cfg, resume=resume_dir is not None)
     click.echo(f"submitted job {job_id}\nrun directory {run_dir}")
 
@@ -214,7 +233,7 @@ def sbatch_cmd(config: str | None, overrides: tuple[str, ...], out: str) -> None
 
     from molt_hpc.launch import slurm
 
-    Path(out).write_text(slurm.standalone_script(_load(config, overrides)))
+    Path(out).write_text(slurm.standalone_script(_preflight(_load(config, overrides))))
     click.echo(f"wrote {out}; submit it with: sbatch {out}")
 
 
@@ -223,7 +242,8 @@ def sbatch_cmd(config: str | None, overrides: tuple[str, ...], out: str) -> None
 @click.option("--now", is_flag=True, help="Cancel at once, without waiting for a checkpoint.")
 @click.option("--timeout", "timeout_s", type=float, default=None, help="Seconds to wait for the checkpoint.")
 def cancel_cmd(run_dir: str, now: bool, timeout_s: float | None) -> None:
-    """End a run's Slurm job cleanly: the actor pool checkpoints first (unless --now)."""
+    """End a run's Slurm job cleanly: the actor pool checkpoints first (unless --now, a plain scancel).
+    Blocks until the job has ended: at most slurm.stop_timeout_s + 75 s unless --timeout says otherwise."""
     from molt_hpc.launch import slurm
 
     click.echo(slurm.cancel(run_dir, now=now, timeout_s=timeout_s))

@@ -94,6 +94,24 @@ def read_metrics(path: str | Path, source: str | None = None) -> list[dict[str, 
     return records
 
 
+def training_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trainer's step records of the run's current history, one per step, in step order.
+
+    A run resumed after a crash re-trains the steps after its last checkpoint, so `metrics.jsonl` holds
+    records of an abandoned history too. A record for step `s` supersedes every earlier record of step
+    `s` or later: what remains is the history the checkpoints continue (the last record of each step).
+    """
+    kept: list[dict[str, Any]] = []
+    for rec in records:
+        step = rec.get("step")
+        if step is None:
+            continue
+        while kept and kept[-1]["step"] >= step:
+            kept.pop()
+        kept.append(rec)
+    return kept
+
+
 def step_line(step: int, metrics: dict[str, Any]) -> str:
     """The fixed-format per-step log line: `step 12 | reward 0.410 | kl 0.0030 | ...`."""
     parts = [f"step {step}"]
@@ -107,9 +125,12 @@ def step_line(step: int, metrics: dict[str, Any]) -> str:
         ("refit_s", ".2f"),
         ("tokens_per_s", ".0f"),
         ("buffer_pending", "d"),
+        ("env_errors", "d"),
+        ("engine_errors", "d"),
     ):
         if metrics.get(key) is not None:
-            parts.append(f"{key.replace('_per_s', '/s')} {format(metrics[key], fmt)}")
+            label = key.replace("_per_s", "/s").replace("_errors", " errors")  # env errors, engine errors
+            parts.append(f"{label} {format(metrics[key], fmt)}")
     return " | ".join(parts)
 
 

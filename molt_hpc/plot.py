@@ -5,7 +5,7 @@ Reads only `metrics.jsonl`, so it works on a live run, a finished one, or a copy
 
 from pathlib import Path
 
-from molt_hpc.log import read_metrics
+from molt_hpc.log import read_metrics, training_steps
 
 
 def _series(records: list[dict], key: str) -> tuple[list[float], list[float], list[float]]:
@@ -24,7 +24,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    records = read_metrics(run_dir / "metrics.jsonl", source="actor")
+    records = training_steps(read_metrics(run_dir / "metrics.jsonl", source="actor"))
     if not records:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} has no training steps yet; nothing to plot")
     out = Path(out) if out else run_dir / "plots" / "metrics.png"

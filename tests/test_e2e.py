@@ -127,10 +127,18 @@ def test_interrupt_kill_and_resume_lose_nothing(tmp_path: Path) -> None:
     wait_for_step(run_dir, 9, proc)
     engine_pid = json.loads((run_dir / "rendezvous" / "engine-0.json").read_text())["pid"]
     os.kill(engine_pid, signal.SIGKILL)
+    wait_for_step(run_dir, 11, proc)
+    router_pid = json.loads((run_dir / "rendezvous" / "router.json").read_text())["pid"]
+    os.kill(router_pid, signal.SIGKILL)  # requests in flight through it are lost: their samples are retried
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
     pool_log = (run_dir / "logs" / "pool.log").read_text()
-    assert "engine 0 died" in pool_log and "restarting it" in pool_log
+    assert "engine 0 died" in pool_log and "router died (exit -9); restarting it" in pool_log
+    assert "died (exit 0)" not in pool_log  # clean stops are not deaths
+    # The console of a resumed run: the resume point once, then only the new steps, each once.
+    printed = [int(line.split()[1]) for line in out.splitlines() if line.startswith("step ")]
+    assert printed == list(range(5, 15)), out
+    assert out.count("resuming from checkpoint step_000004 (step 4 of 14)") == 1
     actor_log = (run_dir / "logs" / "actor.log").read_text()
     assert "resumed from" in actor_log and "step_000004" in actor_log
     steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl", source="actor")]

@@ -3,7 +3,15 @@
 import datetime
 from typing import Literal
 
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import (
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
 
 from molt_hpc.config.base import Section
 
@@ -38,6 +46,9 @@ class RunConfig(Section):
     """Seed of everything random: data order, sampling, initialisation."""
     sync: bool = False
     """Synchronous mode: rollouts wait for each refit (staleness 0); for debugging and comparison."""
+    stall_timeout_s: NonNegativeFloat = 1800.0
+    """A run that records no training step for this long (counted from its start, then from its last
+    step) is stopped after a checkpoint, with the rollout's first failure quoted; 0 never stops it."""
 
 
 class BufferConfig(Section):

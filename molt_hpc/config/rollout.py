@@ -37,6 +37,9 @@ class RolloutConfig(Section):
     Engine failures (lost connection, 5xx, an aborted request) are always retried from the start."""
     max_retries: NonNegativeInt = 2
     """Retries of a sample whose env failed (with `on_env_error = "retry"`) before its group is dropped."""
+    max_consecutive_failures: PositiveInt = 20
+    """This many groups failing in a row (env errors, or engines failing every retry) stop the run after a
+    checkpoint, quoting the first failure: a broken env fails every group, a flaky one rarely twice in a row."""
     request_timeout_s: PositiveFloat = 120.0
     """HTTP timeout of one generate call."""
     stall_report_s: PositiveFloat = 300.0

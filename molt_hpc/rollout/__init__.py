@@ -11,9 +11,11 @@ metrics.py       the rollout records of metrics.jsonl
 
 import asyncio
 import json
+import sys
 from pathlib import Path
 
 from molt_hpc.config import MoltConfig
+from molt_hpc.fault import fail
 from molt_hpc.log import get_logger, setup_logging
 from molt_hpc.rundir import RunDir
 
@@ -21,12 +23,28 @@ ROUTER_WAIT_S = 600.0
 
 
 def main(cfg: MoltConfig, run_dir: str | Path) -> int:
-    """Run the orchestrator until training is done or it is told to stop; the process exit code."""
+    """Run the orchestrator until training is done or it is told to stop; the process exit code.
+
+    What stops it for good is recorded as the run's failure (`molt_hpc.fault`), so the launcher stops
+    the run after a checkpoint with that one line instead of restarting the pool: a `ValueError` (the
+    data, the agent, a cursor of another dataset: the config must change; exit 2) or a crash (exit 1,
+    the traceback in this process's log)."""
     import torch
 
     torch.set_num_threads(1)
     setup_logging("rollout", cfg.logging.level)
-    return asyncio.run(serve(cfg, RunDir(Path(run_dir).absolute())))
+    run = RunDir(Path(run_dir).absolute())
+    try:
+        return asyncio.run(serve(cfg, run))
+    except ValueError as err:
+        fail(run.path, str(err), "rollout", config_error=True)
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as err:
+        fail(
+            run.path, f"the rollout orchestrator crashed: {type(err).__name__}: {err} (see logs/rollout.log)", "rollout"
+        )
+        raise
 
 
 async def serve(cfg: MoltConfig, run: RunDir) -> int:

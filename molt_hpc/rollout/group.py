@@ -48,6 +48,8 @@ class GroupOutcome:
     engine_retries: int = 0
     env_retries: int = 0
     seconds: float = 0.0
+    first_error: str = ""
+    """Why the group failed, as the failing sample's error says it (for the circuit breaker)."""
 
 
 async def run_sample(
@@ -65,11 +67,13 @@ async def run_sample(
             out.env_errors[err.reason] += 1
             get_logger().warning("sample %s (prompt %s): env failed: %s", rollout_id, prompt.prompt_id, err)
             if cfg.on_env_error == "drop_group" or env_failures >= cfg.max_retries:
+                out.first_error = out.first_error or f"env {err}"
                 raise SampleFailed(f"env_{err.reason}") from err
             env_failures += 1
             out.env_retries += 1
         except EngineError as err:  # the router fails over; the sample starts again from its prompt
             if engine_failures >= ENGINE_RETRIES:
+                out.first_error = out.first_error or f"engine {err}"
                 raise SampleFailed("engine") from err
             get_logger().info("sample %s: engine failed (%s); retrying from its start", rollout_id, err)
             engine_failures += 1
