@@ -210,13 +210,16 @@ def submit_cmd(
             cfg, refused = _preflight(cfg), None
         except PreflightError as err:
             refused = err
-        if not no_plan:
+        if not no_plan and refused is None:  # a refused input is the one line to read; no plan of it
             _plan_first(cfg, local=False, refuse=False)
         click.echo(slurm.dry_run_script(cfg), nl=False)
         if refused is not None:
             raise refused
         return
     cfg = _preflight(cfg)
+    from molt_hpc.launch.slurm_checks import check_slurm_reachable
+
+    check_slurm_reachable()  # cheap, and no plan is worth making for a job that cannot be submitted
     if not no_plan:
         _plan_first(cfg, local=False, refuse=True)
     job_id, run_dir = slurm.submit(cfg, resume=resume_dir is not None)
