@@ -14,9 +14,16 @@ import torch
 from torch import Tensor, nn
 
 from molt_hpc.actor.attention import attention_setup
+from molt_hpc.actor.head import hidden_and_head
 from molt_hpc.actor.packing import rank_micro_batches
 from molt_hpc.actor.world import World, gather_all
-from molt_hpc.algorithm import Experience, logprobs_from_logits, target_logprobs
+from molt_hpc.algorithm import (
+    Experience,
+    logprobs_from_logits,
+    target_logprobs,
+    target_token_logprobs,
+    token_logprobs,
+)
 
 
 def mini_batch_rows(exp: Experience, mini_batches: int) -> list[Tensor]:
@@ -33,21 +40,31 @@ def my_rows(rows: Tensor, world: World) -> Tensor:
     return rows[world.dp_rank :: world.dp_size]
 
 
-def policy_logprobs(model: nn.Module, mb: Experience, temperature: float, chunk: int) -> tuple[Tensor, Tensor]:
+def policy_logprobs(
+    model: nn.Module, mb: Experience, temperature: float, chunk: int, kernel: str = "torch"
+) -> tuple[Tensor, Tensor]:
     """(log-prob, entropy) `[B, T]` of each action token under `model` at the sampling temperature.
 
-    Position ids restart per sample; no attention mask and no KV cache (with either, transformers
-    would not confine attention to each sample of a packed row; see `molt_hpc.algorithm.experience`).
+    From the last hidden states and the LM head weight (`molt_hpc.actor.head`), chunk by chunk: no
+    `[B, T, V]` logits in forward or backward; models whose head does more than a matmul go through
+    their full logits. Position ids restart per sample; no attention mask and no KV cache (with either,
+    transformers would not confine attention to each sample of a packed row; see
+    `molt_hpc.algorithm.experience`).
     """
+    how = {"temperature": temperature, "chunk": chunk, "kernel": kernel}
     setup = attention_setup(model)
     if setup is None:
-        logits = model(input_ids=mb.sequences, position_ids=mb.position_ids, use_cache=False).logits
-        return logprobs_from_logits(
-            logits, mb.sequences, temperature=temperature, chunk=chunk, action_mask=mb.action_mask
-        )
+        inputs = {"input_ids": mb.sequences, "position_ids": mb.position_ids, "use_cache": False}
+        fused = hidden_and_head(model, inputs)
+        if fused is not None:
+            return token_logprobs(*fused, mb.sequences, action_mask=mb.action_mask, **how)
+        return logprobs_from_logits(model(**inputs).logits, mb.sequences, action_mask=mb.action_mask, **how)
     rows = setup.rows(mb)
-    logits = model(**rows.inputs).logits
-    logp, ent = target_logprobs(logits, rows.next_tokens, temperature=temperature, chunk=chunk, mask=rows.next_action)
+    fused = hidden_and_head(model, rows.inputs)
+    if fused is not None:
+        logp, ent = target_token_logprobs(*fused, rows.next_tokens, mask=rows.next_action, **how)
+    else:
+        logp, ent = target_logprobs(model(**rows.inputs).logits, rows.next_tokens, mask=rows.next_action, **how)
     return rows.own_index(logp), rows.own_index(ent)
 
 

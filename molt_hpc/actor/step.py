@@ -100,7 +100,11 @@ def build_experience(groups: list[Group], cfg: MoltConfig, models: Models, world
     if models.reference is not None:
         ref = models.reference
         exp.base_log_probs = rows_forward(
-            lambda mb: policy_logprobs(ref, mb, temp, act.logprob_chunk)[0], exp, rows, *shape, world
+            lambda mb: policy_logprobs(ref, mb, temp, act.logprob_chunk, act.logprob_kernel)[0],
+            exp,
+            rows,
+            *shape,
+            world,
         )
     if models.critic is not None:
         critic = models.critic.model
@@ -137,7 +141,7 @@ def update_policy(exp: Experience, cfg: MoltConfig, models: Models, world: World
     for mbs, count in _updates(exp, cfg, world, act.ppo_epochs, models.pack_tokens):
         for mb in mbs:
             mb = mb.to(world.device)
-            logp, ent = policy_logprobs(part.model, mb, cfg.rollout.temperature, act.logprob_chunk)
+            logp, ent = policy_logprobs(part.model, mb, cfg.rollout.temperature, act.logprob_chunk, act.logprob_kernel)
             loss, metrics = policy_loss(
                 logp, mb.action_log_probs, mb.advantages, mb.action_mask, alg, count,
                 seq_index=mb.seq_index, n_samples=exp.num_samples, base_log_probs=mb.base_log_probs, entropy=ent,
