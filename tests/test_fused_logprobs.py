@@ -98,8 +98,8 @@ def _worker(out: str) -> None:
             exp = padded if layout == "padded" else make_experience(trajs, max_len=64, pack=True)
             docs = DocumentAttention("sdpa", world.device) if layout == "packed" else None
             model = parallelize(base.train(), world.mesh, cfg, documents=docs)
-            widths = []
-            model.lm_head.register_forward_hook(lambda _m, _a, o: widths.append(o.shape[1]))
+            widths: list[int] = []
+            model.lm_head.register_forward_hook(lambda _m, _a, o, seen=widths: seen.append(o.shape[1]))
             logp, ent = policy_logprobs(model, exp, TEMP, chunk=5)
             _loss(exp, logp, ent).backward()
             grads = {n: full_tensor(p.grad.detach(), None)[0].double() for n, p in model.named_parameters()}
@@ -108,11 +108,15 @@ def _worker(out: str) -> None:
                 "head_widths": widths,
                 "logp": [_gap(x, y) for x, y in zip(_per_sample(exp, logp), _per_sample(padded, want_lp), strict=True)],
                 "ent": [_gap(x, y) for x, y in zip(_per_sample(exp, ent), _per_sample(padded, want_ent), strict=True)],
-                "grads": {n: float((g - want_grads[n]).abs().max() / want_grads[n].abs().max()) for n, g in grads.items()},
+                "grads": {n: _rel(g, want_grads[n]) for n, g in grads.items()},
                 "names": sorted(grads) == sorted(want_grads),
             }  # fmt: skip
     Path(out).write_text(json.dumps(results))
     torch.distributed.destroy_process_group()
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
 
 
 def _gap(x: list[float], y: list[float]) -> float:
