@@ -11,12 +11,13 @@ exactly zero). A model on document attention (packing, context parallelism) is f
 import itertools
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from molt_hpc.actor.attention import attention_setup
 from molt_hpc.actor.head import hidden_and_head
 from molt_hpc.actor.packing import rank_micro_batches
-from molt_hpc.actor.world import World, gather_all
+from molt_hpc.actor.world import World
 from molt_hpc.algorithm import (
     Experience,
     logprobs_from_logits,
@@ -80,14 +81,16 @@ def critic_values(critic: nn.Module, mb: Experience) -> Tensor:
 
 @torch.no_grad()
 def rows_forward(fn, exp: Experience, rows: Tensor, size: int, budget: int | None, world: World) -> Tensor:
-    """`fn(micro_batch) -> [b, t]` over this rank's share of `rows`, gathered into the whole batch's `[B, T]`."""
+    """`fn(micro_batch) -> [b, t]` over this rank's share of `rows`, gathered into the whole batch's `[B, T]`.
+
+    Every row is computed by one data-parallel rank (the ranks of a CP group compute the same rows:
+    only the first of them contributes), so one all-reduce of `[B, T]` sums the shares into the whole,
+    exactly (each value is added to zeros)."""
     mine = torch.zeros(exp.sequences.shape, dtype=torch.float32)
-    done: set[int] = set()
     for mb in rank_micro_batches(exp, rows, size, budget, world):
         mb.put(mine, fn(mb.batch.to(world.device)).float().cpu())  # an empty micro-batch puts nothing
-        done.update(mb.src_row[mb.src_row >= 0].unique().tolist())
-    full = torch.zeros_like(mine)
-    for part in gather_all({r: mine[r] for r in done}):  # the ranks of a CP group send the same rows
-        for r, values in part.items():
-            full[r] = values
-    return full
+    if world.cp_rank != 0:
+        mine.zero_()
+    if world.size > 1:
+        dist.all_reduce(mine)  # on the CPU group (gloo)
+    return mine

@@ -65,6 +65,12 @@ class EnginesConfig(Section):
     """Fraction of GPU memory a vLLM engine may take."""
     enforce_eager: bool = False
     """Disable CUDA graphs (a train/inference consistency guard; slower decode)."""
+    sample_in_graph: bool = True
+    """Builtin engine on a GPU: record the sampling of plain requests (temperature only, no top-k/top-p/
+    min-p, no seed, no top log-probs) inside the decode step's CUDA graph; other requests sample eagerly."""
+    fuse_projections: bool = True
+    """Builtin engine on a GPU: one matmul per layer for q/k/v and one for gate/up (same parameters and
+    names; refits write the fused weights)."""
     prefix_caching: bool = True
     """Reuse the KV cache of shared prefixes (vLLM)."""
     extra_args: list[str] = Field(default_factory=list)

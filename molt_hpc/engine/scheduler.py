@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from molt_hpc.engine.batch import ModelRunner, Row, sample_rows
+from molt_hpc.engine.batch import ModelRunner, Row, append_samples, sample_rows
 from molt_hpc.engine.kvcache import BatchCache
 from molt_hpc.engine.slots import SlotCache
 from molt_hpc.log import get_logger
@@ -169,7 +169,13 @@ class Scheduler:
             assert self._batch is not None and self._batch.rows == len(self.rows)
             last = [r.tokens[-1] for r in self.rows]  # every running row has sampled at least once
             positions = [r.length - 1 for r in self.rows]
-            self._append(self.rows, self.runner.decode(self._batch, last, positions))
+            sampled = self.runner.decode_sampled(self._batch, self.rows, last, positions, self._generator)
+            if sampled is None:
+                self._append(self.rows, self.runner.decode(self._batch, last, positions))
+            else:  # sampled inside the decode graph
+                append_samples(self.rows, *sampled)
+                for row in self.rows:
+                    row.versions.append(self.version)
             self._retire()
         self.steps += 1
         if self.pause_mode == "wait" and not (self.rows or self.waiting):
