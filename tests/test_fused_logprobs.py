@@ -4,6 +4,7 @@
   log-probs, entropy and the gradient of every parameter equal those of `log_softmax` over the full
   logits of an unsharded copy, for untied and tied heads, padded and packed rows; the LM head only
   ever computes one position per row;
+- gradient clipping on the local shards equals torch's `clip_grad_norm_` on the same DTensor gradients;
 - the chunk kernels (`torch`, `triton` under Triton's CPU interpreter, `compile`) give the same values
   and gradients at a temperature, with chunks that cut through rows and a mask.
 """
@@ -103,6 +104,7 @@ def _worker(out: str) -> None:
             logp, ent = policy_logprobs(model, exp, TEMP, chunk=5)
             _loss(exp, logp, ent).backward()
             grads = {n: full_tensor(p.grad.detach(), None)[0].double() for n, p in model.named_parameters()}
+            clip = _clip_gap(model)
             results[f"{'tied' if tied else 'untied'}-{layout}"] = {
                 "fused": getattr(model, FUSED_OK, None),
                 "head_widths": widths,
@@ -110,9 +112,29 @@ def _worker(out: str) -> None:
                 "ent": [_gap(x, y) for x, y in zip(_per_sample(exp, ent), _per_sample(padded, want_ent), strict=True)],
                 "grads": {n: _rel(g, want_grads[n]) for n, g in grads.items()},
                 "names": sorted(grads) == sorted(want_grads),
+                "clip": clip,
             }  # fmt: skip
     Path(out).write_text(json.dumps(results))
     torch.distributed.destroy_process_group()
+
+
+def _clip_gap(model) -> list[float]:
+    """(norm gap, clipped-gradient gap) of the local-shard clip against torch's on the same DTensor grads."""
+    from molt_hpc.actor.clip import clip_grad_norm
+    from molt_hpc.actor.weights import full_tensor
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    saved = [p.grad.detach().clone() for p in params]
+    norm = clip_grad_norm(params, 0.05)
+    ours = [full_tensor(p.grad, None)[0].clone() for p in params]
+    for p, g in zip(params, saved, strict=True):
+        p.grad = g
+    want = torch.nn.utils.clip_grad_norm_(params, 0.05).full_tensor()
+    theirs = [full_tensor(p.grad, None)[0] for p in params]
+    return [
+        abs(norm - float(want)) / float(want),
+        max(float((a - b).abs().max()) for a, b in zip(ours, theirs, strict=True)),
+    ]
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -137,6 +159,7 @@ def test_trainer_forward_from_hidden_states_equals_full_logits(tmp_path):
         assert r["head_widths"] and set(r["head_widths"]) == {1}, f"{case}: the LM head computed {r['head_widths']}"
         assert max(r["logp"]) < 1e-5 and max(r["ent"]) < 1e-5, (case, r["logp"], r["ent"])
         assert r["names"]
+        assert r["clip"][0] < 1e-6 and r["clip"][1] < 1e-7, f"{case}: the clip differs from torch's: {r['clip']}"
         worst = max(r["grads"], key=r["grads"].get)
         assert r["grads"][worst] < 1e-5, (case, worst, r["grads"][worst])
 
