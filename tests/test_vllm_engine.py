@@ -88,6 +88,7 @@ def test_vllm_command_follows_the_config(monkeypatch) -> None:
         "--skip-tokenizer-init": None,
         "--generation-config": "vllm",
         "--weight-transfer-config": json.dumps({"backend": "nccl"}),
+        "--disable-uvicorn-access-log": None,
     }
     assert got == want
     assert json.loads(got["--weight-transfer-config"]) == {"backend": "nccl"}

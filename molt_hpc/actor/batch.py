@@ -58,12 +58,12 @@ def policy_logprobs(
         inputs = {"input_ids": mb.sequences, "position_ids": mb.position_ids, "use_cache": False}
         fused = hidden_and_head(model, inputs)
         if fused is not None:
-            return token_logprobs(*fused, mb.sequences, action_mask=mb.action_mask, **how)
+            return token_logprobs(fused.hidden, fused.weight, mb.sequences, action_mask=mb.action_mask, **how)
         return logprobs_from_logits(model(**inputs).logits, mb.sequences, action_mask=mb.action_mask, **how)
     rows = setup.rows(mb)
     fused = hidden_and_head(model, rows.inputs)
     if fused is not None:
-        logp, ent = target_token_logprobs(*fused, rows.next_tokens, mask=rows.next_action, **how)
+        logp, ent = target_token_logprobs(fused.hidden, fused.weight, rows.next_tokens, mask=rows.next_action, **how)
     else:
         logp, ent = target_logprobs(model(**rows.inputs).logits, rows.next_tokens, mask=rows.next_action, **how)
     return rows.own_index(logp), rows.own_index(ent)

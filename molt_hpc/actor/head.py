@@ -15,6 +15,7 @@ forward, returns None and runs the full-logits path (`logprobs_from_logits`).
 """
 
 import inspect
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,15 @@ FUSED_OK = "_molt_fused_head"
 """Attribute caching the check on the model: True (qualifies), False (full logits)."""
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 """Config fields of transformers models whose head does more than the matmul (Gemma 2/3, Cohere, Granite)."""
+
+
+class HeadInputs(NamedTuple):
+    """What the chunked log-probs need from a forward, and the model's output (its other fields: MoE
+    auxiliary losses, say; its logits are one position per row)."""
+
+    hidden: Tensor
+    weight: Tensor
+    output: Any
 
 
 def _head(model: nn.Module) -> nn.Module | None:
@@ -57,7 +67,7 @@ def _last_hidden(output) -> Tensor:
     return output[0] if hidden is None else hidden
 
 
-def hidden_and_head(model: nn.Module, inputs: dict) -> tuple[Tensor, Tensor] | None:
+def hidden_and_head(model: nn.Module, inputs: dict) -> HeadInputs | None:
     """(last hidden states `[B, S, H]`, LM head weight `[V, H]`) of `model(**inputs)`, or None when the
     model does not qualify (then nothing ran: the caller runs the full-logits forward)."""
     ok = getattr(model, FUSED_OK, None)
@@ -79,7 +89,7 @@ def hidden_and_head(model: nn.Module, inputs: dict) -> tuple[Tensor, Tensor] | N
             get_logger().info("%s: log-probs from full logits (its LM head is not a plain linear layer)",
                               type(model).__name__)  # fmt: skip
             return None
-    return captured[0], weight
+    return HeadInputs(captured[0], weight, out)
 
 
 @torch.no_grad()

@@ -73,6 +73,10 @@ class EnginesConfig(Section):
     names; refits write the fused weights)."""
     prefix_caching: bool = True
     """Reuse the KV cache of shared prefixes (vLLM)."""
+    max_num_batched_tokens: PositiveInt | None = None
+    """Tokens one vLLM scheduler step may batch (prefill chunks and decodes together,
+    `--max-num-batched-tokens`); unset: vLLM's default. Larger budgets prefill a step's many prompts
+    in fewer steps (`bench/gpu_vllm_one.py --sweep` measures it)."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments for `vllm serve`."""
     threads: NonNegativeInt = 0

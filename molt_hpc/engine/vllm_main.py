@@ -92,6 +92,10 @@ def vllm_command(cfg: MoltConfig, model_dir: str | Path, port: int, index: int) 
     # parameters, not the model's generation_config defaults; refit over NCCL through the dev routes.
     cmd += ["--logprobs-mode", eng.logprobs_mode, "--skip-tokenizer-init", "--generation-config", "vllm"]
     cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    # an access-log line per request costs the API server's event loop on every one of a step's thousands
+    cmd.append("--disable-uvicorn-access-log")
+    if eng.max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
     return cmd + list(eng.extra_args)
 
 
