@@ -91,6 +91,7 @@ def test_vllm_command_follows_the_config(monkeypatch) -> None:
         "--generation-config": "vllm",
         "--weight-transfer-config": json.dumps({"backend": "nccl"}),
         "--worker-extension-cls": "molt_hpc.engine.vllm_ipc.MoltWorkerExtension",
+        "--disable-uvicorn-access-log": None,
     }
     assert got == want
     module, _, name = got["--worker-extension-cls"].rpartition(".")

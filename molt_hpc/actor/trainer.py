@@ -24,6 +24,7 @@ from molt_hpc.actor.packing import sequence_layout
 from molt_hpc.actor.step import Models, train_step
 from molt_hpc.actor.sync import EngineSync
 from molt_hpc.actor.world import World, init_world, share
+from molt_hpc.algorithm.logprob_kernels import check_kernel
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import MetricsWriter, get_logger, setup_logging, step_line
 from molt_hpc.models import resolve_model
@@ -75,6 +76,7 @@ class Trainer:
     def __init__(self, cfg: MoltConfig, run: RunDir, world: World, resume: bool):
         self.cfg, self.rundir, self.world = cfg, run, world
         self.log = get_logger()
+        check_kernel(cfg.actor.logprob_kernel, world.device)  # before minutes of loading
         self.base = _shared(lambda: resolve_model(cfg.model, run.models), world)
         ckpt = _shared(lambda: resume_point(cfg, run, self.base, resume), world)
         random.seed(cfg.run.seed)

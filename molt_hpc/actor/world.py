@@ -122,6 +122,15 @@ def sum_ranks(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def max_over_ranks(value: int) -> int:
+    """The largest `value` of any rank (one all-reduce of an int64 on the CPU group, no pickling)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def share(obj: Any, src: int = 0) -> Any:
     """`obj` from rank `src` on every rank."""
     box = [obj]

@@ -98,8 +98,18 @@ class EnginesConfig(Section):
     share a GPU, the trainer keeps the rest."""
     enforce_eager: bool = False
     """Disable CUDA graphs (a train/inference consistency guard; slower decode)."""
+    sample_in_graph: bool = True
+    """Builtin engine on a GPU: record the sampling of plain requests (temperature only, no top-k/top-p/
+    min-p, no seed, no top log-probs) inside the decode step's CUDA graph; other requests sample eagerly."""
+    fuse_projections: bool = True
+    """Builtin engine on a GPU: one matmul per layer for q/k/v and one for gate/up (same parameters and
+    names; refits write the fused weights)."""
     prefix_caching: bool = True
     """Reuse the KV cache of shared prefixes (vLLM)."""
+    max_num_batched_tokens: PositiveInt | None = None
+    """Tokens one vLLM scheduler step may batch (prefill chunks and decodes together,
+    `--max-num-batched-tokens`); unset: vLLM's default. Larger budgets prefill a step's many prompts
+    in fewer steps (`bench/gpu_vllm_one.py --sweep` measures it)."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments for `vllm serve`."""
     threads: NonNegativeInt = 0

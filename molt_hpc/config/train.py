@@ -124,6 +124,11 @@ class ActorConfig(Section):
     """Recompute each decoder block's activations in the backward pass."""
     logprob_chunk: PositiveInt = 1024
     """Tokens per chunk when computing log-probs and entropy, so fp32 [B, T, V] is never materialised."""
+    logprob_kernel: Literal["torch", "compile", "triton"] = "torch"
+    """How each chunk's log-probs, entropy and gradient are computed: `torch` (eager ops, any device),
+    `compile` (the same math fused by `torch.compile`; compiles once per run), `triton` (hand-written
+    kernels, CUDA GPUs with the triton package). All compute the same function (`bench/gpu_train.py`
+    times them side by side)."""
     freeze_router: bool = True
     """Do not train MoE router (gate) weights (a train/inference consistency guard). Routers are
     found by their class (the one the model records `router_logits` from), whatever their names."""

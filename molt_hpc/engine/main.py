@@ -85,6 +85,8 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
             max_batch=eng.max_batch,
             max_model_len=eng.max_model_len,
             graphs=not eng.enforce_eager and routing is None,  # the router hooks record from Python
+            sampling=eng.sample_in_graph,
+            fuse=eng.fuse_projections,
         )
     else:
         runner = ModelRunner(model, dev)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from molt_hpc.engine.batch import ModelRunner, Row, sample_rows
+from molt_hpc.engine.batch import ModelRunner, Row, append_samples, sample_rows
 from molt_hpc.engine.kvcache import BatchCache
 from molt_hpc.engine.routing import RoutingRecorder
 from molt_hpc.engine.slots import SlotCache
@@ -184,11 +184,24 @@ class Scheduler:
             assert self._batch is not None and self._batch.rows == len(self.rows)
             last = [r.tokens[-1] for r in self.rows]  # every running row has sampled at least once
             positions = [r.length - 1 for r in self.rows]
-            logits = self.runner.decode(self._batch, last, positions)
-            if self.routing is not None:
-                for row, pos, experts in zip(self.rows, positions, self.routing.take(len(self.rows), 1), strict=True):
-                    row.routing.write(pos, experts)
-            self._append(self.rows, logits)
+            # Sampled inside the decode graph where it can be (no routing to record from Python hooks).
+            sampled = (
+                None
+                if self.routing is not None
+                else self.runner.decode_sampled(self._batch, self.rows, last, positions, self._generator)
+            )
+            if sampled is None:
+                logits = self.runner.decode(self._batch, last, positions)
+                if self.routing is not None:
+                    for row, pos, experts in zip(
+                        self.rows, positions, self.routing.take(len(self.rows), 1), strict=True
+                    ):
+                        row.routing.write(pos, experts)
+                self._append(self.rows, logits)
+            else:
+                append_samples(self.rows, *sampled)
+                for row in self.rows:
+                    row.versions.append(self.version)
             self._retire()
         self.steps += 1
         if self.pause_mode == "wait" and not (self.rows or self.waiting):

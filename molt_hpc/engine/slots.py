@@ -20,7 +20,7 @@ query length instead of copying K/V once per query head (what transformers' SDPA
 import torch
 import torch.nn.functional as F
 
-from molt_hpc.engine.batch import ModelRunner
+from molt_hpc.engine.batch import ModelRunner, plain_rows
 from molt_hpc.engine.kvcache import BatchCache
 
 ATTENTION = ("sdpa", "eager")
@@ -165,10 +165,25 @@ class SlotCache:
 
 class SlotRunner(ModelRunner):
     """A `ModelRunner` whose running batch lives in a `SlotCache`; on a GPU its decode steps may replay
-    CUDA graphs (`graphs=True`). Prefill is the plain runner's."""
+    CUDA graphs (`graphs=True`), with plain sampling inside them (`sampling=True`); `fuse=True` fuses
+    each layer's q/k/v and gate/up projections (`fuse.py`). Prefill is the plain runner's."""
 
-    def __init__(self, model, device: torch.device, *, max_batch: int, max_model_len: int, graphs: bool = False):
+    def __init__(
+        self,
+        model,
+        device: torch.device,
+        *,
+        max_batch: int,
+        max_model_len: int,
+        graphs: bool = False,
+        sampling: bool = False,
+        fuse: bool = False,
+    ):
         super().__init__(model, device)
+        if fuse:  # before anything reads the parameters: the fused weights are what refits write
+            from molt_hpc.engine.fuse import fuse_projections
+
+            fuse_projections(model)
         attn = getattr(model.config, "_attn_implementation", "sdpa")
         if attn not in ATTENTION:
             raise ValueError(f"the slot cache needs attention {' or '.join(ATTENTION)}, not {attn!r}")
@@ -180,13 +195,20 @@ class SlotRunner(ModelRunner):
         if graphs:
             from molt_hpc.engine.graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self)
+            self.graphs = DecodeGraphs(self, sampling=sampling)
 
     def join(self, batch: SlotCache | None, part: BatchCache) -> SlotCache:
         if batch is None:  # a new batch (the last one ended or went stale): start from slot 0
             self.slots.clear()
         self.slots.join(part)
         return self.slots
+
+    @torch.inference_mode()
+    def decode_sampled(self, batch: SlotCache, rows, last: list[int], positions: list[int], generator):
+        if self.graphs is None or not self.graphs.sampling or not plain_rows(rows):
+            return None
+        assert batch is self.slots and batch.rows == len(last)
+        return self.graphs.run_sampled(last, positions, [r.params.temperature for r in rows], generator)
 
     @torch.inference_mode()
     def decode(self, batch: SlotCache, last: list[int], positions: list[int]) -> torch.Tensor:

@@ -95,6 +95,17 @@ def stamp_versions(data: dict[str, Any], start: int, now: int) -> dict[str, Any]
     return data
 
 
+def stamped_body(raw: bytes, start: int, now: int) -> bytes:
+    """vLLM's generate answer with our version stamps, as bytes. When no refit finished while the request
+    ran (start == now, nearly always) every token has version `now`, which the protocol's readers assume
+    where `weight_versions` is absent: `weight_version` goes in front of vLLM's own bytes, with no decoding
+    and re-encoding of its (per-token log-prob) JSON. Otherwise the answer is decoded and stamped."""
+    head = raw.lstrip()
+    if start == now and head.startswith(b"{") and not head[1:].lstrip().startswith(b"}"):
+        return b'{"weight_version": %d, ' % now + head[1:]
+    return json.dumps(stamp_versions(json.loads(raw), start, now)).encode()
+
+
 def upstream_message(raw: bytes) -> str:
     """The message of a vLLM error body (`{"error": {"message"}}`, FastAPI's `{"detail"}`, or text)."""
     text = raw.decode(errors="replace")
@@ -153,7 +164,7 @@ def build_front(front: Front) -> web.Application:
         status, raw, _ = await call_upstream(front, "POST", GENERATE_PATH, json=body)
         if status >= 300:
             return error(status, upstream_message(raw))
-        return web.json_response(stamp_versions(json.loads(raw), start, front.version))
+        return web.Response(body=stamped_body(raw, start, front.version), content_type="application/json")
 
     async def health(request: web.Request) -> web.Response:
         status, raw, _ = await call_upstream(

@@ -114,6 +114,10 @@ def vllm_command(cfg: MoltConfig, model_dir: str | Path, port: int, index: int) 
     cmd += ["--worker-extension-cls", WORKER_EXTENSION]
     if cfg.actor.router_replay and ROUTED_EXPERTS_FLAG not in eng.extra_args:
         cmd.append(ROUTED_EXPERTS_FLAG)  # every answer carries the experts of each token (router replay)
+    # an access-log line per request costs the API server's event loop on every one of a step's thousands
+    cmd.append("--disable-uvicorn-access-log")
+    if eng.max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
     return cmd + list(eng.extra_args)
 
 
