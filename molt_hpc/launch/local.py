@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from molt_hpc.config import MoltConfig, to_toml
-from molt_hpc.launch.procs import REPO, Child, job_command, stop_all
+from molt_hpc.launch.procs import REPO, Child, exit_report, job_command, stop_all
 from molt_hpc.launch.progress import Progress
 from molt_hpc.log import MetricsWriter, get_logger
 from molt_hpc.models import resolve_model
@@ -106,7 +106,8 @@ def run_local(cfg: MoltConfig) -> int:
         log.warning("stopped at once; resume from the last checkpoint with: molt-hpc run --resume %s", run.path)
         return 130
     finally:
-        stop_all(children)
+        codes = stop_all(children)
+        log.info("stopped: %s", exit_report(codes))
         progress.close()
         for s, handler in old.items():
             signal.signal(s, handler)

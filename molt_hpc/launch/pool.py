@@ -12,7 +12,7 @@ import signal
 import time
 
 from molt_hpc.config import MoltConfig
-from molt_hpc.launch.procs import Child, job_command, stop_all
+from molt_hpc.launch.procs import Child, exit_report, job_command, stop_all
 from molt_hpc.log import get_logger
 from molt_hpc.rundir import RunDir
 
@@ -102,4 +102,6 @@ def run_pool(cfg: MoltConfig, run: RunDir, node_rank: int, max_restarts: int) ->
                 services.remove(child)
         return 0
     finally:
-        stop_all(children)
+        codes = stop_all(children)
+        failed = {n: c for n, c in codes.items() if c not in (0, None)}
+        (log.warning if failed else log.info)("pool stopped: %s", exit_report(codes))
