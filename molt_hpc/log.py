@@ -5,6 +5,7 @@ Each process calls `setup_logging("actor r0")` (or `engine 1`, `router`, ...) on
 line, appended and flushed so a crash loses at most the line being written.
 """
 
+import contextlib
 import faulthandler
 import json
 import logging
@@ -160,8 +161,6 @@ def end_process(code: int) -> NoReturn:
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe: nothing more can reach it
             stream.flush()
-        except (OSError, ValueError):  # a closed or broken pipe: nothing more can reach it
-            pass
     os._exit(code)

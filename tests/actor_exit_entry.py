@@ -5,6 +5,8 @@ optimizer step, run the loop's collectives on Python-made tensors, then the trai
 Run as `python tests/actor_exit_entry.py` with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set.
 """
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -24,7 +26,7 @@ class Block(nn.Module):
 
 
 class Tiny(nn.Module):
-    _no_split_modules = ["Block"]
+    _no_split_modules: ClassVar[list[str]] = ["Block"]
 
     def __init__(self, width: int = 8, depth: int = 2):
         super().__init__()
