@@ -100,6 +100,7 @@ def step_line(step: int, metrics: dict[str, Any]) -> str:
     parts = [f"step {step}"]
     for key, fmt in (
         ("reward", ".3f"),
+        ("reward_trained", ".3f"),
         ("kl", ".4f"),
         ("kl_rollout", ".4f"),
         ("entropy", ".3f"),

@@ -3,7 +3,7 @@
 import asyncio
 import math
 import textwrap
-import time
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -84,11 +84,13 @@ def test_call_user_turns_failures_into_env_errors() -> None:
     def boom(_):
         raise KeyError("nope")
 
+    release = threading.Event()
+
     def slow(_):
-        time.sleep(1)
+        release.wait(60)
 
     async def aslow(_):
-        await asyncio.sleep(5)
+        await asyncio.sleep(60)
 
     async def main() -> list[str]:
         out = [await call_user(lambda x: x + 1, 1, timeout=1, what="ok")]
@@ -99,9 +101,12 @@ def test_call_user_turns_failures_into_env_errors() -> None:
                 out.append(f"{err.reason}|{err}")
         return out
 
-    start = time.monotonic()
-    ok, raised, timed, atimed = asyncio.run(main())
-    assert time.monotonic() - start < 2  # a hung step does not hold the loop (or the test) up
+    try:
+        ok, raised, timed, atimed = asyncio.run(main())
+        # A hung step does not hold the loop (or the test) up: the call failed while `slow` still waits.
+        assert not release.is_set() and any(t.name == "user-slow" and t.is_alive() for t in threading.enumerate())
+    finally:
+        release.set()
     assert ok == 2
     assert raised.startswith("raised|") and "KeyError" in raised
     assert timed == "timeout|timeout: slow took longer than 0.2 s"

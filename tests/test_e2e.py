@@ -102,7 +102,9 @@ def test_tiny_run_learns(tmp_path: Path) -> None:
 
 def test_interrupt_kill_and_resume_lose_nothing(tmp_path: Path) -> None:
     """Ctrl-C checkpoints and exits 0; a kill -9 of a trainer rank stops the run with a clear message;
-    each resume continues from the last checkpoint; a killed engine is restarted; the ledger is exact."""
+    each resume continues from the last checkpoint; a killed engine is restarted; the ledger is exact.
+    Where each fault lands depends on the machine's speed; every expectation is read from the run's
+    own checkpoints and records at that point, never assumed from a timing."""
     run_dir = tmp_path / "tiny-cpu"
     proc = launch(tmp_path, "configs/tiny_cpu.toml", "--set", "run.steps=14", "--set", "checkpoint.interval=4")
     wait_for_step(run_dir, 2, proc)
@@ -111,13 +113,13 @@ def test_interrupt_kill_and_resume_lose_nothing(tmp_path: Path) -> None:
     assert proc.returncode == 0, out
     assert "stopped after a checkpoint" in out
     stopped_at = max(r["step"] for r in read_metrics(run_dir / "metrics.jsonl", source="actor"))
-    assert stopped_at <= 4, "the stop should land before the step-4 checkpoint this test counts on"
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at:06d}"
+    assert 2 <= stopped_at < 14
+    assert latest_step(run_dir) == stopped_at  # the stop checkpointed the step it stopped at
     _, acked, _ = ledger(run_dir)
     assert len(acked) == len(set(acked)) == stopped_at * 8
 
     proc = launch(tmp_path, "--resume", str(run_dir))
-    wait_for_step(run_dir, 5, proc)
+    wait_for_step(run_dir, stopped_at + 1, proc)
     torchrun = json.loads((run_dir / "processes.json").read_text())["actor pool"]
     ranks = children_of(torchrun)
     assert ranks, "torchrun has no worker process"
@@ -125,11 +127,14 @@ def test_interrupt_kill_and_resume_lose_nothing(tmp_path: Path) -> None:
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1, out
     assert "actor pool exited with code" in out and "molt-hpc run --resume" in out
+    killed_ckpt = latest_step(run_dir)
+    ran_past_it = max(r["step"] for r in read_metrics(run_dir / "metrics.jsonl", source="actor"))
+    assert ran_past_it < 14
     _, acked, _ = ledger(run_dir)
-    assert len(acked) == len(set(acked)) == 4 * 8  # the checkpoint at step 4 committed its groups, no more
+    assert len(acked) == len(set(acked)) == killed_ckpt * 8  # the last checkpoint committed its groups, no more
 
     proc = launch(tmp_path, "--resume", str(run_dir))
-    wait_for_step(run_dir, 9, proc)
+    wait_for_step(run_dir, ran_past_it + 1, proc)
     engine_pid = json.loads((run_dir / "rendezvous" / "engine-0.json").read_text())["pid"]
     os.kill(engine_pid, signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
@@ -137,11 +142,17 @@ def test_interrupt_kill_and_resume_lose_nothing(tmp_path: Path) -> None:
     pool_log = (run_dir / "logs" / "pool.log").read_text()
     assert "engine 0 died" in pool_log and "restarting it" in pool_log
     actor_log = (run_dir / "logs" / "actor.log").read_text()
-    assert "resumed from" in actor_log and "step_000004" in actor_log
+    assert "resumed from" in actor_log and f"step_{killed_ckpt:06d}" in actor_log
     steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl", source="actor")]
-    assert steps[-1] == 14 and steps.count(5) == 2  # steps after the step-4 checkpoint were redone once
+    assert steps[-1] == 14
+    # Steps after the checkpoint the kill fell back to were redone once; every other step ran once.
+    assert steps == list(range(1, ran_past_it + 1)) + list(range(killed_ckpt + 1, 15))
     put, acked, counts = ledger(run_dir)
     assert len(acked) == len(set(acked)) == 14 * 8, "a group was trained twice or lost from the ledger"
     assert set(acked) <= put
     leftover = put - set(acked)
     assert len(leftover) == counts["pending"] + counts["stale"] + counts["claimed"]
+
+
+def latest_step(run_dir: Path) -> int:
+    return int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))

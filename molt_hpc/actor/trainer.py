@@ -25,6 +25,7 @@ from molt_hpc.config import MoltConfig
 from molt_hpc.log import MetricsWriter, get_logger, setup_logging, step_line
 from molt_hpc.models import resolve_model
 from molt_hpc.rundir import RunDir
+from molt_hpc.trajectory import finished_reward
 
 
 def resume_point(cfg: MoltConfig, run: RunDir, base: Path, required: bool) -> Path | None:
@@ -182,6 +183,10 @@ class Trainer:
         t0 = time.perf_counter()
         metrics = train_step(groups, cfg, self.models, self.world, self.pad_id)
         step_s = time.perf_counter() - t0
+        # `reward`: every finished sample the batch reports (dynamic sampling's dropped ones included);
+        # `reward_trained`: the samples this step trained on.
+        metrics["reward_trained"] = metrics.pop("reward")
+        metrics["reward"] = finished_reward(groups)
         self.step += 1
         self.feed.record(groups)
         self.feed.heartbeat()

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from molt_hpc.buffer.cleanup import release_finished
 from molt_hpc.config import MoltConfig, to_toml
 from molt_hpc.launch.procs import REPO, Child, exit_report, job_command, stop_all
 from molt_hpc.launch.progress import Progress
@@ -101,16 +102,20 @@ def run_local(cfg: MoltConfig) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _supervise(run, actor, pool, progress, lambda: interrupts > 0)
+        code = _supervise(run, actor, pool, progress, lambda: interrupts > 0)
     except KeyboardInterrupt:
         log.warning("stopped at once; resume from the last checkpoint with: molt-hpc run --resume %s", run.path)
-        return 130
+        code = 130
     finally:
         codes = stop_all(children)
         log.info("stopped: %s", exit_report(codes))
         progress.close()
         for s, handler in old.items():
             signal.signal(s, handler)
+    removed = release_finished(run.path) if code == 0 else None  # a stopped run keeps its spool to resume from
+    if removed is not None:
+        log.info("removed the finished run's replay buffer %s", removed)
+    return code
 
 
 def _supervise(run: RunDir, actor: Child, pool: Child, progress: Progress, stopping) -> int:

@@ -115,6 +115,7 @@ class Lifecycle:
         if outcome == "done":
             self.pool.stop(POOL_STOP_S)
             self.log.info("training finished; engine pool stopped after %d relaunches", self.pool.restarts)
+            self.release_buffer()
             return {"status": "done", "engine_restarts": self.pool.restarts}
         if outcome == "engines failed":
             self.checkpoint_and_stop_actor()
@@ -124,6 +125,14 @@ class Lifecycle:
                 f"continue with: molt-hpc submit --resume {self.run_dir}"
             )
         return self.stop_and_leave(outcome)
+
+    def release_buffer(self) -> None:
+        """Training finished and both steps stopped: free the run's /dev/shm spool (shm backend)."""
+        from molt_hpc.buffer.cleanup import release_finished
+
+        removed = release_finished(self.run_dir)
+        if removed is not None:
+            self.log.info("removed the finished run's replay buffer %s", removed)
 
     def watch(self) -> str:
         """Poll both steps until one of: done, stop (signal), cancel, engines failed (or raise)."""
@@ -176,6 +185,7 @@ class Lifecycle:
         self.pool.stop(POOL_STOP_S)
         if self.done():
             self.log.info("training finished while stopping")
+            self.release_buffer()
             return {"status": "done", "engine_restarts": self.pool.restarts}
         if outcome == "cancel" or control_file(self.run_dir, "cancel").exists():
             return _cancel_job(self.job_id)
