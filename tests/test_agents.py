@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from molt_hpc.agents import ChatAgent, Env, Result
+from molt_hpc.agents import ChatAgent, Env, Result, State
 from molt_hpc.agents.calls import EnvError, call_user
 from molt_hpc.agents.chat_runner import trajectory_from_calls
 from molt_hpc.agents.loader import load_agent
@@ -113,10 +113,30 @@ def test_call_user_turns_failures_into_env_errors() -> None:
     assert atimed.startswith("timeout|")
 
 
-def test_result_checks_the_reward_type() -> None:
-    assert Result(1).reward == 1.0
-    with pytest.raises(ValueError, match="must be a number"):
-        Result("1")
+def test_result_takes_numbers_tensors_and_numpy_scalars() -> None:
+    import numpy as np
+    import torch
+
+    for value, want in ((1, 1.0), (0.25, 0.25), (torch.tensor(1.5), 1.5), (torch.tensor(2, dtype=torch.int64), 2.0),
+                        (np.float32(0.5), 0.5), (np.int64(3), 3.0), (np.array(0.75), 0.75)):  # fmt: skip
+        got = Result(reward=value).reward
+        assert type(got) is float and got == want, (value, got)
+    assert Result(reward=torch.tensor(1.0), score=np.float64(0.5)).score == 0.5
+    for bad in ("1", None, True, [1.0], torch.tensor([1.0]), np.array([0.5]), float("nan"), torch.tensor(float("inf"))):
+        with pytest.raises(EnvError, match=r"Result\.reward") as err:
+            Result(reward=bad)
+        assert err.value.reason == "api"
+
+
+def test_state_reads_as_a_mapping() -> None:
+    state = State(prompt="p", label="cba", action_text="abc", sampling_params={"temperature": 1.0},
+                  observation_text="Reverse: abc")  # fmt: skip
+    assert state["action_text"] == state.action_text == "abc"
+    assert state.get("label") == "cba" and state.get("nope") is None and state.get("nope", 3) == 3
+    assert state["observation_text"] == "Reverse: abc" and state["sampling_params"] == {"temperature": 1.0}
+    assert "turn" in state and "nope" not in state and {"history", "label"} <= set(state.keys())
+    with pytest.raises(KeyError, match="State has no 'nope'"):
+        state["nope"]
 
 
 def test_observation_glue_follows_the_template() -> None:

@@ -80,9 +80,10 @@ class StepEnvRunner:
         env = await call_user(self.env_cls, timeout=timeout, what=f"{self.env_cls.__name__}()")
         state = State(prompt=prompt.prompt, label=prompt.label, row=dict(prompt.extra))
         first = await call_user(env.reset, state, timeout=timeout, what="Env.reset")
+        first, reset_params = _unpack_reset(first)
         tokens = list(prompt.token_ids) if first is None else self._render_first(first, prompt)
         trace = _Trace(tokens)
-        params = {**self.base_params, **(overrides or {})}
+        params = {**self.base_params, **(overrides or {}), **reset_params}
         reward, score, info, finish = 0.0, None, {}, "stop"
         for turn in range(self.cfg.max_turns):
             budget = self.cfg.max_total_tokens - len(trace.tokens)
@@ -94,9 +95,11 @@ class StepEnvRunner:
             out = await self.generate(trace.tokens, sp, session_id)
             if out.finish_reason == "abort":
                 raise EngineError("the engine aborted the request")
+            context = len(trace.tokens)
             trace.add_action(out)
             finish = out.finish_reason
             _update_state(state, self.tokenizer, out, turn, sp)
+            state.observation_text = self.tokenizer.decode(trace.tokens[:context], skip_special_tokens=True)
             result = await call_user(env.step, state, timeout=timeout, what="Env.step")
             if not isinstance(result, Result):
                 raise EnvError("api", f"Env.step returned {type(result).__name__}, not a Result")
@@ -173,6 +176,23 @@ def _update_state(state: State, tokenizer: Any, out: Any, turn: int, params: dic
     state.turn = turn
     state.sampling_params = dict(params)
     state.history.append({"role": "assistant", "content": state.action_text})
+
+
+RESET_KEYS = ("observation", "sampling_params")
+
+
+def _unpack_reset(first: Any) -> tuple[Any, dict[str, Any]]:
+    """`Env.reset`'s answer as (first observation or None, sampling-param overrides): text, chat
+    messages and None as they are; a dict (Molt's style) as `{"observation": ..., "sampling_params": ...}`."""
+    if not isinstance(first, dict):
+        return first, {}
+    unknown = sorted(set(first) - set(RESET_KEYS))
+    if unknown:
+        raise EnvError("api", f"Env.reset returned a dict with {unknown}; its keys are {', '.join(RESET_KEYS)}")
+    params = first.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise EnvError("api", f"Env.reset's sampling_params is {type(params).__name__}, not a dict")
+    return first.get("observation"), dict(params)
 
 
 def _as_message(observation: str | dict[str, Any]) -> dict[str, Any]:
