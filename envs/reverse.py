@@ -1,6 +1,7 @@
 """Reverse a short string: the tiny task the CPU demo learns on.
 
-Prompt `Reverse: abc`, label `cba`. The reward is the fraction of positions where the answer
+Prompt `Reverse: abc`, label `cba`. The reward (`reverse_reward`, shared with the chat-mode
+version `envs/reverse_chat.py`) is the fraction of positions where the answer
 matches the label, over the longer of the two (an exact reversal scores 1.0, extra characters
 cost credit). The answer is the model's text decoded with special tokens skipped, stripped of
 surrounding whitespace, so emitting special tokens never spells an answer. With letters drawn
@@ -10,15 +11,7 @@ k = 4 (`data/make_datasets.py`, checked in `tests/test_envs_reverse.py`).
 """
 
 from molt_hpc.agents import Env, Result, State
-
-
-def reverse_reward(answer: str, label: str) -> float:
-    """Matching positions of `answer` against `label`, divided by the longer length (0 for empty)."""
-    answer = answer.strip()
-    longest = max(len(answer), len(label))
-    if longest == 0:
-        return 0.0
-    return sum(a == b for a, b in zip(answer, label, strict=False)) / longest
+from molt_hpc.agents.grading import reverse_reward
 
 
 class ReverseEnv(Env):

@@ -138,6 +138,15 @@ class ChatContext:
     """Model name to pass in requests (informational)."""
     client: Any = None
     """A ready `ChatClient` (`await ctx.client.chat(messages, **params) -> str`)."""
+    openai: Any = None
+    """A ready `openai.AsyncOpenAI` bound to this episode's session (`await
+    ctx.openai.chat.completions.create(model=ctx.model, messages=...)`). It shares one connection
+    pool with every other episode of the rollout process, so it costs nothing to use; needs the
+    `openai` package (`pip install 'molt-hpc[chat]'`)."""
+    http_client: Any = None
+    """That shared `httpx` client, for agents that build their own OpenAI client:
+    `AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client)` is as
+    cheap as `ctx.openai`; without `http_client=` every client builds a TLS context (~60–100 ms)."""
 
 
 class ChatAgent:

@@ -21,6 +21,7 @@ import aiohttp
 
 from molt_hpc.agents.base import ChatAgent, ChatContext, Result
 from molt_hpc.agents.calls import EngineError, EnvError, call_user
+from molt_hpc.agents.openai_client import OpenAIPool
 from molt_hpc.config.rollout import RolloutConfig
 from molt_hpc.data import Prompt
 from molt_hpc.trajectory import Trajectory
@@ -80,6 +81,10 @@ class ChatAgentRunner:
 
     def __init__(self, agent_cls: type[ChatAgent], server: Any, cfg: RolloutConfig, http: aiohttp.ClientSession):
         self.agent_cls, self.server, self.cfg, self.http = agent_cls, server, cfg, http
+        self.openai = OpenAIPool(server)
+
+    async def close(self) -> None:
+        await self.openai.close()
 
     async def run(
         self,
@@ -101,6 +106,8 @@ class ChatAgentRunner:
             session_id=session_id,
             model=self.server.model,
             client=ChatClient(self.http, base_url, self.server.token),
+            openai=self.openai.client(base_url, self.server.token),
+            http_client=self.openai.http_client,
         )
         if overrides:
             self.server.overrides[session_id] = dict(overrides)

@@ -1,6 +1,7 @@
-"""The math grader: find the final answer in a reply and compare it to the label numerically.
+"""The graders of the shipped tasks: string reversal (`reverse_reward`), and the math grader, which
+finds the final answer in a reply and compares it to the label numerically.
 
-Rules (each is tested in `tests/test_envs_math.py`):
+Math rules (each is tested in `tests/test_envs_math.py`):
 - An answer is written as `<answer>…</answer>`, `\\boxed{…}` or `\\fbox{…}` (braces may nest).
   With several answers **the last one counts** (the model's final word; hedging with several
   answers gains nothing). No answer, or an empty one, scores 0 and is counted as missing.
@@ -134,3 +135,12 @@ def grade(text: str, label: Any) -> tuple[float, dict[str, float]]:
     correct = (not missing) and answer_matches(final, label)
     info = {"answers": float(len(answers)), "missing_answer": float(missing), "correct": float(correct)}
     return float(correct), info
+
+
+def reverse_reward(answer: str, label: str) -> float:
+    """Matching positions of `answer` against `label`, divided by the longer length (0 for empty)."""
+    answer = answer.strip()
+    longest = max(len(answer), len(label))
+    if longest == 0:
+        return 0.0
+    return sum(a == b for a, b in zip(answer, label, strict=False)) / longest

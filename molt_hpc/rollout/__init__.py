@@ -86,5 +86,6 @@ async def serve(cfg: MoltConfig, run: RunDir) -> int:
             await Orchestrator(cfg, run, dataset, runner, link, buffer, eval_prompts, stop).run_loop()
         finally:
             if server is not None:
+                await runner.close()
                 await server.close()
     return 0

@@ -34,8 +34,12 @@ class ChatCall:
     finish_reason: str
 
 
+def _problem(status: int, message: str, kind: str = "invalid_request_error") -> tuple[int, dict[str, Any]]:
+    return status, {"error": {"message": message, "type": kind}}
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+    return web.json_response(_problem(status, message, kind)[1], status=status)
 
 
 def _check_messages(messages: Any) -> str | None:
@@ -80,7 +84,7 @@ class ChatServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if request.headers.get("Authorization") != f"Bearer {self.token}":
+        if not self.authorised(request.headers.get("Authorization")):
             return _error(401, "missing or wrong API key: use the run's token", "authentication_error")
         return await handler(request)
 
@@ -92,13 +96,21 @@ class ChatServer:
             body = await request.json()
         except json.JSONDecodeError:
             return _error(400, "the body is not JSON")
-        if not isinstance(body, dict) or (problem := _check_messages(body.get("messages"))):
-            return _error(400, problem if isinstance(body, dict) else "the body must be a JSON object")
-        if body.get("n", 1) != 1 or body.get("stream"):
-            return _error(400, "only n = 1 without streaming is served")
-        if body.get("stop"):
-            return _error(400, "stop strings are not supported; use max_tokens")
         session = request.match_info.get("session") or request.headers.get(SESSION_HEADER) or uuid.uuid4().hex
+        status, answer = await self.complete(body, session)
+        return web.json_response(answer, status=status)
+
+    def authorised(self, authorization: str | None) -> bool:
+        return authorization == f"Bearer {self.token}"
+
+    async def complete(self, body: Any, session: str) -> tuple[int, dict[str, Any]]:
+        """One chat completion for `session`: (HTTP status, JSON answer); the call is recorded."""
+        if not isinstance(body, dict) or (problem := _check_messages(body.get("messages"))):
+            return _problem(400, problem if isinstance(body, dict) else "the body must be a JSON object")
+        if body.get("n", 1) != 1 or body.get("stream"):
+            return _problem(400, "only n = 1 without streaming is served")
+        if body.get("stop"):
+            return _problem(400, "stop strings are not supported; use max_tokens")
         template_kwargs = {"tools": body["tools"]} if body.get("tools") else {}
         text = self.tokenizer.apply_chat_template(
             body["messages"], add_generation_prompt=True, tokenize=False, **template_kwargs
@@ -106,19 +118,19 @@ class ChatServer:
         prompt_ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         params, problem = self._sampling_params(body, len(prompt_ids), session)
         if problem:
-            return _error(400, problem)
+            return _problem(400, problem)
         try:
             out = await self.link.generate(prompt_ids, params, session)
             if out.finish_reason == "abort":
                 raise EngineError("the engine aborted the request")
         except EngineError as err:
             self.failures[session] = str(err)
-            return _error(502, f"the engine pool failed this call: {err}", "server_error")
+            return _problem(502, f"the engine pool failed this call: {err}", "server_error")
         except EngineHTTPError as err:
-            return _error(400 if err.status < 500 else 502, err.message)
+            return _problem(400 if err.status < 500 else 502, err.message)
         call = ChatCall(prompt_ids, list(out.token_ids), list(out.weight_versions), out.finish_reason)
         self.calls[session].append(call)
-        return web.json_response(self._answer(out, len(prompt_ids)))
+        return 200, self._answer(out, len(prompt_ids))
 
     def _sampling_params(self, body: dict[str, Any], prompt_len: int, session: str) -> tuple[dict, str | None]:
         room = self.cfg.max_total_tokens - prompt_len

@@ -1,0 +1,128 @@
+"""Chat mode written the way users write it: the real `openai` client against the framework's endpoint.
+
+Runs on the shared engine pool of the rollout tests (real engines and router); the chat agents are
+real files loaded as `rollout.agent` would load them.
+"""
+
+import asyncio
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from molt_hpc.agents.chat_runner import ChatAgentRunner
+from molt_hpc.agents.grading import reverse_reward
+from molt_hpc.agents.loader import load_agent
+from molt_hpc.data import Position, PromptDataset
+from molt_hpc.models import load_tokenizer
+from molt_hpc.rollout.chat_server import ChatServer
+from molt_hpc.rollout.group import run_group
+from tests.test_rollout import with_link
+from tests.test_rollout_procs import ROOT, shared_pool
+
+openai = pytest.importorskip("openai")  # the `chat` extra; `make test` installs it (dev extra)
+pytestmark = pytest.mark.timeout(300)
+
+TWO_TURNS = """
+from openai import AsyncOpenAI, AuthenticationError
+from molt_hpc.agents import ChatAgent, Result
+class TwoTurns(ChatAgent):
+    async def run(self, ctx):
+        own = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)  # the seed's style: a client of its own
+        first = [{"role": "user", "content": ctx.prompt}]
+        one = await own.chat.completions.create(model=ctx.model, messages=first, max_tokens=6, seed=1)
+        one = one.choices[0].message.content
+        second = first + [{"role": "assistant", "content": one}, {"role": "user", "content": "again"}]
+        two = await ctx.openai.chat.completions.create(model=ctx.model, messages=second, max_tokens=5, seed=2)
+        await own.close()
+        wrong = AsyncOpenAI(base_url=ctx.base_url, api_key="wrong", http_client=ctx.http_client, max_retries=0)
+        try:
+            await wrong.chat.completions.create(model=ctx.model, messages=first)
+            refused = 0.0
+        except AuthenticationError:  # the in-process path checks the token like the HTTP endpoint
+            refused = 1.0
+        await wrong.close()  # must not close the pool under the other episodes
+        reward = float(len(two.choices[0].message.content))
+        return Result(reward=reward, info={"replies": [one, second], "refused": refused})
+"""
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory, tiny_model_dir):
+    return shared_pool(tmp_path_factory.mktemp("pool"), tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+def run_agent(pool, tok, agent_file: Path, prompt_index: int):
+    cfg = pool.cfg.rollout
+    agent_cls = load_agent(str(agent_file))
+    prompt = PromptDataset.load(pool.cfg.data, tok, limit=16)[prompt_index]
+
+    async def go(link):
+        server = ChatServer(tok, link, cfg, link.token)
+        await server.start()
+        runner = ChatAgentRunner(agent_cls, server, cfg, link.session)
+        try:
+            outcome = await run_group(runner, prompt, Position(0, prompt_index), cfg)
+            wrong = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="not-the-token", max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                await wrong.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+            await wrong.close()
+            return outcome, dict(server.calls)
+        finally:
+            await runner.close()
+            await server.close()
+
+    outcome, leftover = with_link(pool, go)
+    assert outcome.failure is None and not leftover  # every session's record was taken by its runner
+    return prompt, outcome.group.samples
+
+
+def test_the_shipped_chat_agent_scores_what_the_engine_generated(pool, tok) -> None:
+    prompt, samples = run_agent(pool, tok, ROOT / "envs" / "reverse_chat.py", 3)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": prompt.prompt}], add_generation_prompt=True, tokenize=False
+    )
+    for s in samples:
+        ((start, end),) = s.action_ranges
+        assert s.tokens[:start] == tok(text, add_special_tokens=False)["input_ids"] and end == len(s.tokens)
+        reply = tok.decode(s.tokens[start:end], skip_special_tokens=True)
+        assert s.reward == reverse_reward(reply, prompt.label)
+        assert s.info["exact"] == float(reply.strip() == prompt.label)
+        assert s.info["rollout_logprobs"] == 0.0 and all(math.isnan(x) for x in s.action_logprobs)
+
+
+def test_two_openai_calls_whose_prompts_extend_form_one_trajectory(pool, tok, tmp_path) -> None:
+    path = tmp_path / "two_turns.py"
+    path.write_text(textwrap.dedent(TWO_TURNS))
+    _, samples = run_agent(pool, tok, path, 5)
+    for s in samples:
+        one, second = s.info.pop("replies")
+        assert s.info["chat_calls"] == 2.0 and s.info["refused"] == 1.0  # the refused call was not recorded
+        text = tok.apply_chat_template(second, add_generation_prompt=True, tokenize=False)
+        start, end = s.action_ranges[-1]
+        assert s.tokens[:start] == tok(text, add_special_tokens=False)["input_ids"]
+        assert s.reward == float(len(tok.decode(s.tokens[start:end], skip_special_tokens=True)))
+        # Both replies are actions of one trace unless the template re-tokenised the first differently.
+        assert len(s.action_ranges) == 2 - int(s.info["chat_prefix_breaks"])
+        if len(s.action_ranges) == 2:
+            a, b = s.action_ranges[0]
+            assert tok.decode(s.tokens[a:b], skip_special_tokens=True) == one and a == s.prompt_len
+
+
+def test_without_openai_ctx_openai_says_what_to_install(monkeypatch) -> None:
+    from molt_hpc.agents import openai_client
+
+    monkeypatch.setattr(openai_client.importlib.util, "find_spec", lambda name: None)
+    pool = openai_client.OpenAIPool()
+    client = pool.client("http://127.0.0.1:1/v1", "k")
+    with pytest.raises(
+        ValueError, match=r"ctx.openai needs the openai package; install it: pip install 'molt-hpc\[chat\]'"
+    ):
+        client.chat.completions.create(model="policy", messages=[])
+    asyncio.run(pool.close())  # nothing was opened, nothing to close
