@@ -94,7 +94,7 @@ def test_tiny_run_learns(tmp_path: Path) -> None:
     assert "reward: first quarter" in out and "plot: " in out
     # Every process ended by its own ordered shutdown: trainer ranks (torchrun's code is theirs), the
     # pool's engine, router and orchestrator, and the pool itself.
-    assert "stopped: engine pool exit 0, actor pool exit 0" in out
+    assert "stopped: actor pool exit 0, engine pool exit 0" in out  # reverse start order
     pool_log = (run_dir / "logs" / "pool.log").read_text()
     assert "pool stopped: orchestrator exit 0, router exit 0, engine 0 exit 0" in pool_log
     assert (run_dir / "plots" / "metrics.png").stat().st_size > 10_000

@@ -7,6 +7,9 @@ the env terminates or truncates, the turns or the token budget run out; otherwis
 observation once, append it (it never trains) and go on. Nothing already in the trace is ever
 tokenised again. The trajectory's reward is the sum of the step rewards; its score is the last
 step's explicit score, else that reward.
+
+The env is reached through an env host (`molt_hpc.agents.env_workers`): the orchestrator's threads by
+default, or worker processes (`rollout.env_workers`) when the caller passes an `EnvWorkerPool`.
 """
 
 import hashlib
@@ -14,7 +17,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from molt_hpc.agents.base import Env, Result, State
-from molt_hpc.agents.calls import EngineError, EnvError, call_user
+from molt_hpc.agents.calls import EngineError, EnvError
+from molt_hpc.agents.env_workers import EnvHost, Episode, InProcessEnvs
 from molt_hpc.agents.observation import ObservationFormatter
 from molt_hpc.config.rollout import RolloutConfig
 from molt_hpc.data import Prompt, render_prompt
@@ -54,6 +58,7 @@ class StepEnvRunner:
         apply_chat_template: bool = True,
         system_prompt: str | None = None,
         seed: int = 0,
+        envs: EnvHost | None = None,
     ):
         self.env_cls = env_cls
         self.tokenizer = tokenizer
@@ -62,6 +67,8 @@ class StepEnvRunner:
         self.apply_chat_template = apply_chat_template
         self.system_prompt = system_prompt
         self.seed = seed
+        self.envs = envs if envs is not None else InProcessEnvs(env_cls, cfg.env_timeout_s)
+        """Where the env's construction, reset and step run."""
         self.observations = ObservationFormatter(tokenizer, apply_chat_template)
         self.base_params = base_sampling_params(cfg, [tokenizer.eos_token_id])
 
@@ -74,12 +81,25 @@ class StepEnvRunner:
         session_id: str | None = None,
         overrides: dict[str, Any] | None = None,
     ) -> Trajectory:
-        """One episode of `prompt`; raises `EnvError` or `EngineError` when the sample fails."""
-        session_id = session_id or rollout_id
-        timeout = self.cfg.env_timeout_s
-        env = await call_user(self.env_cls, timeout=timeout, what=f"{self.env_cls.__name__}()")
+        """One episode of `prompt`; raises `EnvError`, `EngineError` or `EpisodeLost` when the sample fails."""
         state = State(prompt=prompt.prompt, label=prompt.label, row=dict(prompt.extra))
-        first = await call_user(env.reset, state, timeout=timeout, what="Env.reset")
+        episode = await self.envs.open(state)
+        try:
+            return await self._play(episode, state, prompt, rollout_id, group_id, session_id or rollout_id, overrides)
+        finally:
+            episode.close()
+
+    async def _play(
+        self,
+        episode: Episode,
+        state: State,
+        prompt: Prompt,
+        rollout_id: str,
+        group_id: str,
+        session_id: str,
+        overrides: dict[str, Any] | None,
+    ) -> Trajectory:
+        first = await episode.reset(state)
         first, reset_params = _unpack_reset(first)
         tokens = list(prompt.token_ids) if first is None else self._render_first(first, prompt)
         trace = _Trace(tokens)
@@ -100,7 +120,7 @@ class StepEnvRunner:
             finish = out.finish_reason
             _update_state(state, self.tokenizer, out, turn, sp)
             state.observation_text = self.tokenizer.decode(trace.tokens[:context], skip_special_tokens=True)
-            result = await call_user(env.step, state, timeout=timeout, what="Env.step")
+            result = await episode.step(state)
             if not isinstance(result, Result):
                 raise EnvError("api", f"Env.step returned {type(result).__name__}, not a Result")
             reward += result.reward

@@ -42,6 +42,7 @@ class RolloutStats:
         self.counts["groups_finished"] += 1
         self.counts["samples_engine_retries"] += outcome.engine_retries
         self.counts["samples_env_retries"] += outcome.env_retries
+        self.counts["samples_env_restarts"] += outcome.env_restarts
         for reason, n in outcome.env_errors.items():
             self.counts[f"env_errors_{reason}"] += n
         if outcome.failure is not None:

@@ -233,7 +233,9 @@ class Orchestrator:
             self.eval_task = asyncio.create_task(evaluate(self.runner, self.eval_prompts, version))
 
     def write_record(self) -> None:
-        extra = {"version": self.link.version, "in_flight": len(self.tasks), **self.buffer.stats()}
+        envs = getattr(self.runner, "envs", None)  # env mode: where the env runs, and what its workers went through
+        env_stats = envs.stats() if envs is not None else {}
+        extra = {"version": self.link.version, "in_flight": len(self.tasks), **self.buffer.stats(), **env_stats}
         record = self.stats.record(**extra, groups_accepted_total=self.state.groups_accepted)
         self.metrics.write(record)
         self.log.info(
