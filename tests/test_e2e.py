@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from molt_hpc.agents.env_hosts import worker_count
 from molt_hpc.buffer import acked_ids, find_spool, spool_counts
 from molt_hpc.log import read_metrics
 from tests.conftest import BIN, ROOT
@@ -98,6 +99,53 @@ def test_tiny_run_learns(tmp_path: Path) -> None:
     pool_log = (run_dir / "logs" / "pool.log").read_text()
     assert "pool stopped: orchestrator exit 0, router exit 0, engine 0 exit 0" in pool_log
     assert (run_dir / "plots" / "metrics.png").stat().st_size > 10_000
+
+
+FREEZING_ENV = """
+import itertools
+import re
+
+from molt_hpc.agents import Env, Result
+from molt_hpc.agents.grading import reverse_reward
+
+STEPS = itertools.count(1)  # this worker's steps: module state lives in each env worker
+
+class SometimesFreezes(Env):
+    # The tiny reverse task, except that every 500th step of a worker runs a catastrophically
+    # backtracking regular expression (2^40 steps) that holds the GIL for hours.
+    def step(self, state):
+        if next(STEPS) % 500 == 0:
+            re.match(r"(a+)+$", "a" * 40 + "b")
+        return Result(reward=reverse_reward(state.action_text, str(state.label)))
+"""
+
+
+def test_an_env_that_freezes_cannot_stop_the_run(tmp_path: Path) -> None:
+    """With the default env workers, steps that hold the GIL forever cost their own samples: the
+    orchestrator goes on, every hung step is killed after env_timeout_s, and the policy still learns."""
+    env = tmp_path / "sometimes_freezes.py"
+    env.write_text(FREEZING_ENV)
+    steps = 80
+    proc = launch(
+        tmp_path, "configs/tiny_cpu.toml",
+        "--set", f"run.steps={steps}", "--set", "checkpoint.interval=0", "--set", "actor.lr=1e-3",
+        "--set", f"rollout.agent={json.dumps(str(env))}", "--set", "rollout.env_timeout_s=2",
+        "--set", "rollout.stall_report_s=5",
+    )  # fmt: skip
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    run_dir = tmp_path / "tiny-cpu"
+    steps_and_rising_reward(run_dir, steps)
+    records = read_metrics(run_dir / "metrics.jsonl", source="rollout")
+    timeouts = sum(r.get("env_errors_timeout", 0) for r in records)
+    # Each worker hangs on its 500th step and its replacement counts afresh: of the 80 × 64 trained
+    # samples' steps (and more), at most 2 × 499 fall to the last two workers, so at least 8 hang.
+    assert timeouts >= 8
+    assert records[-1]["env_workers"] == worker_count("auto") and records[-1]["env_workers_replaced_total"] >= timeouts
+    log = (run_dir / "logs" / "rollout.log").read_text()
+    assert log.count("killed: Env.step took longer than 2 s") >= timeouts
+    assert "Timeout (" not in log  # the stall report (5 s) never fired: the orchestrator's loop never stopped
+    assert "orchestrator exit 0" in (run_dir / "logs" / "pool.log").read_text()
 
 
 def test_interrupt_kill_and_resume_lose_nothing(tmp_path: Path) -> None:

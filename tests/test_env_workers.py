@@ -17,7 +17,8 @@ import pytest
 
 from molt_hpc.agents.base import State
 from molt_hpc.agents.calls import EnvError
-from molt_hpc.agents.env_workers import EnvWorkerPool, InProcessEnvs, worker_count
+from molt_hpc.agents.env_hosts import InProcessEnvs, worker_count
+from molt_hpc.agents.env_workers import EnvWorkerPool
 from molt_hpc.agents.loader import load_agent
 from molt_hpc.agents.step_runner import StepEnvRunner
 from molt_hpc.config import load_config
@@ -155,7 +156,41 @@ def test_a_hung_call_fails_only_its_sample_and_never_freezes_the_caller(probe) -
     assert ticks >= 10  # the caller's event loop kept turning while the worker held its own GIL
     assert killed.dead and killed.proc.returncode == -9
     assert again.reward == 2.0 and home.pid != killed.pid  # rebuilt elsewhere by a replay: step 1, then step 2
-    assert pool.counts == {"env_workers_replaced_total": 1, "env_episodes_rebuilt_total": 1}
+    assert pool.counts["env_workers_replaced_total"] == 1 and pool.counts["env_episodes_rebuilt_total"] == 1
+
+
+def test_a_frozen_worker_hands_on_its_waiting_calls_and_episodes(probe) -> None:
+    """While a call holds its worker's GIL, the calls that worker has not begun, and its episodes between
+    calls, go to another worker at once: they do not wait for the hung call's timeout."""
+
+    async def go():
+        pool = EnvWorkerPool(probe, 2, 60.0)
+        await pool.ready()
+        try:
+            states = [State(prompt="p", label=x) for x in ("a", "b", "quiet", "c", "quiet")]
+            hung, _, waiting, _, idle = episodes = [await pool.open(s) for s in states]
+            assert hung.worker is waiting.worker is idle.worker  # fewest episodes first: workers 0, 1, 0, 1, 0
+            for e, s in zip(episodes, states, strict=True):
+                await e.reset(s)
+            frozen = hung.worker
+            hang = asyncio.create_task(step(hung, states[0], "hang"))
+            while not any(c.started for c in frozen.pending.values()):
+                await asyncio.sleep(0.01)
+            sent = asyncio.create_task(step(waiting, states[2], "ok"))  # reaches the frozen worker, never begins
+            while not frozen.pending or len(frozen.pending) < 2:
+                await asyncio.sleep(0.01)
+            answered = await sent
+            moved = await step(idle, states[4], "ok")
+            still_hung = not hang.done()
+            hang.cancel()
+            return answered, moved, waiting.worker, idle.worker, frozen, still_hung, dict(pool.counts)
+        finally:
+            await pool.close()
+
+    answered, moved, home, other_home, frozen, still_hung, counts = run(go())
+    assert still_hung and counts["env_workers_frozen_total"] == 1 and counts.get("env_workers_replaced_total", 0) == 0
+    assert answered.reward == moved.reward == 1.0 and home is other_home is not frozen
+    assert counts["env_episodes_rebuilt_total"] == 2
 
 
 def test_a_cancelled_call_still_kills_its_hung_worker(probe) -> None:

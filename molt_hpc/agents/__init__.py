@@ -5,7 +5,8 @@ step_runner.py   StepEnvRunner: env mode, token in, trace out
 chat_runner.py   ChatAgentRunner: chat mode through the framework's OpenAI-compatible endpoint
 loader.py        load_agent: the one agent class a file or module declares
 calls.py         calling user code safely; EnvError / EngineError
-env_workers.py   env calls in worker processes (rollout.env_workers); env_worker.py is that process
+env_hosts.py     where env calls run (the runner's interface); the orchestrator's threads
+env_workers.py   ... or worker processes (rollout.env_workers); env_worker.py is that process
 observation.py   an observation as the tokens that follow an action (chat-template glue)
 grading.py       the math grader; arith.py the safe arithmetic evaluator of the calculator env
 """

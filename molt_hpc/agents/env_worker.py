@@ -12,11 +12,13 @@ process's loop):
 - `reset` / `step`: set the runner's fields of the state (payload) and call the env;
 - `close`: forget the episode (no answer).
 
-Answers are `(call id, "ok", value)` or `(call id, "err", reason, detail)`, the reason and detail of the
-`EnvError` the same call raises in the orchestrator's own threads. Episodes live here between calls:
-their env objects and states are this process's. Code that holds the GIL freezes this process only;
-the orchestrator kills it past `rollout.env_timeout_s`. The worker dies with the orchestrator
-(PR_SET_PDEATHSIG on Linux; elsewhere when its socket reaches end of file).
+The worker says `("started", call id)` before it runs a call, then `("ok", call id, value)` or
+`("err", call id, reason, detail)`: the reason and detail of the `EnvError` the same call raises in
+the orchestrator's own threads. It says `("beat",)` every `BEAT_S` while its loop turns: a silent
+worker with a call begun is frozen (user code holds its GIL), and the calls it has not begun can go
+elsewhere. Episodes live here between calls: their env objects and states are this process's. The
+orchestrator kills a worker whose call passes `rollout.env_timeout_s`. The worker dies with the
+orchestrator (PR_SET_PDEATHSIG on Linux; elsewhere when its socket reaches end of file).
 """
 
 import asyncio
@@ -31,6 +33,8 @@ from molt_hpc.agents.base import Env, Result, State
 from molt_hpc.agents.calls import EnvError, call_user
 
 HEADER = struct.Struct("!I")
+BEAT_S = 0.2
+"""Seconds between heartbeats."""
 
 
 def frame(obj: Any) -> bytes:
@@ -58,14 +62,14 @@ class EnvHostProcess:
             return
         what = f"{self.env_cls.__name__}()" if op == "open" else f"Env.{op}"
         try:
-            reply = (call_id, "ok", await self.run(op, episode_id, payload, what))
+            reply = ("ok", call_id, await self.run(op, episode_id, payload, what))
         except EnvError as err:
-            reply = (call_id, "err", err.reason, err.detail)
+            reply = ("err", call_id, err.reason, err.detail)
         try:
             data = frame(reply)
         except Exception as err:  # the env's answer cannot cross the process boundary: this sample's API error
             kind = type(reply[2]).__name__
-            data = frame((call_id, "err", "api", f"{what} returned a {kind} that cannot be pickled ({err})"))
+            data = frame(("err", call_id, "api", f"{what} returned a {kind} that cannot be pickled ({err})"))
         self.writer.write(data)
 
     async def run(self, op: str, episode_id: int, payload: dict[str, Any], what: str) -> Any:
@@ -74,6 +78,8 @@ class EnvHostProcess:
             self.episodes[episode_id] = (env, State(**payload))
             return None
         assert op in ("reset", "step"), op
+        if episode_id not in self.episodes:  # an invariant of the orchestrator; failing the sample beats a hang
+            raise EnvError("lost", f"env worker {os.getpid()} holds no episode {episode_id}")
         env, state = self.episodes[episode_id]
         for key, value in payload.items():
             setattr(state, key, value)
@@ -81,6 +87,12 @@ class EnvHostProcess:
         if op == "step" and not isinstance(value, Result):
             raise EnvError("api", f"Env.step returned {type(value).__name__}, not a Result")
         return value
+
+
+async def beat(writer: asyncio.StreamWriter) -> None:
+    while True:
+        writer.write(frame(("beat",)))
+        await asyncio.sleep(BEAT_S)
 
 
 def load_env(spec: str) -> type[Env]:
@@ -108,13 +120,15 @@ async def serve(sock: socket.socket) -> int:
         return 1
     writer.write(frame(("ready", os.getpid(), env_cls.__name__)))
     host = EnvHostProcess(env_cls, writer)
-    running: set[asyncio.Task] = set()
+    running: set[asyncio.Task] = {asyncio.create_task(beat(writer))}
     while True:
         try:
             request = await read_frame(reader)
         except (asyncio.IncompleteReadError, ConnectionError):
             log.debug("the orchestrator closed its end; leaving")
             return 0
+        if request[1] != "close":
+            writer.write(frame(("started", request[0])))  # on the wire before any user code can take the GIL
         task = asyncio.create_task(host.handle(*request))
         running.add(task)  # held until done: the loop keeps only weak references to tasks
         task.add_done_callback(running.discard)

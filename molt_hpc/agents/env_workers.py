@@ -1,22 +1,20 @@
-"""Where env code runs: the orchestrator's own threads (`rollout.env_workers = 0`) or worker processes.
+"""`EnvWorkerPool`: env construction, `reset` and `step` in worker processes (`rollout.env_workers`).
 
-`StepEnvRunner` calls an env host instead of the env: `await host.open(state)` builds an episode's
-env, `await episode.reset(state)` and `await episode.step(state)` call it, `episode.close()` ends it.
-Tokenising and generating stay in the orchestrator. Two hosts:
+`rollout.env_workers` processes (`env_worker.py`, spawned: fresh interpreters) start once, in the
+background (`start()`, while the engines load). An episode lives in one worker, which holds its env
+object and state; every call of the episode goes there. What can go wrong, and what it costs:
 
-- `InProcessEnvs`: user code in daemon threads of the orchestrator (`call_user`). A call past
-  `rollout.env_timeout_s` fails its sample, but code that holds the GIL (a runaway regular expression,
-  a long C call) freezes the whole orchestrator, its clocks included.
-- `EnvWorkerPool`: `rollout.env_workers` processes (`env_worker.py`, spawned: a fresh interpreter),
-  started once in the background (`start()`, while the engines load). An episode lives in one worker,
-  which holds its env object and state, and every call of the episode goes there. A call past
-  `env_timeout_s` kills its worker: that sample fails with `EnvError("timeout")`
-  (`env_errors_timeout`), a fresh worker is spawned into the slot, and each other episode of the killed
-  worker moves to a live worker at its next call by replaying its calls so far (construction, reset,
-  the steps, with the same states). An env that answers a replayed call differently is not
-  deterministic and cannot be rebuilt: its sample starts again from its prompt (`EpisodeLost`). A
-  worker that dies by itself (a crash in a C extension, `os._exit`) is replaced the same way; a call
-  that meets the death of its worker twice fails its sample (`EnvError("crashed")`).
+- **A call past `env_timeout_s`** kills its worker: that sample fails with `EnvError("timeout")`
+  (`env_errors_timeout`) and a fresh worker is spawned into the slot. The clock is the worker's, not
+  the caller's: a call whose caller was cancelled (its group failed) still ends a worker it hangs.
+- **A frozen worker** (no frame from it for `FREEZE_S`: user code holds its GIL) takes no new episode;
+  its calls that had not started go elsewhere at once, and its episodes move at their next call, so
+  a hang costs its own sample, not every sample that shares its worker. It thaws when it speaks again.
+- **Moving** an episode (its worker killed, dead or frozen) replays its calls so far on a live worker
+  (construction, reset, the steps, with the same states). An env that answers a replayed call
+  differently is not deterministic and cannot be rebuilt: its sample starts again (`EpisodeLost`).
+- **A worker that dies by itself** (a crash in a C extension, `os._exit`) is replaced the same way; a
+  call that meets the death of its worker twice fails its sample (`EnvError("crashed")`).
 """
 
 import asyncio
@@ -29,69 +27,28 @@ import subprocess
 import sys
 from collections import Counter
 from dataclasses import dataclass, fields
-from typing import Any, Literal, Protocol
+from typing import Any
 
-from molt_hpc.agents.base import Env, State
-from molt_hpc.agents.calls import EnvError, EpisodeLost, call_user
-from molt_hpc.agents.env_worker import frame, read_frame
+from molt_hpc.agents.base import State
+from molt_hpc.agents.calls import EnvError, EpisodeLost
+from molt_hpc.agents.env_hosts import worker_count
+from molt_hpc.agents.env_worker import BEAT_S, frame, read_frame
 from molt_hpc.log import get_logger
+
+__all__ = ["EnvWorkerPool", "worker_count"]
 
 START_TIMEOUT_S = 120.0
 """A worker that has not loaded the agent by then (a busy node importing torch is far faster) stops the run."""
+FREEZE_S = 1.0
+"""Silence (no answer, no heartbeat: the worker sends one every `BEAT_S`) after which a worker counts as frozen."""
 DEATHS_PER_CALL = 2
 """Deaths of its worker (not kills for other episodes' timeouts) one call survives."""
 ROW_FIELDS = ("prompt", "label", "row")
 """State fields sent once, when an episode opens; the others are the runner's, sent with every call."""
 
 
-def worker_count(setting: int | Literal["auto"]) -> int:
-    """`rollout.env_workers` as a number: `auto` is one per 8 usable cores, at least 2 and at most 8."""
-    if setting != "auto":
-        return setting
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(2, min(8, cores // 8))
-
-
-class Episode(Protocol):
-    async def reset(self, state: State) -> Any: ...
-    async def step(self, state: State) -> Any: ...
-    def close(self) -> None: ...
-
-
-class EnvHost(Protocol):
-    async def open(self, state: State) -> Episode: ...
-
-
-class InProcessEnvs:
-    """Env calls in the orchestrator's threads (`rollout.env_workers = 0`)."""
-
-    def __init__(self, env_cls: type[Env], timeout_s: float):
-        self.env_cls, self.timeout_s = env_cls, timeout_s
-
-    async def open(self, state: State) -> "InProcessEpisode":
-        env = await call_user(self.env_cls, timeout=self.timeout_s, what=f"{self.env_cls.__name__}()")
-        return InProcessEpisode(env, self.timeout_s)
-
-    def stats(self) -> dict[str, Any]:
-        return {}
-
-
-class InProcessEpisode:
-    def __init__(self, env: Env, timeout_s: float):
-        self.env, self.timeout_s = env, timeout_s
-
-    async def reset(self, state: State) -> Any:
-        return await call_user(self.env.reset, state, timeout=self.timeout_s, what="Env.reset")
-
-    async def step(self, state: State) -> Any:
-        return await call_user(self.env.step, state, timeout=self.timeout_s, what="Env.step")
-
-    def close(self) -> None:
-        pass
-
-
 class WorkerLost(Exception):
-    """The worker of a call is gone: `killed` (for another call's timeout) or `died` (by itself)."""
+    """A call's worker is gone or frozen: `killed` (another call's timeout), `died` (by itself), `frozen`."""
 
     def __init__(self, cause: str):
         super().__init__(cause)
@@ -103,6 +60,8 @@ class _Call:
     future: asyncio.Future
     timer: asyncio.TimerHandle
     what: str
+    started: bool = False
+    """The worker has read it and begun to run it."""
 
 
 class _Worker:
@@ -114,7 +73,9 @@ class _Worker:
         self.writer: asyncio.StreamWriter | None = None
         self.pending: dict[int, _Call] = {}
         self.episodes: set[int] = set()
-        self.ready = self.dead = False
+        self.ready = self.dead = self.frozen = False
+        self.heard = 0.0
+        """Loop time of its last frame."""
         self.reading: asyncio.Task | None = None
 
     @property
@@ -124,6 +85,10 @@ class _Worker:
     @property
     def name(self) -> str:
         return f"env worker {self.slot} (pid {self.pid})"
+
+    @property
+    def usable(self) -> bool:
+        return self.ready and not self.dead and not self.frozen
 
     async def start(self) -> None:
         ours, theirs = socket.socketpair()
@@ -148,23 +113,23 @@ class _Worker:
                 "rollout.env_workers = 0 to run the env in the orchestrator's process"
             )
         self.pool.env_name = answer[2]
+        self.heard = asyncio.get_running_loop().time()
         self.ready = True
         self.reading = asyncio.create_task(self._read(reader))
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                call_id, status, *answer = await read_frame(reader)
-                call = self.pending.pop(call_id, None)
-                if call is None:  # closed or expired already
-                    continue
-                call.timer.cancel()
-                if call.future.done():  # its caller was cancelled (its group failed); the clock stopped
-                    continue
-                if status == "ok":
-                    call.future.set_result(answer[0])
-                else:
-                    call.future.set_exception(EnvError(*answer))
+                kind, *rest = await read_frame(reader)
+                self.heard = loop.time()
+                if self.frozen:
+                    self.pool.thawed(self)
+                if kind == "started":
+                    if rest[0] in self.pending:
+                        self.pending[rest[0]].started = True
+                elif kind in ("ok", "err"):
+                    self._answer(kind, rest[0], rest[1:])
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
         if not self.dead:  # it closed its end by dying: wait for its exit code, for the log
@@ -172,9 +137,21 @@ class _Worker:
                 await asyncio.wait_for(self.proc.wait(), 5.0)
         self.pool.lost(self, "died")
 
+    def _answer(self, kind: str, call_id: int, answer: list[Any]) -> None:
+        call = self.pending.pop(call_id, None)
+        if call is None:  # expired, or sent elsewhere while this worker was frozen
+            return
+        call.timer.cancel()
+        if call.future.done():  # its caller was cancelled (its group failed)
+            return
+        if kind == "ok":
+            call.future.set_result(answer[0])
+        else:
+            call.future.set_exception(EnvError(*answer))
+
     async def call(self, op: str, episode_id: int, payload: dict[str, Any], what: str) -> Any:
-        if self.dead:
-            raise WorkerLost("killed")
+        if not self.usable:
+            raise WorkerLost("frozen" if self.frozen else "killed")
         loop = asyncio.get_running_loop()
         call_id = next(self.pool.ids)
         # The clock belongs to the worker, not to the caller: a call whose caller was cancelled still
@@ -200,6 +177,16 @@ class _Worker:
             call.future.set_exception(EnvError("timeout", f"{why}; its env worker was killed and replaced"))
         self.pool.lost(self, "killed", why)
 
+    def release_unstarted(self) -> int:
+        """Fail the calls it has not begun (`frozen`): their callers send them to another worker."""
+        moved = [cid for cid, call in self.pending.items() if not call.started]
+        for cid in moved:
+            call = self.pending.pop(cid)
+            call.timer.cancel()
+            if not call.future.done():
+                call.future.set_exception(WorkerLost("frozen"))
+        return len(moved)
+
     def kill(self) -> None:
         self.dead = True
         for call in self.pending.values():
@@ -215,22 +202,26 @@ class EnvWorkerPool:
 
     def __init__(self, spec: str, workers: int, timeout_s: float):
         assert workers > 0
-        self.spec, self.timeout_s = spec, timeout_s
+        self.spec, self.timeout_s, self.size = spec, timeout_s, workers
         self.slots: list[_Worker] = []
         self.retired: list[_Worker] = []
-        """Killed or dead workers, reaped at `close` (asyncio's child watcher has their exit codes by then)."""
+        """Killed or dead workers, reaped at `close`."""
         self.starting: set[asyncio.Task] = set()
+        self.watchdog: asyncio.Task | None = None
+        self.changed = asyncio.Event()
+        """Set when a worker becomes usable (started, thawed) or the pool fails: `pick` looks again."""
         self.failure: BaseException | None = None
         self.closed = False
         self.ids = itertools.count(1)
         self.counts: Counter = Counter()
-        self.size = workers
         self.env_name = "Env"
 
+    # -- workers --------------------------------------------------------------------------------------
     def start(self) -> None:
         """Spawn the workers in the background (idempotent; `open` calls it too)."""
         if not self.slots and not self.closed:
             self.slots = [self._spawn(slot) for slot in range(self.size)]
+            self.watchdog = asyncio.create_task(self._watch())
 
     def _spawn(self, slot: int) -> _Worker:
         worker = _Worker(self, slot)
@@ -244,11 +235,34 @@ class EnvWorkerPool:
             except Exception as err:  # kept for `open`, which raises it: the run stops with the message
                 worker.kill()
                 self.failure = err
+            self.changed.set()
 
         task = asyncio.create_task(go())
         self.starting.add(task)
         task.add_done_callback(self.starting.discard)
         return worker
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(BEAT_S)
+            for worker in self.slots:
+                # Only a call it has begun can hold its GIL; silence without one is the node being busy.
+                busy = any(call.started for call in worker.pending.values())
+                if worker.usable and busy and loop.time() - worker.heard > FREEZE_S:
+                    worker.frozen = True
+                    self.counts["env_workers_frozen_total"] += 1
+                    moved = worker.release_unstarted()
+                    get_logger().warning(
+                        "%s silent for %.1f s (user code holding its GIL?): %d waiting call(s) and its %d "
+                        "episode(s) move to other workers",
+                        worker.name, loop.time() - worker.heard, moved, len(worker.episodes),
+                    )  # fmt: skip
+
+    def thawed(self, worker: _Worker) -> None:
+        worker.frozen = False
+        get_logger().info("%s answers again", worker.name)
+        self.changed.set()
 
     def lost(self, worker: _Worker, cause: str, why: str = "") -> None:
         """A worker is gone (killed for `why`, or dead): fail its calls in flight, spawn its replacement."""
@@ -278,18 +292,20 @@ class EnvWorkerPool:
             raise self.failure
 
     async def pick(self) -> _Worker:
-        """The live worker with the fewest episodes, once one is up."""
+        """The usable worker with the fewest episodes, once there is one."""
         self.start()
         while True:
             if self.failure is not None:
                 raise self.failure
-            live = [w for w in self.slots if w.ready and not w.dead]
-            if live:
-                return min(live, key=lambda w: len(w.episodes))
-            if self.closed or not self.starting:
+            if self.closed:
                 raise RuntimeError("the env worker pool is closed")
-            await asyncio.wait(set(self.starting), return_when=asyncio.FIRST_COMPLETED)
+            usable = [w for w in self.slots if w.usable]
+            if usable:
+                return min(usable, key=lambda w: len(w.episodes))
+            self.changed.clear()
+            await self.changed.wait()
 
+    # -- episodes -------------------------------------------------------------------------------------
     async def open(self, state: State) -> "WorkerEpisode":
         episode = WorkerEpisode(self, next(self.ids))
         payload = {f.name: getattr(state, f.name) for f in fields(State) if f.name in ROW_FIELDS}
@@ -303,9 +319,11 @@ class EnvWorkerPool:
     async def close(self) -> None:
         """Kill every worker and reap it."""
         self.closed = True
-        for task in list(self.starting):
+        self.changed.set()
+        tasks = [*self.starting, *([self.watchdog] if self.watchdog else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self.starting, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for worker in self.slots:
             worker.kill()
         procs = [w.proc for w in (*self.slots, *self.retired) if w.proc is not None]
@@ -335,7 +353,7 @@ class WorkerEpisode:
         deaths = 0
         while True:
             try:
-                if self.worker is None or self.worker.dead:
+                if self.worker is None or not self.worker.usable:
                     await self._place()
                 assert self.worker is not None
                 value = await self.worker.call(op, self.id, payload, what)
@@ -348,9 +366,9 @@ class WorkerEpisode:
             return value
 
     async def _place(self) -> None:
-        """Onto the least busy live worker; an episode that lived elsewhere replays its calls there."""
+        """Onto the least busy usable worker; an episode that lived elsewhere replays its calls there."""
         if self.worker is not None:
-            self.worker.episodes.discard(self.id)
+            self.worker.forget(self.id)  # a frozen worker that thaws drops its copy
         self.worker = await self.pool.pick()
         self.worker.episodes.add(self.id)
         if not self.log:

@@ -8,7 +8,7 @@ observation once, append it (it never trains) and go on. Nothing already in the 
 tokenised again. The trajectory's reward is the sum of the step rewards; its score is the last
 step's explicit score, else that reward.
 
-The env is reached through an env host (`molt_hpc.agents.env_workers`): the orchestrator's threads by
+The env is reached through an env host (`molt_hpc.agents.env_hosts`): the orchestrator's threads by
 default, or worker processes (`rollout.env_workers`) when the caller passes an `EnvWorkerPool`.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 from molt_hpc.agents.base import Env, Result, State
 from molt_hpc.agents.calls import EngineError, EnvError
-from molt_hpc.agents.env_workers import EnvHost, Episode, InProcessEnvs
+from molt_hpc.agents.env_hosts import EnvHost, Episode, InProcessEnvs
 from molt_hpc.agents.observation import ObservationFormatter
 from molt_hpc.config.rollout import RolloutConfig
 from molt_hpc.data import Prompt, render_prompt
