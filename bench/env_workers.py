@@ -2,7 +2,7 @@
 
 One engine and the router run as their own processes on loopback (the tiny model and the tiny
 config's rollout settings: 8 samples a group, 16 groups in flight); this process drives groups
-through `StepEnvRunner` as the orchestrator does. Rows, rounds alternating:
+through `StepEnvRunner` as the orchestrator does. Rows, each round in a rotated order:
 - in-process: `rollout.env_workers = 0`, `envs/reverse.py` in the orchestrator's threads;
 - workers: `envs/reverse.py` in `rollout.env_workers = auto` worker processes, started once before
   the first round (the orchestrator starts them while the engines load; their start-up is printed);
@@ -11,7 +11,7 @@ through `StepEnvRunner` as the orchestrator does. Rows, rounds alternating:
   `env_timeout_s = 2`; its group is dropped (`on_env_error = drop_group`), the others go on. The
   in-process host would freeze on the first one, so it has no such row.
 
-    .venv/bin/python bench/env_workers.py [--groups 64] [--rounds 3] [--hang-every 256]
+    .venv/bin/python bench/env_workers.py [--groups 64] [--rounds 6] [--hang-every 256]
 """
 
 import argparse
@@ -99,19 +99,24 @@ async def bench(args, tok, cfg, router_url, run, prompts, hang_file: Path) -> tu
             }
             for runner, c in runners.values():  # warm-up
                 await drive(runner, prompts[:4], c)
-            for _ in range(args.rounds):
-                rounds.append({name: await drive(runner, prompts, c) for name, (runner, c) in runners.items()})
+            names = list(runners)
+            for i in range(args.rounds):  # each round in another order: no row always runs first or last
+                result = {}
+                for name in names[i % len(names) :] + names[: i % len(names)]:
+                    runner, c = runners[name]
+                    result[name] = await drive(runner, prompts, c)
+                rounds.append(result)
     finally:
         await pool.close()
         await hang_pool.close()
-        rounds.append({"kills": hang_pool.counts["env_workers_replaced_total"]})
+        rounds.append({"plain": dict(pool.counts), "hanging": dict(hang_pool.counts)})
     return rounds, startup
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--groups", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--hang-every", type=int, default=256)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-env-workers-") as tmp:
@@ -136,16 +141,16 @@ def main() -> None:
             for p in procs:
                 p.terminate()
                 p.wait()
-    kills = rounds.pop()["kills"]
+    counts = rounds.pop()
     r = cfg.rollout
     print(
         f"{args.groups} groups × {r.n_samples} samples × ≤ {r.max_new_tokens} new tokens, {r.groups_in_flight} groups"
     )
-    print(f"in flight, 1 engine + router on loopback; median of {args.rounds} alternating rounds")
-    print(f"worker start-up (both pools, once): {startup:.2f} s; hung steps killed in all: {kills}")
+    print(f"in flight, 1 engine + router on loopback; median of {args.rounds} rounds, each in a rotated order")
+    print(f"worker start-up (both pools, once): {startup:.2f} s; pool counters: {counts}")
     print("| env host                           | groups/s | vs in-process | groups failed per round |")
     print("|------------------------------------|----------|---------------|-------------------------|")
-    names = list(rounds[0])
+    names = sorted(rounds[0], key=lambda n: (not n.startswith("in-process"), len(n)))
     base = statistics.median(x[names[0]][0] for x in rounds)
     for name in names:
         v = statistics.median(x[name][0] for x in rounds)

@@ -123,11 +123,11 @@ def test_a_hung_call_fails_only_its_sample_and_never_freezes_the_caller(probe) -
         pool = await started(probe)
         try:
             states = [State(prompt="p", label=x) for x in ("a", "b", "quiet")]
-            hung, other, neighbour = [await pool.open(s) for s in states]  # hung and neighbour share a worker
+            hung, other, neighbour = [await pool.open(s) for s in states]
+            for e, s in zip((hung, other, neighbour), states, strict=True):
+                await e.reset(s)  # placed there, fewest episodes first: workers 0, 1, 0
             assert hung.worker is neighbour.worker is not other.worker
             killed = hung.worker
-            for e, s in zip((hung, other, neighbour), states, strict=True):
-                await e.reset(s)
             assert (await step(neighbour, states[2], "ok")).reward == 1.0
             ticks = 0
 
@@ -169,9 +169,9 @@ def test_a_frozen_worker_hands_on_its_waiting_calls_and_episodes(probe) -> None:
         try:
             states = [State(prompt="p", label=x) for x in ("a", "b", "quiet", "c", "quiet")]
             hung, _, waiting, _, idle = episodes = [await pool.open(s) for s in states]
-            assert hung.worker is waiting.worker is idle.worker  # fewest episodes first: workers 0, 1, 0, 1, 0
             for e, s in zip(episodes, states, strict=True):
                 await e.reset(s)
+            assert hung.worker is waiting.worker is idle.worker  # fewest episodes first: workers 0, 1, 0, 1, 0
             frozen = hung.worker
             hang = asyncio.create_task(step(hung, states[0], "hang"))
             while not any(c.started for c in frozen.pending.values()):
@@ -199,6 +199,7 @@ def test_a_cancelled_call_still_kills_its_hung_worker(probe) -> None:
         try:
             state = State(prompt="p", label="x")
             episode = await pool.open(state)
+            await episode.reset(state)
             worker = episode.worker
             task = asyncio.create_task(step(episode, state, "hang"))
             while not worker.pending:
@@ -300,6 +301,7 @@ async def main():
     await pool.ready()
     state = State(prompt="p", label="x", action_text="hang")
     episode = await pool.open(state)
+    await episode.reset(state)
     asyncio.create_task(episode.step(state))
     while not episode.worker.pending:
         await asyncio.sleep(0.01)

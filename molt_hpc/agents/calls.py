@@ -14,6 +14,7 @@ import contextlib
 import inspect
 import threading
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import Any
 
 
@@ -44,13 +45,17 @@ def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> Non
         fut.set_result(value)
 
 
-async def call_user(fn: Callable[..., Any], *args: Any, timeout: float | None, what: str) -> Any:
-    """`fn(*args)` (sync in a daemon thread, or a coroutine), as an `EnvError` if it raises or times out
-    (None: no timeout here; an env worker's caller keeps the clock)."""
+async def call_user(
+    fn: Callable[..., Any], *args: Any, timeout: float | None, what: str, executor: Executor | None = None
+) -> Any:
+    """`fn(*args)` (sync in a daemon thread, or in `executor`'s threads; or a coroutine), as an `EnvError`
+    if it raises or times out (None: no timeout here; an env worker's caller keeps the clock)."""
     try:
         if inspect.iscoroutinefunction(fn):
             return await asyncio.wait_for(fn(*args), timeout)
         loop = asyncio.get_running_loop()
+        if executor is not None:  # reused threads: an env worker, which is killed rather than left hanging
+            return await asyncio.wait_for(loop.run_in_executor(executor, fn, *args), timeout)
         fut: asyncio.Future = loop.create_future()
 
         def work() -> None:

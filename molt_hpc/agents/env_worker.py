@@ -8,8 +8,9 @@ message)`. Each later request `(call id, op, episode id, payload)` runs concurre
 as env calls do in the orchestrator (sync user code in its own daemon thread, coroutines on this
 process's loop):
 
-- `open`: build the episode's `Env` and its `State` (payload: the row's fields of the state);
-- `reset` / `step`: set the runner's fields of the state (payload) and call the env;
+- `begin`: build the episode's `Env` and its `State` (payload `row`: the row's fields of the state),
+  set the runner's fields (payload `state`) and call `reset`: one round trip;
+- `step`: set the runner's fields of the state (payload) and call `step`;
 - `close`: forget the episode (no answer).
 
 The worker says `("started", call id)` before it runs a call, then `("ok", call id, value)` or
@@ -27,6 +28,7 @@ import pickle
 import socket
 import struct
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from molt_hpc.agents.base import Env, Result, State
@@ -35,6 +37,8 @@ from molt_hpc.agents.calls import EnvError, call_user
 HEADER = struct.Struct("!I")
 BEAT_S = 0.2
 """Seconds between heartbeats."""
+THREADS = 256
+"""Most sync user calls one worker runs at once (envs that wait on I/O overlap, as in the orchestrator)."""
 
 
 def frame(obj: Any) -> bytes:
@@ -55,12 +59,18 @@ class EnvHostProcess:
         self.env_cls = env_cls
         self.writer = writer
         self.episodes: dict[int, tuple[Env, State]] = {}
+        self.beginning: set[int] = set()
+        """Episodes whose `begin` runs; a `close` that overtakes it drops the episode when it is built."""
+        self.dropped: set[int] = set()
+        # Reused threads for sync user code (a thread per call costs more than most env steps).
+        self.threads = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="user")
 
     async def handle(self, call_id: int, op: str, episode_id: int, payload: dict[str, Any]) -> None:
         if op == "close":
-            self.episodes.pop(episode_id, None)
+            if self.episodes.pop(episode_id, None) is None and episode_id in self.beginning:
+                self.dropped.add(episode_id)
             return
-        what = f"{self.env_cls.__name__}()" if op == "open" else f"Env.{op}"
+        what = "Env.reset" if op == "begin" else f"Env.{op}"
         try:
             reply = ("ok", call_id, await self.run(op, episode_id, payload, what))
         except EnvError as err:
@@ -73,17 +83,26 @@ class EnvHostProcess:
         self.writer.write(data)
 
     async def run(self, op: str, episode_id: int, payload: dict[str, Any], what: str) -> Any:
-        if op == "open":
-            env = await call_user(self.env_cls, timeout=None, what=what)
-            self.episodes[episode_id] = (env, State(**payload))
-            return None
-        assert op in ("reset", "step"), op
+        if op == "begin":  # construction and reset in one round trip
+            name = f"{self.env_cls.__name__}()"
+            self.beginning.add(episode_id)
+            try:
+                env = await call_user(self.env_cls, timeout=None, what=name, executor=self.threads)
+            finally:
+                self.beginning.discard(episode_id)
+            if episode_id in self.dropped:  # closed while it was being built: nobody waits for it
+                self.dropped.discard(episode_id)
+                raise EnvError("closed", f"episode {episode_id} was closed while it was being built")
+            self.episodes[episode_id] = (env, State(**payload["row"]))
+            payload = payload["state"]
+        assert op in ("begin", "step"), op
         if episode_id not in self.episodes:  # an invariant of the orchestrator; failing the sample beats a hang
             raise EnvError("lost", f"env worker {os.getpid()} holds no episode {episode_id}")
         env, state = self.episodes[episode_id]
         for key, value in payload.items():
             setattr(state, key, value)
-        value = await call_user(env.reset if op == "reset" else env.step, state, timeout=None, what=what)
+        fn = env.reset if op == "begin" else env.step
+        value = await call_user(fn, state, timeout=None, what=what, executor=self.threads)
         if op == "step" and not isinstance(value, Result):
             raise EnvError("api", f"Env.step returned {type(value).__name__}, not a Result")
         return value

@@ -11,8 +11,9 @@ object and state; every call of the episode goes there. What can go wrong, and w
   its calls that had not started go elsewhere at once, and its episodes move at their next call, so
   a hang costs its own sample, not every sample that shares its worker. It thaws when it speaks again.
 - **Moving** an episode (its worker killed, dead or frozen) replays its calls so far on a live worker
-  (construction, reset, the steps, with the same states). An env that answers a replayed call
-  differently is not deterministic and cannot be rebuilt: its sample starts again (`EpisodeLost`).
+  (construction with reset, one round trip as always, then the steps, with the same states). An env
+  that answers a replayed call differently is not deterministic and cannot be rebuilt: its sample
+  starts again (`EpisodeLost`).
 - **A worker that dies by itself** (a crash in a C extension, `os._exit`) is replaced the same way; a
   call that meets the death of its worker twice fails its sample (`EnvError("crashed")`).
 """
@@ -60,6 +61,7 @@ class _Call:
     future: asyncio.Future
     timer: asyncio.TimerHandle
     what: str
+    timeout_s: float
     started: bool = False
     """The worker has read it and begun to run it."""
 
@@ -156,9 +158,11 @@ class _Worker:
         call_id = next(self.pool.ids)
         # The clock belongs to the worker, not to the caller: a call whose caller was cancelled still
         # kills its worker if it never ends (a runaway regular expression would hold it forever).
-        timer = loop.call_later(self.pool.timeout_s, self._expire, call_id)
+        # `begin` is two user calls (construction, reset): each may take env_timeout_s.
+        timeout = self.pool.timeout_s * (2 if op == "begin" else 1)
+        timer = loop.call_later(timeout, self._expire, call_id)
         future = loop.create_future()
-        self.pending[call_id] = _Call(future, timer, what)
+        self.pending[call_id] = _Call(future, timer, what, timeout)
         assert self.writer is not None
         self.writer.write(frame((call_id, op, episode_id, payload)))
         return await future
@@ -172,7 +176,7 @@ class _Worker:
         call = self.pending.pop(call_id, None)
         if call is None or self.dead:
             return
-        why = f"{call.what} took longer than {self.pool.timeout_s:g} s"
+        why = f"{call.what} took longer than {call.timeout_s:g} s"
         if not call.future.done():
             call.future.set_exception(EnvError("timeout", f"{why}; its env worker was killed and replaced"))
         self.pool.lost(self, "killed", why)
@@ -204,8 +208,8 @@ class EnvWorkerPool:
         assert workers > 0
         self.spec, self.timeout_s, self.size = spec, timeout_s, workers
         self.slots: list[_Worker] = []
-        self.retired: list[_Worker] = []
-        """Killed or dead workers, reaped at `close`."""
+        self.reaping: set[asyncio.Task] = set()
+        """Waits for killed or dead workers' exit (asyncio's child watcher reaps them)."""
         self.starting: set[asyncio.Task] = set()
         self.watchdog: asyncio.Task | None = None
         self.changed = asyncio.Event()
@@ -274,7 +278,10 @@ class EnvWorkerPool:
                 call.future.set_exception(WorkerLost(cause))
         worker.pending.clear()
         worker.kill()
-        self.retired.append(worker)
+        if worker.proc is not None:
+            reap = asyncio.create_task(worker.proc.wait())
+            self.reaping.add(reap)
+            reap.add_done_callback(self.reaping.discard)
         if self.closed:
             return
         self.counts["env_workers_replaced_total"] += 1
@@ -307,11 +314,10 @@ class EnvWorkerPool:
 
     # -- episodes -------------------------------------------------------------------------------------
     async def open(self, state: State) -> "WorkerEpisode":
-        episode = WorkerEpisode(self, next(self.ids))
-        payload = {f.name: getattr(state, f.name) for f in fields(State) if f.name in ROW_FIELDS}
+        """An episode of `state`'s row; its env is built in a worker with its `reset`, in one round trip."""
         await self.pick()  # the first worker up tells the env's name
-        await episode.call("open", payload, f"{self.env_name}()")
-        return episode
+        row = {f.name: getattr(state, f.name) for f in fields(State) if f.name in ROW_FIELDS}
+        return WorkerEpisode(self, next(self.ids), row)
 
     def stats(self) -> dict[str, Any]:
         return {"env_workers": self.size, **self.counts}
@@ -326,20 +332,22 @@ class EnvWorkerPool:
         await asyncio.gather(*tasks, return_exceptions=True)
         for worker in self.slots:
             worker.kill()
-        procs = [w.proc for w in (*self.slots, *self.retired) if w.proc is not None]
-        await asyncio.gather(*(p.wait() for p in procs), return_exceptions=True)
+        waits = [w.proc.wait() for w in self.slots if w.proc is not None]
+        await asyncio.gather(*waits, *self.reaping, return_exceptions=True)
 
 
 class WorkerEpisode:
     """One episode in a worker; its log of calls rebuilds it on another worker when its own is lost."""
 
-    def __init__(self, pool: EnvWorkerPool, episode_id: int):
-        self.pool, self.id = pool, episode_id
+    def __init__(self, pool: EnvWorkerPool, episode_id: int, row: dict[str, Any]):
+        self.pool, self.id, self.row = pool, episode_id, row
         self.worker: _Worker | None = None
         self.log: list[tuple[str, dict[str, Any], str, Any]] = []
 
     async def reset(self, state: State) -> Any:
-        return await self.call("reset", _runner_fields(state), "Env.reset")
+        assert not self.log, "an episode is reset once, first"
+        payload = {"row": self.row, "state": _runner_fields(state)}
+        return await self.call("begin", payload, f"{self.pool.env_name}() and Env.reset")
 
     async def step(self, state: State) -> Any:
         return await self.call("step", _runner_fields(state), "Env.step")

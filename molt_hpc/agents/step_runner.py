@@ -12,6 +12,7 @@ The env is reached through an env host (`molt_hpc.agents.env_hosts`): the orches
 default, or worker processes (`rollout.env_workers`) when the caller passes an `EnvWorkerPool`.
 """
 
+import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -69,6 +70,7 @@ class StepEnvRunner:
         self.seed = seed
         self.envs = envs if envs is not None else InProcessEnvs(env_cls, cfg.env_timeout_s)
         """Where the env's construction, reset and step run."""
+        self.default_reset = getattr(env_cls, "reset", None) is Env.reset
         self.observations = ObservationFormatter(tokenizer, apply_chat_template)
         self.base_params = base_sampling_params(cfg, [tokenizer.eos_token_id])
 
@@ -84,9 +86,17 @@ class StepEnvRunner:
         """One episode of `prompt`; raises `EnvError`, `EngineError` or `EpisodeLost` when the sample fails."""
         state = State(prompt=prompt.prompt, label=prompt.label, row=dict(prompt.extra))
         episode = await self.envs.open(state)
+        # An env that keeps `Env.reset` gets None from it: the first turn need not wait while the env is
+        # built (in an env worker, a round trip).
+        early = asyncio.ensure_future(episode.reset(state)) if self.default_reset else None
         try:
-            return await self._play(episode, state, prompt, rollout_id, group_id, session_id or rollout_id, overrides)
+            ids = (rollout_id, group_id, session_id or rollout_id)
+            return await self._play(episode, state, prompt, ids, overrides, early)
         finally:
+            if early is not None and not early.done():
+                early.cancel()
+            if early is not None:
+                early.add_done_callback(_retrieve)  # its error, if any, was raised by _play or is moot
             episode.close()
 
     async def _play(
@@ -94,12 +104,12 @@ class StepEnvRunner:
         episode: Episode,
         state: State,
         prompt: Prompt,
-        rollout_id: str,
-        group_id: str,
-        session_id: str,
+        ids: tuple[str, str, str],
         overrides: dict[str, Any] | None,
+        early: "asyncio.Future | None",
     ) -> Trajectory:
-        first = await episode.reset(state)
+        rollout_id, group_id, session_id = ids
+        first = await episode.reset(state) if early is None else None
         first, reset_params = _unpack_reset(first)
         tokens = list(prompt.token_ids) if first is None else self._render_first(first, prompt)
         trace = _Trace(tokens)
@@ -120,6 +130,9 @@ class StepEnvRunner:
             finish = out.finish_reason
             _update_state(state, self.tokenizer, out, turn, sp)
             state.observation_text = self.tokenizer.decode(trace.tokens[:context], skip_special_tokens=True)
+            if early is not None:  # the env must exist (and its construction have worked) before its first step
+                await early
+                early = None
             result = await episode.step(state)
             if not isinstance(result, Result):
                 raise EnvError("api", f"Env.step returned {type(result).__name__}, not a Result")
@@ -187,6 +200,11 @@ class _Trace:
         self.tokens += ids
         self.logprobs += [float(x) for x in out.logprobs]
         self.versions += [int(v) for v in out.weight_versions]
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _update_state(state: State, tokenizer: Any, out: Any, turn: int, params: dict[str, Any]) -> None:
