@@ -75,12 +75,11 @@ def main() -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     from molt_hpc.actor import build, state
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.step import Models, train_step
     from molt_hpc.actor.world import init_world
     from molt_hpc.algorithm import compute_advantages, experience_from_groups
     from molt_hpc.config import load_config
-    from molt_hpc.models import build_tiny
+    from molt_hpc.models import build_tiny, load_causal_lm
 
     tiny = [f"model.tiny.hidden_size={args.hidden}", f"model.tiny.num_layers={args.layers}",
             f"model.tiny.intermediate_size={2 * args.hidden}"]  # fmt: skip
@@ -90,11 +89,11 @@ def main() -> int:
     world = init_world(cfg.actor)
     data = groups(args.samples // 8, 8, 16, 48, 100)
 
-    model = parallelize(build.load_causal_lm(base, "sdpa", trainable=True), world.mesh, cfg.actor)
+    model = build.load_model(base, cfg, world, "policy")
     opt = build.build_optimizer(model, cfg.actor, 1e-4)
     part = state.Trainable("policy", model, opt, build.build_scheduler(opt, cfg.actor, 10**6))
     models = Models(policy=part)
-    plain = build.load_causal_lm(base, "sdpa", trainable=True)
+    plain = load_causal_lm(base).train()
     plain_opt = build.build_optimizer(plain, cfg.actor, 1e-4)
     exp = compute_advantages(experience_from_groups(data, max_len=128), cfg.algorithm)
 

@@ -1,10 +1,10 @@
-"""Router overhead: requests/s and latency through the router vs straight to the engine, same run.
+"""Router overhead: requests/s and latency through each router kind vs straight to the engine, same run.
 
-One engine and the router run as their own processes on loopback; the client sends `GET /v1/models`
-(a trivial engine route that the router forwards like any `/v1/*` path), so what differs between
-the two cases is the router's hop: token check, engine choice, proxying. Each
-`--concurrency` level (requests kept in flight) runs `--requests` requests per path and round after
-a warm-up; the two paths alternate round by round.
+One engine, our router and vLLM's router (`router.kind = "vllm-router"`, when installed) run as
+their own processes on loopback; the client sends `GET /v1/models` (a trivial engine route that
+both routers forward like any `/v1/*` path), so what differs between the paths is the router's
+hop: token check, engine choice, proxying. Each `--concurrency` level (requests kept in flight)
+runs `--requests` requests per path and round after a warm-up; the paths alternate round by round.
 
     .venv/bin/python bench/router.py [--requests 2000] [--concurrency 1 16] [--rounds 3]
 """
@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -91,19 +92,29 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
         model_dir = build_tiny(Path(tmp) / "tiny", load_config(None).model.tiny)
-        cfg = load_config(None, [f"model.path={json.dumps(str(model_dir))}", "engines.threads=1"])
-        run = create_run_dir(tmp, "run", to_toml(cfg))
+        base = [f"model.path={json.dumps(str(model_dir))}", "engines.threads=1"]
+        vllm_router = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) is not None
+        # The engine runs as with vLLM's router (it then also answers a tokenless /health); our
+        # router serves a second run directory that shares the first one's token and rendezvous.
+        kind = "vllm-router" if vllm_router else "builtin"
+        run = create_run_dir(tmp, "run", to_toml(load_config(None, [*base, f"router.kind={kind}"])))
         token = run.token()
         procs = []
         try:
             engine, engine_url = start(run, "engine", "engine-0")
             procs.append(engine)
-            router, router_url = start(run, "router", "router")
+            ours = create_run_dir(tmp, "ours", to_toml(load_config(None, base)))
+            shutil.copytree(run.rendezvous, ours.rendezvous, dirs_exist_ok=True)
+            router, router_url = start(ours, "router", "router")
             procs.append(router)
             wait_for_engine(router_url, token)
-            for url in (engine_url, router_url):  # warm-up
+            paths = {"direct": engine_url, "through router": router_url}
+            if vllm_router:
+                vrouter, paths["through vllm-router"] = start(run, "router", "router")
+                procs.append(vrouter)
+            for url in paths.values():  # warm-up
                 asyncio.run(load(url, token, 200, 4))
-            rows = [measure(engine_url, router_url, token, c, args) for c in args.concurrency]
+            rows = [measure(paths, token, c, args) for c in args.concurrency]
         finally:
             for p in procs:
                 p.terminate()
@@ -111,29 +122,29 @@ def main() -> None:
     print(
         f"GET /v1/models, {args.requests} requests × {args.rounds} rounds per row, 1 engine, loopback, 2 shared cores"
     )
-    print("| path           | in flight |   req/s | vs direct |  p50 ms |  p99 ms | added p50 | added p99 |")
-    print("|----------------|-----------|---------|-----------|---------|---------|-----------|-----------|")
+    print("| path                | in flight |   req/s | vs direct |  p50 ms |  p99 ms | added p50 | added p99 |")
+    print("|---------------------|-----------|---------|-----------|---------|---------|-----------|-----------|")
     for line in rows:
         print(line)
 
 
-def measure(engine_url: str, router_url: str, token: str, concurrency: int, args) -> str:
-    """Both paths at one concurrency, rounds alternating; two table lines."""
-    rps: dict[str, list[float]] = {"direct": [], "router": []}
-    lat: dict[str, list[float]] = {"direct": [], "router": []}
+def measure(paths: dict[str, str], token: str, concurrency: int, args) -> str:
+    """Every path at one concurrency, rounds alternating; one table line per path."""
+    rps: dict[str, list[float]] = {name: [] for name in paths}
+    lat: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(args.rounds):
-        for name, url in (("direct", engine_url), ("router", router_url)):
+        for name, url in paths.items():
             secs, latencies = asyncio.run(load(url, token, args.requests, concurrency))
             rps[name].append(args.requests / secs)
             lat[name].extend(latencies)
     base = statistics.median(rps["direct"])
     d50, d99 = pct(lat["direct"], 0.5), pct(lat["direct"], 0.99)
     lines = []
-    for name, label in (("direct", "direct"), ("router", "through router")):
+    for name in paths:
         r = statistics.median(rps[name])
         p50, p99 = pct(lat[name], 0.5), pct(lat[name], 0.99)
         lines.append(
-            f"| {label:<14} | {concurrency:>9} | {r:7.0f} | {r / base:8.2f}x | {p50 * 1e3:7.2f} | {p99 * 1e3:7.2f} | "
+            f"| {name:<19} | {concurrency:>9} | {r:7.0f} | {r / base:8.2f}x | {p50 * 1e3:7.2f} | {p99 * 1e3:7.2f} | "
             f"{(p50 - d50) * 1e3:+7.2f}ms | {(p99 - d99) * 1e3:+7.2f}ms |"
         )
     return "\n".join(lines)

@@ -93,7 +93,10 @@ def _process_lines(run_dir: Path) -> list[str]:
 
 
 def _slurm_line(run_dir: Path) -> str | None:
-    from molt_hpc.launch.slurm_state import slurm_job_state
+    from molt_hpc.launch.slurm_state import queue_detail, slurm_job_state
 
     state = slurm_job_state(run_dir)
-    return f"slurm: {state}" if state else None
+    if state is None:
+        return None
+    detail = queue_detail(run_dir) if state.endswith(" PENDING") else None
+    return f"slurm: {state}" + (f" ({detail})" if detail else "")

@@ -1,9 +1,10 @@
 """The actor pool end to end: `torchrun jobs/actor.py` worlds of 1 and 2 gloo ranks fed by a real buffer.
 
-Run A trains 2 steps on 2 ranks without interruption. Run B trains the same first step on 1 rank,
-is asked to checkpoint (SIGUSR1) and to stop (SIGTERM), then resumes on 2 ranks for step 2. The
-same global batch gives the same loss on 1 and 2 ranks, and the resumed run ends where run A
-ended: same weights, same optimizer state.
+Run A trains 2 steps on 2 ranks without interruption, one sample per padded row. Run B trains the
+same first step on 1 rank with packed rows (the default), is asked to checkpoint (SIGUSR1) and to
+stop (SIGTERM), then resumes on 2 ranks for step 2. The same global batch gives the same loss on 1
+and 2 ranks, packed or not, and the resumed run ends where run A ended: same weights, same
+optimizer state. Run CP trains run A's first step on the 2 ranks as one CP group.
 """
 
 import json
@@ -36,8 +37,9 @@ def groups(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory, tiny_model_dir, groups):
-    """2 ranks, 2 steps, a checkpoint after each."""
-    cfg, run = make_run(tmp_path_factory.mktemp("a"), "a", tiny_model_dir, [*OVERRIDES, "checkpoint.interval=1"])
+    """2 ranks, 2 steps, a checkpoint after each, padded rows."""
+    sets = [*OVERRIDES, "checkpoint.interval=1", "actor.packing='off'"]
+    cfg, run = make_run(tmp_path_factory.mktemp("a"), "a", tiny_model_dir, sets)
     put_groups(cfg, run, groups)
     code, log = torchrun(run.path, 2)
     assert code == 0, log[-4000:]
@@ -80,6 +82,27 @@ def run_b(tmp_path_factory, tiny_model_dir, groups):
     return cfg, run
 
 
+@pytest.fixture(scope="module")
+def run_cp(tmp_path_factory, tiny_model_dir, groups):
+    """2 ranks as one CP group (actor.cp = 2), packed rows, activation checkpointing: run A's first step."""
+    sets = [*OVERRIDES, "run.steps=1", "checkpoint.interval=0", "actor.cp=2", "actor.packing='on'",
+            "actor.activation_checkpointing=true"]  # fmt: skip
+    cfg, run = make_run(tmp_path_factory.mktemp("cp"), "cp", tiny_model_dir, sets)
+    put_groups(cfg, run, groups[:2])
+    code, log = torchrun(run.path, 2)
+    assert code == 0, log[-4000:]
+    return cfg, run, log
+
+
+def test_context_parallel_with_packed_rows_gives_the_same_loss(run_a, run_cp) -> None:
+    a = read_metrics(run_a[1].metrics, "actor")
+    c = read_metrics(run_cp[1].metrics, "actor")
+    assert [r["step"] for r in c] == [1]
+    for key in ("loss", "policy_loss", "grad_norm", "entropy", "reward", "tokens"):
+        assert c[0][key] == pytest.approx(a[0][key], rel=1e-5, abs=1e-7), key
+    assert "micro-batches: packed" in run_cp[2] and "context parallel 2" in run_cp[2]
+
+
 def test_one_rank_and_two_ranks_give_the_same_loss(run_a, run_b) -> None:
     a = read_metrics(run_a[1].metrics, "actor")
     b = read_metrics(run_b[1].metrics, "actor")
@@ -100,6 +123,9 @@ def test_metrics_record_what_a_step_did(run_a, groups) -> None:
     trained = [s.reward for g in groups[:2] for s in g.samples]
     assert rec["reward_trained"] == pytest.approx(sum(trained) / len(trained))
     assert rec["reward"] == pytest.approx((sum(trained) + 3.0) / (len(trained) + 4))
+    # a CPU trainer: host peak memory of the step (a torch process with the tiny model: a few hundred MB),
+    # and no GPU allocator peaks
+    assert 0.1 < rec["mem_peak_host_rss_gb"] < 8 and "mem_peak_allocated_gb" not in rec
     # The trainer's log-probs equal the sampler's: the first ratio is 1 up to float rounding.
     assert abs(rec["ratio_max"] - 1) < 1e-5 and abs(rec["ratio_min"] - 1) < 1e-5
 

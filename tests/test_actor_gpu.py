@@ -54,6 +54,7 @@ def test_two_gpus_train_refit_over_nccl_and_match_one_gpu(tmp_path, tiny_model_d
     assert max(diff) < 1e-5, diff  # one GPU's kernels against another's: equal to rounding
     two = read_metrics(run.metrics, "actor")
     assert [r["step"] for r in two] == [1, 2]
+    assert all(0 < r["mem_peak_allocated_gb"] <= r["mem_peak_reserved_gb"] for r in two)  # the step's GPU peaks
     assert json.loads((ck.latest_checkpoint(run.checkpoints) / "run_state.json").read_text())["world_size"] == 2
 
     cfg1, run1 = make_run(tmp_path, "one", tiny_model_dir, [*OVERRIDES, "run.steps=1"])

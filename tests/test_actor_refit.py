@@ -71,9 +71,9 @@ def _trainer_distributions(policy_dir: Path, tokens: list[int]):
     """The trainer's forward (position ids, no mask) of PROMPT + tokens: log-softmax at each step."""
     import torch
 
-    from molt_hpc.actor.build import load_causal_lm
+    from molt_hpc.models import load_causal_lm
 
-    model = load_causal_lm(policy_dir, "sdpa", trainable=False)
+    model = load_causal_lm(policy_dir)
     ids = torch.tensor([PROMPT + tokens])
     with torch.no_grad():
         logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None]).logits[0].float()

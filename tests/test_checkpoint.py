@@ -97,16 +97,16 @@ def test_checkpoint_of_another_model_is_refused_naming_file_and_tensor(tiny_mode
 
 
 def test_bad_model_directories_fail_before_loading(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from molt_hpc.actor.build import load_causal_lm
+    from molt_hpc.actor.build import check_weights  # what the trainer's `load_model` runs first
 
     with pytest.raises(ValueError, match="does not exist"):
-        load_causal_lm(tmp_path / "missing", "sdpa", trainable=True)
+        check_weights(tmp_path / "missing")
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_dir, broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(ValueError, match=rf"{weights} is not a valid safetensors file|{weights} is corrupt"):
-        load_causal_lm(broken, "sdpa", trainable=True)
+        check_weights(broken)
 
 
 def test_resume_rules(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -167,16 +167,15 @@ def _child(root: Path, base: Path, point: str | None, report: Path) -> None:
     import torch
 
     from molt_hpc.actor import build, state
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.world import init_world
+    from molt_hpc.config import MoltConfig
     from molt_hpc.config.train import ActorConfig
 
     world = init_world(ActorConfig())
     latest = ck.latest_checkpoint(root)
     if latest is not None:
         ck.verify(latest)
-    model = build.load_causal_lm(latest / "policy" if latest else base, "sdpa", trainable=True)
-    parallelize(model, world.mesh, ActorConfig())
+    model = build.load_model(latest / "policy" if latest else base, MoltConfig(), world, "policy")
     opt = build.build_optimizer(model, ActorConfig(), 1e-2)
     part = state.Trainable("policy", model, opt, build.build_scheduler(opt, ActorConfig(), 10))
     step = 0

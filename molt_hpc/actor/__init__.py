@@ -2,7 +2,9 @@
 
 Every torchrun rank runs `molt_hpc.actor.trainer.main(cfg, run_dir)`; rank 0 also claims groups from
 the replay buffer, sends refits to the engines and coordinates checkpoints. Modules:
-`world` (process group, device, mesh), `parallelize` (FSDP2 over a plain transformers model),
+`world` (process group, device, meshes), `parallelize` (FSDP2 over a plain transformers model),
+`packing` (micro-batches, samples packed into rows), `attention` (attention confined to each sample),
+`context_parallel` (Ulysses: each rank of a CP group runs a slice of every row),
 `build` (models, optimizers, LR schedule), `weights` (full weights gathered bucket by bucket),
 `state` (checkpoint save and restore), `feed` (groups from the buffer to every rank),
 `step` (one training step), `sync` (refits), `control` (signals and control files), `trainer` (the loop).

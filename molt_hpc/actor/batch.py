@@ -1,19 +1,22 @@
 """Cutting one step's experience into this rank's micro-batches, and the model forwards over them.
 
-Every rank holds the whole step's `Experience` (rank 0 shared the groups); rows are dealt to ranks
-round-robin inside each mini-batch, so token counts per rank differ and the global token mean
-evens it out. FSDP needs every rank to run the same number of forwards: a rank short of rows runs
-a padding micro-batch whose action mask is empty (it contributes exactly zero).
+Every rank holds the whole step's `Experience` (rank 0 shared the groups); rows (or packed rows,
+`molt_hpc.actor.packing`) are dealt to data-parallel ranks inside each mini-batch, so token counts per
+rank differ and the global token mean evens it out. FSDP needs every rank to run the same number of
+forwards: a rank short of rows runs a padding micro-batch whose action mask is empty (it contributes
+exactly zero). A model on document attention (packing, context parallelism) is fed through
+`molt_hpc.actor.attention.RowSlice`: this rank's slice of the rows, outputs gathered back whole.
 """
 
-import dataclasses
 import itertools
 
 import torch
 from torch import Tensor, nn
 
+from molt_hpc.actor.attention import attention_setup
+from molt_hpc.actor.packing import rank_micro_batches
 from molt_hpc.actor.world import World, gather_all
-from molt_hpc.algorithm import Experience, logprobs_from_logits
+from molt_hpc.algorithm import Experience, logprobs_from_logits, target_logprobs
 
 
 def mini_batch_rows(exp: Experience, mini_batches: int) -> list[Tensor]:
@@ -26,47 +29,48 @@ def mini_batch_rows(exp: Experience, mini_batches: int) -> list[Tensor]:
 
 
 def my_rows(rows: Tensor, world: World) -> Tensor:
-    return rows[world.rank :: world.size]
-
-
-def micro_batches(exp: Experience, rows: Tensor, size: int, world: World) -> list[Experience]:
-    """This rank's micro-batches over `rows`, padded with empty ones to the most any rank has."""
-    chunks = [rows[i : i + size] for i in range(0, len(rows), size)]
-    most = max(gather_all(len(chunks)))
-    out = [exp.rows(c) for c in chunks]
-    while len(out) < most:
-        pad = exp.rows(torch.tensor([0]))
-        out.append(dataclasses.replace(pad, action_mask=torch.zeros_like(pad.action_mask)))
-    return out
+    """This data-parallel rank's share of `rows` (unpacked: round-robin)."""
+    return rows[world.dp_rank :: world.dp_size]
 
 
 def policy_logprobs(model: nn.Module, mb: Experience, temperature: float, chunk: int) -> tuple[Tensor, Tensor]:
     """(log-prob, entropy) `[B, T]` of each action token under `model` at the sampling temperature.
 
-    Position ids restart per sample and no attention mask is passed: transformers then builds the
-    block-causal mask itself (see `molt_hpc.algorithm.experience`).
+    Position ids restart per sample; no attention mask and no KV cache (with either, transformers
+    would not confine attention to each sample of a packed row; see `molt_hpc.algorithm.experience`).
     """
-    logits = model(input_ids=mb.sequences, position_ids=mb.position_ids).logits
-    return logprobs_from_logits(logits, mb.sequences, temperature=temperature, chunk=chunk, action_mask=mb.action_mask)
+    setup = attention_setup(model)
+    if setup is None:
+        logits = model(input_ids=mb.sequences, position_ids=mb.position_ids, use_cache=False).logits
+        return logprobs_from_logits(
+            logits, mb.sequences, temperature=temperature, chunk=chunk, action_mask=mb.action_mask
+        )
+    rows = setup.rows(mb)
+    logits = model(**rows.inputs).logits
+    logp, ent = target_logprobs(logits, rows.next_tokens, temperature=temperature, chunk=chunk, mask=rows.next_action)
+    return rows.own_index(logp), rows.own_index(ent)
 
 
 def critic_values(critic: nn.Module, mb: Experience) -> Tensor:
     """`[B, T]` values at the own index: the estimate before token t, from the hidden state at t-1."""
-    v = critic(input_ids=mb.sequences, position_ids=mb.position_ids).logits[..., 0].float()
-    return nn.functional.pad(v[:, :-1], (1, 0))
+    setup = attention_setup(critic)
+    if setup is None:
+        v = critic(input_ids=mb.sequences, position_ids=mb.position_ids, use_cache=False).logits[..., 0].float()
+        return nn.functional.pad(v[:, :-1], (1, 0))
+    rows = setup.rows(mb)
+    return rows.own_index(critic(**rows.inputs).logits[..., 0].float())
 
 
 @torch.no_grad()
-def rows_forward(fn, exp: Experience, rows: Tensor, size: int, world: World, device: torch.device) -> Tensor:
-    """`fn(micro_batch) -> [b, T]` over this rank's `rows`, gathered into the whole batch's `[B, T]`."""
-    mine = {}
-    chunks = [rows[i : i + size] for i in range(0, len(rows), size)]
-    for k, mb in enumerate(micro_batches(exp, rows, size, world)):
-        out = fn(mb.to(device)).float().cpu()  # padding micro-batches (k beyond chunks) only keep FSDP in step
-        if k < len(chunks):
-            mine.update({int(r): out[i] for i, r in enumerate(chunks[k])})
-    full = torch.zeros(exp.sequences.shape, dtype=torch.float32)
-    for part in gather_all(mine):
+def rows_forward(fn, exp: Experience, rows: Tensor, size: int, budget: int | None, world: World) -> Tensor:
+    """`fn(micro_batch) -> [b, t]` over this rank's share of `rows`, gathered into the whole batch's `[B, T]`."""
+    mine = torch.zeros(exp.sequences.shape, dtype=torch.float32)
+    done: set[int] = set()
+    for mb in rank_micro_batches(exp, rows, size, budget, world):
+        mb.put(mine, fn(mb.batch.to(world.device)).float().cpu())  # an empty micro-batch puts nothing
+        done.update(mb.src_row[mb.src_row >= 0].unique().tolist())
+    full = torch.zeros_like(mine)
+    for part in gather_all({r: mine[r] for r in done}):  # the ranks of a CP group send the same rows
         for r, values in part.items():
             full[r] = values
     return full

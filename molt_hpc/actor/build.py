@@ -1,23 +1,39 @@
 """Building the trainer's models and optimizers: policy, frozen reference, critic, AdamW, LR schedule.
 
-Every model is a plain transformers model loaded in fp32 (the master weights) on the CPU, with
-dropout off (the engine samples without dropout; a ratio against its log-probs must compare like
-with like). Weights are checked before anything is loaded, so a bad directory fails with a clear
-error naming the file.
+Every model is a plain transformers model built on the meta device, sharded by `parallelize`, and
+filled with this rank's slices of the safetensors files (`molt_hpc.models.sharded`): no rank ever
+holds a whole model. Dropout is off (the engine samples without dropout; a ratio against its
+log-probs must compare like with like). Weights are checked before anything is loaded, so a bad
+directory fails with a clear error naming the file.
+
+Parameter dtypes: the policy and the critic keep fp32 master weights (they train); the frozen
+reference is stored in `model.dtype`, the dtype its forward computes in anyway, so `bfloat16`
+halves its memory with the same log-probs as an fp32 copy cast at every forward (and a CPU run with
+the default `float32` keeps fp32).
 """
 
 import math
 import re
+import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
 
+from molt_hpc.actor.attention import DocumentAttention
+from molt_hpc.actor.offload import OptimizerOffload
+from molt_hpc.actor.parallelize import parallelize
+from molt_hpc.actor.world import World
 from molt_hpc.checkpoint import check_shapes, model_shapes
+from molt_hpc.config import MoltConfig
 from molt_hpc.config.train import ActorConfig
+from molt_hpc.log import get_logger
 from molt_hpc.models import check_model_dir, quiet_transformers
+from molt_hpc.models.sharded import load_sharded
 
 ROUTER_WEIGHT = re.compile(r"\.gate\.weight$")  # MoE routers (`mlp.gate`), not the MLP's `gate_proj`
+Role = Literal["policy", "reference", "critic"]
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -28,44 +44,47 @@ def disable_dropout(model: nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-def _check_weights(path: Path) -> None:
+def check_weights(path: Path) -> None:
+    """A clear error, naming the file, for a directory that is not a loadable HF model."""
     check_model_dir(path)
     if any(path.glob("*.safetensors")):
         model_shapes(path)  # every header against its file size: a torn file is named before loading
 
 
-def load_causal_lm(path: Path, attn: str, *, trainable: bool) -> nn.Module:
-    """The policy (trainable) or the reference (frozen) from an HF directory, fp32, on the CPU."""
-    from transformers import AutoModelForCausalLM
+def load_model(
+    path: Path, cfg: MoltConfig, world: World, role: Role, documents: DocumentAttention | None = None
+) -> nn.Module:
+    """The policy, the frozen reference or the critic (a one-label value head on the same backbone)
+    from the HF directory `path`, sharded over `world` (a collective: every rank calls it), with
+    document attention (packed rows, CP) where `documents` says so.
 
-    quiet_transformers()
-    _check_weights(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation=attn, local_files_only=True
-    )
-    disable_dropout(model)
-    model.train(trainable)
-    model.requires_grad_(trainable)
-    return model
-
-
-def load_critic(path: Path, attn: str, seed: int) -> nn.Module:
-    """The policy's backbone with a scalar value head (token classification, one label), from `path`.
-
-    From the policy's directory the head is new (initialised from `seed`); from a critic checkpoint
-    it is loaded.
+    A critic built from the policy's directory gets a new head initialised from `run.seed`, the
+    same at any rank count; from a critic checkpoint the head is loaded.
     """
-    from transformers import AutoModelForTokenClassification
-
+    check_weights(path)
     quiet_transformers()
-    _check_weights(path)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForTokenClassification.from_pretrained(
-            str(path), num_labels=1, dtype=torch.float32, attn_implementation=attn, local_files_only=True
-        )
-    disable_dropout(model)
-    return model.train()
+    act, trainable = cfg.actor, role != "reference"
+    compute = getattr(torch, cfg.model.dtype)
+
+    def prepare(model: nn.Module) -> None:  # on the meta device, before anything is allocated
+        disable_dropout(model)
+        model.train(trainable)
+        model.requires_grad_(trainable)
+        if role == "policy" and act.freeze_router:
+            freeze_router(model)
+        parallelize(model, world.mesh, act, compute_dtype=compute, documents=documents)
+
+    t0 = time.perf_counter()
+    model, stats = load_sharded(
+        path, shard=prepare, device=torch.device("cpu") if act.offload == "full" else world.device,
+        buffer_device=world.device, dtype=compute if role == "reference" else torch.float32,
+        attn=cfg.model.attn_implementation, critic=role == "critic", seed=cfg.run.seed,
+    )  # fmt: skip
+    get_logger().info(
+        "%s from %s: this rank read %.3f of %.3f GB (%.0f%%) in %.1fs", role, path, stats.bytes_read / 1e9,
+        stats.bytes_total / 1e9, 100 * stats.fraction, time.perf_counter() - t0,
+    )  # fmt: skip
+    return model
 
 
 def expected_shapes(base: Path, *, critic: bool = False) -> dict[str, tuple[int, ...]]:
@@ -110,10 +129,17 @@ def lr_factor(step: int, cfg: ActorConfig, total_steps: int) -> float:
 
 
 def build_optimizer(model: nn.Module, cfg: ActorConfig, lr: float) -> torch.optim.Optimizer:
+    """AdamW over the trained parameters; under `actor.offload = "optimizer"` on GPUs its state moves to
+    pinned host memory between steps (on a CPU trainer it is in host memory already: nothing to do)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    # On GPUs the fused kernel updates all tensors in a few launches (torch's default takes many per step).
-    fused = bool(params) and all(p.device.type == "cuda" for p in params)
-    return torch.optim.AdamW(params, lr=lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused or None)
+    # On GPUs the fused kernel updates all tensors in a few launches (torch's default takes many per step);
+    # under full offload the parameters are on the host and the fused CPU kernel is the fast one.
+    on_gpu = bool(params) and all(p.device.type == "cuda" for p in params)
+    fused = on_gpu or (bool(params) and cfg.offload == "full")
+    opt = torch.optim.AdamW(params, lr=lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused or None)
+    if cfg.offload == "optimizer" and on_gpu:
+        OptimizerOffload(opt, params[0].device)
+    return opt
 
 
 def build_scheduler(opt: torch.optim.Optimizer, cfg: ActorConfig, total_steps: int):

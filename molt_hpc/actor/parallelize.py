@@ -1,14 +1,19 @@
-"""FSDP2 over a plain transformers model: `fully_shard` on every decoder block, then on the root.
+"""FSDP2 over a plain transformers model: `fully_shard` on every decoder block, then on the root; and
+attention confined to packed samples, split over a CP group (`molt_hpc.actor.attention`,
+`molt_hpc.actor.context_parallel`) when asked.
 
 The model code stays untouched (no wrapper modules), so parameter names stay the HF names that
 checkpoints and refits use. The same function shards the policy, the frozen reference and the critic.
+Under `actor.offload = "full"` every `fully_shard` call gets FSDP2's CPU offload policy (it must
+be on all of them): sharded parameters, gradients and optimizer state then live in host memory.
 """
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from molt_hpc.actor.attention import DocumentAttention, use_document_attention
 from molt_hpc.config.train import ActorConfig
 
 
@@ -19,18 +24,25 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def parallelize(
-    model: nn.Module, mesh: DeviceMesh, cfg: ActorConfig, *, compute_dtype: torch.dtype = torch.float32
+    model: nn.Module,
+    mesh: DeviceMesh,
+    cfg: ActorConfig,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+    documents: DocumentAttention | None = None,
 ) -> nn.Module:
     """Shard `model` over `mesh` in place and return it.
 
-    Parameters stay fp32 (the master weights); forward and backward run in `compute_dtype`, with
-    gradients reduced in fp32.
+    Parameters keep their dtype (fp32 master weights for trained models); forward and backward run in
+    `compute_dtype`, with gradients reduced in fp32. With `documents` (packing, or `actor.cp > 1`: its
+    `cp` group), the model attends within each sample of a row and splits rows over the CP group.
+    Works on a meta-device model too (sharded loading materialises it afterwards).
     """
-    if cfg.cp > 1 or cfg.ep > 1:
-        raise ValueError(
-            f"actor.cp = {cfg.cp}, actor.ep = {cfg.ep}: context and expert parallelism are not implemented "
-            "in this trainer yet; set both to 1"
-        )
+    if cfg.ep > 1:
+        raise ValueError(f"actor.ep = {cfg.ep}: expert parallelism is not implemented in this trainer yet; set it to 1")
+    assert cfg.cp == 1 or (documents is not None and documents.cp is not None), "actor.cp > 1 needs its CP group"
+    if documents is not None:
+        use_document_attention(model, documents)
     blocks = decoder_blocks(model)
     if not blocks:
         raise ValueError(
@@ -47,7 +59,15 @@ def parallelize(
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    offload = offload_policy(cfg, mesh.device_type)
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     return model
+
+
+def offload_policy(cfg: ActorConfig, device_type: str) -> OffloadPolicy:
+    """FSDP2's CPU offload under `actor.offload = "full"` (pinned host memory on GPUs), else none."""
+    if cfg.offload == "full":
+        return CPUOffloadPolicy(pin_memory=device_type == "cuda")
+    return OffloadPolicy()

@@ -5,6 +5,8 @@ A step is `ppo_epochs × mini_batches` optimizer updates of the policy on `actor
 groups (and `critic_epochs × mini_batches` of the critic). Each update's loss is a sum over action
 tokens divided by the token count of that mini-batch over *all* ranks; FSDP averages gradients
 over ranks, so each rank scales its loss by the world size to turn that average into the sum.
+With context parallelism the ranks of a CP group share rows: the token count runs over data-parallel
+ranks only and the scale is the data-parallel size (`molt_hpc.actor.context_parallel`).
 """
 
 from dataclasses import dataclass, field
@@ -13,7 +15,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from molt_hpc.actor.batch import critic_values, micro_batches, mini_batch_rows, my_rows, policy_logprobs, rows_forward
+from molt_hpc.actor.batch import critic_values, mini_batch_rows, policy_logprobs, rows_forward
+from molt_hpc.actor.packing import rank_micro_batches
 from molt_hpc.actor.state import Trainable
 from molt_hpc.actor.world import World, gather_all
 from molt_hpc.algorithm import (
@@ -40,6 +43,8 @@ class Models:
     policy: Trainable
     reference: nn.Module | None = None
     critic: Trainable | None = None
+    pack_tokens: int | None = None
+    """Tokens of one packed micro-batch (`molt_hpc.actor.packing`); None: rows padded `micro_batch_size` at a time."""
 
 
 @dataclass
@@ -90,19 +95,16 @@ class Meter:
 def build_experience(groups: list[Group], cfg: MoltConfig, models: Models, world: World, pad_id: int) -> Experience:
     """The step's whole batch (same on every rank) with reference log-probs, values and advantages."""
     exp = experience_from_groups(groups, max_len=cfg.rollout.max_total_tokens, pad_id=pad_id)
-    rows = my_rows(torch.arange(exp.sequences.shape[0]), world)
-    act, temp = cfg.actor, cfg.rollout.temperature
+    rows = torch.arange(exp.sequences.shape[0])
+    act, temp, shape = cfg.actor, cfg.rollout.temperature, (cfg.actor.micro_batch_size, models.pack_tokens)
     if models.reference is not None:
         ref = models.reference
         exp.base_log_probs = rows_forward(
-            lambda mb: policy_logprobs(ref, mb, temp, act.logprob_chunk)[0],
-            exp, rows, act.micro_batch_size, world, world.device,
-        )  # fmt: skip
+            lambda mb: policy_logprobs(ref, mb, temp, act.logprob_chunk)[0], exp, rows, *shape, world
+        )
     if models.critic is not None:
         critic = models.critic.model
-        exp.values = rows_forward(
-            lambda mb: critic_values(critic, mb), exp, rows, act.micro_batch_size, world, world.device
-        )
+        exp.values = rows_forward(lambda mb: critic_values(critic, mb), exp, rows, *shape, world)
     return compute_advantages(exp, cfg.algorithm)
 
 
@@ -117,22 +119,22 @@ def optimizer_step(part: Trainable, max_norm: float) -> float:
     return float(norm)
 
 
-def _updates(exp: Experience, cfg: MoltConfig, world: World, epochs: int):
+def _updates(exp: Experience, cfg: MoltConfig, world: World, epochs: int, pack_tokens: int | None):
     """(micro-batches, global token count) of every update of `epochs` passes over the mini-batches."""
     for _ in range(epochs):
         for rows in mini_batch_rows(exp, cfg.actor.mini_batches):
-            mine = my_rows(rows, world)
-            count = global_token_count(exp.action_mask[mine])
+            mbs = rank_micro_batches(exp, rows, cfg.actor.micro_batch_size, pack_tokens, world)
+            count = global_token_count([mb.batch.action_mask for mb in mbs], group=world.dp_group)
             if count == 0:  # every rank agrees (a global count): nothing to train in this mini-batch
                 continue
-            yield micro_batches(exp, mine, cfg.actor.micro_batch_size, world), count
+            yield [mb.batch for mb in mbs], count
 
 
 def update_policy(exp: Experience, cfg: MoltConfig, models: Models, world: World, meter: Meter) -> list[float]:
     """The policy's updates of this step; returns the gradient norm of each."""
     part, alg, act = models.policy, cfg.algorithm, cfg.actor
     norms = []
-    for mbs, count in _updates(exp, cfg, world, act.ppo_epochs):
+    for mbs, count in _updates(exp, cfg, world, act.ppo_epochs, models.pack_tokens):
         for mb in mbs:
             mb = mb.to(world.device)
             logp, ent = policy_logprobs(part.model, mb, cfg.rollout.temperature, act.logprob_chunk)
@@ -140,8 +142,8 @@ def update_policy(exp: Experience, cfg: MoltConfig, models: Models, world: World
                 logp, mb.action_log_probs, mb.advantages, mb.action_mask, alg, count,
                 seq_index=mb.seq_index, n_samples=exp.num_samples, base_log_probs=mb.base_log_probs, entropy=ent,
             )  # fmt: skip
-            (loss * world.size).backward()
-            meter.add({**metrics, "loss": loss.detach()}, int(mb.action_mask.sum()))
+            (loss * world.dp_size).backward()
+            meter.add({**metrics, "loss": loss.detach()}, _reported_tokens(mb, world))
         norms.append(optimizer_step(part, act.grad_clip))
         meter.update("policy")
     return norms
@@ -152,16 +154,22 @@ def update_critic(exp: Experience, cfg: MoltConfig, models: Models, world: World
     part, alg = models.critic, cfg.algorithm
     assert part is not None and exp.values is not None and exp.returns is not None
     norms = []
-    for mbs, count in _updates(exp, cfg, world, cfg.actor.critic_epochs):
+    for mbs, count in _updates(exp, cfg, world, cfg.actor.critic_epochs, models.pack_tokens):
         for mb in mbs:
             mb = mb.to(world.device)
             values = critic_values(part.model, mb)
             loss, metrics = value_loss(values, mb.values, mb.returns, mb.action_mask, count, alg.value_clip)
-            (loss * alg.value_coef * world.size).backward()
-            meter.add({**metrics, "value_loss": loss.detach()}, int(mb.action_mask.sum()))
+            (loss * alg.value_coef * world.dp_size).backward()
+            meter.add({**metrics, "value_loss": loss.detach()}, _reported_tokens(mb, world))
         norms.append(optimizer_step(part, cfg.actor.grad_clip))
         meter.update("value")
     return norms
+
+
+def _reported_tokens(mb: Experience, world: World) -> int:
+    """Action tokens a micro-batch's metrics weigh; 0 (not reported) on all but one rank of a CP group,
+    whose ranks computed the same loss."""
+    return int(mb.action_mask.sum()) if world.cp_rank == 0 else 0
 
 
 def train_step(groups: list[Group], cfg: MoltConfig, models: Models, world: World, pad_id: int) -> dict[str, float]:

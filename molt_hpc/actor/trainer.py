@@ -17,13 +17,15 @@ from molt_hpc import checkpoint as ck
 from molt_hpc.actor import build, state
 from molt_hpc.actor.control import Control, Requests
 from molt_hpc.actor.feed import Feed, staleness_histogram
-from molt_hpc.actor.parallelize import parallelize
+from molt_hpc.actor.memory import StepMemory
+from molt_hpc.actor.packing import sequence_layout
 from molt_hpc.actor.step import Models, train_step
 from molt_hpc.actor.sync import EngineSync
 from molt_hpc.actor.world import World, close_world, init_world, share
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import MetricsWriter, get_logger, setup_logging, step_line
 from molt_hpc.models import resolve_model
+from molt_hpc.models.sharded import meta_model
 from molt_hpc.rundir import RunDir
 from molt_hpc.trajectory import finished_reward
 
@@ -98,25 +100,30 @@ class Trainer:
         self.sync = EngineSync(cfg, run.path, world)
         self.metrics = MetricsWriter(run.metrics, source="actor") if world.is_main else None
         self.refit_s: float | None = None
+        self.memory = StepMemory(world.device)
 
     @property
     def version(self) -> int:
         return self.step
 
     def _build_models(self, ckpt: Path | None) -> Models:
-        cfg, mesh, attn = self.cfg, self.world.mesh, self.cfg.model.attn_implementation
-        dtype = getattr(torch, cfg.model.dtype)
-        policy = build.load_causal_lm(ckpt / "policy" if ckpt else self.base, attn, trainable=True)
-        if cfg.actor.freeze_router:
-            build.freeze_router(policy)
-        parallelize(policy, mesh, cfg.actor, compute_dtype=dtype)
-        models = Models(policy=self._trainable("policy", policy, cfg.actor.lr))
+        cfg, world = self.cfg, self.world
+        if cfg.actor.offload == "optimizer" and world.device.type == "cpu":
+            self.log.info("actor.offload = 'optimizer' on a CPU trainer: the optimizer state is in host memory already")
+        src = ckpt / "policy" if ckpt else self.base
+        # how rows run (packing, CP) follows from the model's config and modules: read on the meta device
+        docs, pack_tokens = sequence_layout(cfg, world, meta_model(src, critic=False, dtype=torch.float32,
+                                                                   attn=cfg.model.attn_implementation))  # fmt: skip
+        self.log.info(
+            "micro-batches: %s; context parallel %d", f"packed, {pack_tokens} tokens" if pack_tokens else
+            f"{cfg.actor.micro_batch_size} padded rows", cfg.actor.cp,
+        )  # fmt: skip
+        policy = build.load_model(src, cfg, world, "policy", documents=docs)
+        models = Models(policy=self._trainable("policy", policy, cfg.actor.lr), pack_tokens=pack_tokens)
         if cfg.algorithm.uses_reference:
-            ref = build.load_causal_lm(self.base, attn, trainable=False)
-            models.reference = parallelize(ref, mesh, cfg.actor, compute_dtype=dtype)
+            models.reference = build.load_model(self.base, cfg, world, "reference", documents=docs)
         if cfg.algorithm.uses_critic:
-            critic = build.load_critic(ckpt / "critic" if ckpt else self.base, attn, seed=cfg.run.seed)
-            parallelize(critic, mesh, cfg.actor, compute_dtype=dtype)
+            critic = build.load_model(ckpt / "critic" if ckpt else self.base, cfg, world, "critic", documents=docs)
             models.critic = self._trainable("critic", critic, cfg.actor.critic_lr)
         return models
 
@@ -181,6 +188,7 @@ class Trainer:
         cfg = self.cfg
         staleness = staleness_histogram(groups, self.version)
         t0 = time.perf_counter()
+        self.memory.start()
         metrics = train_step(groups, cfg, self.models, self.world, self.pad_id)
         step_s = time.perf_counter() - t0
         # `reward`: every finished sample the batch reports (dynamic sampling's dropped ones included);
@@ -198,6 +206,7 @@ class Trainer:
         record = {
             "step": self.step, "version": self.version, **metrics, "staleness": staleness, "refit_s": self.refit_s,
             "step_s": step_s, "wait_s": wait_s, "tokens_per_s": metrics["tokens"] / step_s, **self.feed.stats(),
+            **self.memory.peaks(),  # of the whole iteration: update, refit and checkpoint when they ran
         }  # fmt: skip
         if self.metrics is not None:
             self.metrics.write(record)

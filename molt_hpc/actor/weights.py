@@ -34,6 +34,9 @@ def full_tensor(p: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torc
         p = p.to_local()  # a world of one holds the whole tensor: nothing to gather, and plain-tensor ops
     if dtype is not None and dtype.itemsize < p.dtype.itemsize:
         p, fresh = p.to(dtype), True  # cast the shard before gathering: the gather moves fewer bytes
+    if isinstance(p, DTensor) and p.to_local().device.type != p.device_mesh.device_type:
+        # a shard in host memory (CPU offload) on a GPU mesh: gather over NCCL, not the CPU group
+        p, fresh = DTensor.from_local(p.to_local(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()), True
     if isinstance(p, DTensor):
         p, fresh = p.full_tensor(), True
     return p, fresh

@@ -1,7 +1,9 @@
-"""The actor pool's process group: rank, device, the FSDP mesh, and the few collectives the loop needs.
+"""The actor pool's process group: rank, device, the meshes, and the few collectives the loop needs.
 
 gloo on CPU, NCCL on GPU (with gloo next to it for CPU-side objects), same code. Started by torchrun;
-a plain `python jobs/actor.py` runs a world of one.
+a plain `python jobs/actor.py` runs a world of one. The meshes are built in one place (`actor_meshes`):
+FSDP shards over every rank; with context parallelism a (dp, cp) grid of the same ranks, CP innermost
+so that a CP group is adjacent ranks of one node.
 """
 
 import os
@@ -13,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from molt_hpc.actor.context_parallel import ContextParallel
 from molt_hpc.config.train import ActorConfig
 from molt_hpc.net import free_port
 
@@ -25,10 +28,43 @@ class World:
     size: int
     device: torch.device
     mesh: DeviceMesh
+    """FSDP's mesh: every rank."""
+    grid: DeviceMesh | None = None
+    """The (dp, cp) grid of the same ranks when actor.cp > 1."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def cp(self) -> ContextParallel | None:
+        """This rank's CP group, None without context parallelism."""
+        if self.grid is None:
+            return None
+        sub = self.grid["cp"]
+        return ContextParallel(group=sub.get_group(), rank=sub.get_local_rank(), size=sub.size())
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self.grid is None else self.grid["cp"].size()
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp_size
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: groups of ranks that train different rows."""
+        return self.size // self.cp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.cp_size
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the same CP slice of different rows (None: every rank)."""
+        return None if self.grid is None else self.grid["dp"].get_group()
 
 
 def pick_device(cfg: ActorConfig, local_rank: int) -> torch.device:
@@ -56,8 +92,20 @@ def init_world(cfg: ActorConfig, timeout_s: float = 1800.0) -> World:
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     size = dist.get_world_size()
-    mesh = init_device_mesh(device.type, (size,), mesh_dim_names=("fsdp",))
-    return World(rank=dist.get_rank(), size=size, device=device, mesh=mesh)
+    mesh, grid = actor_meshes(device.type, size, cfg.cp)
+    return World(rank=dist.get_rank(), size=size, device=device, mesh=mesh, grid=grid)
+
+
+def actor_meshes(device_type: str, size: int, cp: int) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """FSDP's 1-D mesh over every rank, and with `cp > 1` the (dp, cp) grid (rank = dp_rank·cp + cp_rank)."""
+    if size % cp:
+        raise ValueError(
+            f"actor.cp = {cp} does not divide the actor pool's {size} ranks: every CP group needs cp ranks; "
+            "change actor.cp or the number of trainer ranks"
+        )
+    mesh = init_device_mesh(device_type, (size,), mesh_dim_names=("fsdp",))
+    grid = init_device_mesh(device_type, (size // cp, cp), mesh_dim_names=("dp", "cp")) if cp > 1 else None
+    return mesh, grid
 
 
 def close_world(barrier: bool = True) -> None:

@@ -198,3 +198,25 @@ def logprobs_from_logits(
     idx, targets, sel = _positions(sequences, action_mask)
     logp, ent = _ChunkedLogProbs.apply(logits.reshape(b * t, v), None, idx, targets, temperature, chunk)
     return _scatter_back(logp, sel), _scatter_back(ent, sel)
+
+
+def target_logprobs(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+    mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """As `logprobs_from_logits`, with the targets given instead of shifted: `[B, S]` log p(targets[b, j]
+    | logits[b, j]) and the entropy of that distribution, at the logits' index (0 off `mask`). For a
+    slice of a row (context parallelism), whose last position predicts a token of the next slice."""
+    _check(targets, temperature, chunk)
+    b, s, v = logits.shape
+    if targets.shape != (b, s):
+        raise ValueError(f"targets are {tuple(targets.shape)}, logits {tuple(logits.shape)}")
+    sel = torch.ones(b, s, dtype=torch.bool, device=targets.device) if mask is None else mask.to(torch.bool)
+    bi, si = sel.nonzero(as_tuple=True)
+    logp, ent = _ChunkedLogProbs.apply(logits.reshape(b * s, v), None, bi * s + si, targets[sel], temperature, chunk)
+    zeros = torch.zeros(sel.shape, dtype=logp.dtype, device=logp.device)
+    return zeros.masked_scatter(sel, logp), zeros.masked_scatter(sel, ent)

@@ -161,6 +161,31 @@ class SlurmConfig(Section):
         return max(self.signal_lead_s - 30, self.signal_lead_s // 2)
 
 
+class WandbConfig(Section):
+    """Weights & Biases: every `metrics.jsonl` record of the run, as one W&B run that a resumed or
+    requeued job continues (needs `pip install 'molt-hpc[wandb]'`)."""
+
+    project: str = "molt-hpc"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user); your default entity when unset."""
+    name: str | None = None
+    """Display name of the W&B run; `run.name` when unset."""
+    mode: Literal["auto", "online", "offline"] = "auto"
+    """`online` uploads as it goes; `offline` writes `runs/<name>/wandb/` for a later `wandb sync`;
+    `auto` is online when W&B credentials exist (WANDB_API_KEY or `wandb login`) and the W&B server
+    answers within 3 s, else offline (compute nodes often have no network)."""
+    tags: list[str] = Field(default_factory=list)
+    """Tags of the W&B run."""
+
+
+class TensorBoardConfig(Section):
+    """TensorBoard event files of every `metrics.jsonl` record (needs `pip install 'molt-hpc[tensorboard]'`)."""
+
+    dir: str | None = None
+    """Where the event files go; `runs/<name>/tensorboard` when unset (`tensorboard --logdir` it)."""
+
+
 class LoggingConfig(Section):
     """Logs, metrics and progress display."""
 
@@ -170,3 +195,7 @@ class LoggingConfig(Section):
     """`bar`: a progress bar; `lines`: one fixed-format line per step; `auto`: a bar on a terminal."""
     all_ranks: bool = False
     """Let every trainer rank log (by default only rank 0 does)."""
+    wandb: WandbConfig | None = None
+    """Log to Weights & Biases (`[logging.wandb]`, e.g. with `project = "..."`); off when absent."""
+    tensorboard: TensorBoardConfig | None = None
+    """Write TensorBoard event files (`[logging.tensorboard]`, may be empty); off when absent."""

@@ -102,6 +102,13 @@ class EnginesConfig(Section):
 class RouterConfig(Section):
     """The HTTP router in front of the engines (consistent hashing on the session id)."""
 
+    kind: Literal["builtin", "vllm-router"] = "builtin"
+    """`builtin`: ours (Python): bounded loads, failover of a request whose engine fails before
+    answering, health ejection, the run token checked on every route. `vllm-router`: vLLM's router
+    (Rust, `pip install 'molt-hpc[vllm-router]'`), consistent hashing on the session id with less
+    overhead per request; requests still need the token at the engines, but the router's own admin
+    routes take none (the supervisor stops the run if a worker that is not an engine of this run
+    appears). The other router fields apply to `builtin` only, except `health_interval_s`."""
     balance_factor: float = Field(1.25, ge=1.0)
     """Bounded loads: an engine takes at most ceil(c · average) in-flight sessions; overflow walks the ring."""
     virtual_nodes: PositiveInt = 160

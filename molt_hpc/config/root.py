@@ -83,9 +83,32 @@ class MoltConfig(Section):
             raise ValueError(
                 "engines.kind = 'vllm' refits over NCCL from a GPU: set actor.device = 'cuda' (or 'auto' on a GPU node)"
             )
+        self._check_sequences()
         self._check_tiny_model()
         self._check_slurm()
         return self
+
+    def _check_sequences(self) -> None:
+        act, attn = self.actor, self.model.attn_implementation
+        if attn == "eager" and (act.cp > 1 or act.packing == "on"):
+            what = f"actor.cp = {act.cp}" if act.cp > 1 else "actor.packing = 'on'"
+            raise ValueError(
+                f"{what} needs model.attn_implementation 'sdpa' or 'flash_attention_2' (eager attention "
+                "cannot confine attention to a packed sample or run on a CP slice)"
+            )
+        budget = act.max_tokens_per_micro_batch
+        if budget is not None and budget < self.rollout.max_total_tokens:
+            raise ValueError(
+                f"actor.max_tokens_per_micro_batch ({budget}) is below rollout.max_total_tokens "
+                f"({self.rollout.max_total_tokens}): a packed micro-batch must hold the longest sample; raise it"
+            )
+        if self.model.path == "builtin:tiny-char" and act.cp > 1:
+            tiny = self.model.tiny
+            if tiny.num_heads % act.cp:
+                raise ValueError(
+                    f"actor.cp = {act.cp} does not divide model.tiny.num_heads ({tiny.num_heads}): each CP rank "
+                    "runs heads / cp of them"
+                )
 
     def _check_tiny_model(self) -> None:
         tiny = self.model.tiny

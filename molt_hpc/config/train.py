@@ -89,7 +89,14 @@ class ActorConfig(Section):
     groups_per_step: PositiveInt = 8
     """Groups (prompts × rollout.n_samples samples) consumed per training step, across all ranks."""
     micro_batch_size: PositiveInt = 16
-    """Sequences per forward/backward on one rank."""
+    """Sequences per forward/backward on one rank, when rows are padded (not packed)."""
+    packing: Literal["auto", "on", "off"] = "auto"
+    """Pack several samples into one row per micro-batch, up to `max_tokens_per_micro_batch` tokens,
+    attention confined to each sample (instead of a row per sample, padded). `auto`: on, unless the model
+    cannot be packed exactly (eager attention, sliding windows, linear attention or state-space layers)."""
+    max_tokens_per_micro_batch: PositiveInt | None = None
+    """Token budget of a packed micro-batch (a row, split over the CP group when `cp > 1`); unset:
+    `micro_batch_size × rollout.max_total_tokens`, what a padded micro-batch may hold."""
     ppo_epochs: PositiveInt = 1
     """Passes over each step's batch."""
     mini_batches: PositiveInt = 1
@@ -119,9 +126,17 @@ class ActorConfig(Section):
     freeze_router: bool = True
     """Do not train MoE router (gate) weights (a train/inference consistency guard)."""
     cp: PositiveInt = 1
-    """Context-parallel degree (inside a node)."""
+    """Context-parallel degree (inside a node): Ulysses all-to-all over `cp` adjacent ranks, each running
+    1/cp of every row; needs cp to divide the attention heads and attention `sdpa` or `flash_attention_2`."""
     ep: PositiveInt = 1
     """Expert-parallel degree (inside a node, MoE only)."""
+    offload: Literal["none", "optimizer", "full"] = "none"
+    """Host memory for trainer state on GPUs. `optimizer`: AdamW's moments live in pinned host memory
+    between steps (copied to the GPU for the update and back: GPU memory for 8 bytes per parameter,
+    freed); `full`: FSDP2's CPU offload, parameters, gradients and optimizer state all on the host,
+    the update computed by the CPU (the most GPU memory saved, the slowest step). On a CPU trainer
+    everything already lives in host memory: `optimizer` changes nothing there, `full` runs the same
+    offload code path with no memory effect."""
 
 
 class CheckpointConfig(Section):

@@ -17,13 +17,19 @@ def error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def token_middleware(token: str):
-    """Every route needs `Authorization: Bearer <run token>` (cluster nodes are shared)."""
+def token_middleware(token: str, open_health: bool = False):
+    """Every route needs `Authorization: Bearer <run token>` (cluster nodes are shared).
+
+    With `open_health`, `GET /health` without the token answers `{"status": "ok"}` and nothing
+    else: vLLM's router health-checks engines without credentials (`router.kind = "vllm-router"`).
+    """
     expected = f"Bearer {token}".encode()
 
     @web.middleware
     async def check(request: web.Request, handler):
         got = request.headers.get("Authorization", "").encode()
+        if open_health and request.path == "/health" and request.method == "GET" and got != expected:
+            return web.json_response({"status": "ok"})  # liveness only: no state without the token
         if not hmac.compare_digest(got, expected):
             return error(401, "missing or wrong token: send 'Authorization: Bearer <token>' (rendezvous/token)")
         return await handler(request)

@@ -89,7 +89,7 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
         seed=cfg.run.seed * 1000 + index,
     )
     state = EngineState(sched, model.config.vocab_size, eng.max_model_len, str(cfg.model.path), index)
-    app = build_app(state, run.token())
+    app = build_app(state, run.token(), open_health=cfg.router.kind == "vllm-router")
     sync = WeightSync(state, model)
     sync.add_routes(app)
     return app, sched, sync

@@ -47,8 +47,10 @@ async def run_on_scheduler(state: EngineState, fn) -> Any:
     return await asyncio.wrap_future(state.scheduler.call(fn))
 
 
-def build_app(state: EngineState, token: str) -> web.Application:
-    app = web.Application(middlewares=[token_middleware(token), errors_middleware], client_max_size=1 << 30)
+def build_app(state: EngineState, token: str, open_health: bool = False) -> web.Application:
+    """The engine's routes; `open_health`: see `token_middleware`."""
+    middlewares = [token_middleware(token, open_health), errors_middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=1 << 30)
     app["state"] = state
     ids = itertools.count()
     sched = state.scheduler

@@ -43,6 +43,8 @@ class Front:
     version: int = 0
     on_version: Callable[[int], None] | None = None
     session: aiohttp.ClientSession | None = None
+    open_health: bool = False
+    """Answer a tokenless `GET /health` with liveness only (vLLM's router checks engines that way)."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -122,7 +124,8 @@ def relay(status: int, body: bytes, content_type: str) -> web.Response:
 
 def build_front(front: Front) -> web.Application:
     """The aiohttp app of one front; its client session opens on startup and closes on cleanup."""
-    app = web.Application(middlewares=[token_middleware(front.token), errors_middleware], client_max_size=1 << 30)
+    middlewares = [token_middleware(front.token, front.open_health), errors_middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=1 << 30)
 
     async def open_session(_app: web.Application) -> None:
         # No total timeout: /update_weights blocks for a whole transfer, a long generate for minutes.

@@ -162,7 +162,7 @@ async def serve_front(
     from molt_hpc.engine.vllm_front import Front, build_front
 
     log = get_logger()
-    front = Front(upstream, run.token(), index)
+    front = Front(upstream, run.token(), index, open_health=cfg.router.kind == "vllm-router")
     runner = web.AppRunner(build_front(front), handler_cancellation=True, access_log=None)
     await runner.setup()
     sock = socket.create_server((cfg.engines.host, 0))  # port 0: the kernel picks a free one

@@ -22,6 +22,7 @@ from molt_hpc.launch.progress import Progress
 from molt_hpc.log import MetricsWriter, get_logger
 from molt_hpc.models import resolve_model
 from molt_hpc.rundir import RunDir, atomic_write, create_run_dir
+from molt_hpc.trackers import Trackers, check_optional_packages
 
 STOP_WAIT_S = 300.0
 
@@ -76,6 +77,12 @@ def actor_child(cfg: MoltConfig, run: RunDir) -> Child:
 def run_local(cfg: MoltConfig) -> int:
     """Run (or continue) `cfg`'s run on this machine; returns the process exit code."""
     log = get_logger()
+    check_optional_packages(cfg)
+    if cfg.actor.ranks % cfg.actor.cp:
+        raise ValueError(
+            f"actor.ranks ({cfg.actor.ranks}) is not a multiple of actor.cp ({cfg.actor.cp}): each CP group "
+            "needs cp trainer ranks"
+        )
     run = prepare_run(cfg)
     log.info("run directory %s", run.path)
     pool = Child("engine pool", job_command("engine.py", str(run.path), "--role", "pool"), run.logs / "pool.log")
@@ -86,9 +93,10 @@ def run_local(cfg: MoltConfig) -> int:
         actor.env.update(_gpu_env(actor_gpus))
         pool.env.update(_gpu_env(pool_gpus))
         log.info("GPUs: actor pool %s, engine pool %s", actor_gpus or "none", pool_gpus or "none")
+    trackers = Trackers(cfg.logging, run, cfg.run.name)
     children = [pool.start(), actor.start()]
     atomic_write(run.path / "processes.json", json.dumps({c.name: c.pid for c in children}))
-    progress = Progress(cfg, run)
+    progress = Progress(cfg, run, trackers)
     interrupts = 0
 
     def on_signal(signum, _frame):
@@ -110,6 +118,7 @@ def run_local(cfg: MoltConfig) -> int:
         codes = stop_all(children)
         log.info("stopped: %s", exit_report(codes))
         progress.close()
+        trackers.close()
         for s, handler in old.items():
             signal.signal(s, handler)
     removed = release_finished(run.path) if code == 0 else None  # a stopped run keeps its spool to resume from

@@ -1,10 +1,15 @@
 """What an interactive or logged local run shows: a progress bar or one line per step, then a summary.
 
 It follows the trainer's records in `metrics.jsonl` (source `actor`), so it shows exactly what the
-machine-readable record holds.
+machine-readable record holds. Where no step comes for a while, it says what the run is doing
+instead (`activity`): engines starting (a vLLM engine loads for minutes) or a checkpoint being
+written, with the bytes so far.
 """
 
+import contextlib
 import json
+import time
+from typing import Any
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import interactive, step_line
@@ -14,10 +19,14 @@ from molt_hpc.rundir import RunDir
 class Progress:
     """Follows `metrics.jsonl` and renders new trainer steps."""
 
-    def __init__(self, cfg: MoltConfig, run: RunDir):
+    def __init__(self, cfg: MoltConfig, run: RunDir, trackers: Any = None):
         self.run = run
+        self.trackers = trackers
+        """`molt_hpc.trackers.Trackers` fed on every update (W&B, TensorBoard), or None."""
         self.records: list[dict] = []
         self._offset = 0
+        self._last_shown = time.monotonic()
+        self.engines = cfg.engines.count  # a local run has one node
         mode = cfg.logging.progress
         self.bar = None
         if mode == "bar" or (mode == "auto" and interactive()):
@@ -26,15 +35,33 @@ class Progress:
             self.bar = tqdm(total=cfg.run.steps, desc="steps", unit="step", dynamic_ncols=True)
 
     def update(self) -> None:
+        if self.trackers is not None:
+            self.trackers.update()
+        self._show_activity()
         for rec in self._new_records():
             if rec.get("source") != "actor" or "step" not in rec:
                 continue
             self.records.append(rec)
+            self._last_shown = time.monotonic()
             if self.bar is not None:
                 self.bar.n = rec["step"]
                 self.bar.set_postfix_str(_postfix(rec), refresh=True)
             else:
                 print(step_line(rec["step"], rec), flush=True)
+
+    def _show_activity(self) -> None:
+        """Every `ACTIVITY_S` without a new step: one line (or the bar's postfix) saying what happens."""
+        now = time.monotonic()
+        if now - self._last_shown < ACTIVITY_S:
+            return
+        what = activity(self.run, self.engines)
+        if what is None:
+            return
+        self._last_shown = now
+        if self.bar is not None:
+            self.bar.set_postfix_str(what, refresh=True)
+        else:
+            print(what, flush=True)
 
     def _new_records(self) -> list[dict]:
         path = self.run.metrics
@@ -78,3 +105,22 @@ def _postfix(rec: dict) -> str:
         if rec.get(key) is not None:
             parts.append(f"{label} {format(rec[key], fmt)}")
     return ", ".join(parts)
+
+
+ACTIVITY_S = 15.0
+
+
+def activity(run: RunDir, engines: int) -> str | None:
+    """What the run is busy with when no step is coming: a checkpoint being written, or start-up."""
+    from molt_hpc.checkpoint import TMP_PREFIX
+
+    for tmp in run.checkpoints.glob(f"{TMP_PREFIX}*"):
+        written = 0
+        for f in tmp.rglob("*"):
+            with contextlib.suppress(OSError):  # published (renamed) while we count: the total is a sketch
+                written += f.stat().st_size if f.is_file() else 0
+        return f"writing checkpoint {tmp.name.removeprefix(TMP_PREFIX)}: {written / 1e9:.3g} GB so far"
+    up = len(list(run.rendezvous.glob("engine-*.json")))
+    if up < engines:
+        return f"starting: {up}/{engines} engines up (a vLLM engine loads and compiles for minutes; see logs/)"
+    return None

@@ -48,6 +48,9 @@ def standalone_script(cfg: MoltConfig) -> str:
 
 
 def _check_model(cfg: MoltConfig) -> None:
+    from molt_hpc.trackers import check_optional_packages
+
+    check_optional_packages(cfg)  # a missing tracker or router package fails here, not in the job
     if not cfg.model.is_builtin:
         from molt_hpc.models import check_model_dir
 

@@ -23,6 +23,8 @@ from molt_hpc.config import MoltConfig, load_config
 from molt_hpc.launch.procs import Child
 from molt_hpc.launch.slurm_state import control_file, record_job_id, touch_control
 from molt_hpc.log import get_logger, setup_logging
+from molt_hpc.rundir import RunDir
+from molt_hpc.trackers import Trackers
 
 POLL_S = 0.5
 POOL_STOP_S = 15.0
@@ -88,12 +90,14 @@ def drive(run_dir: Path) -> dict[str, object]:
 
     prepare_run(cfg)
     actor, pool = job_steps(cfg, run_dir, job_id)
+    trackers = Trackers(cfg.logging, RunDir(run_dir), cfg.run.name)
     try:
         for step in (actor, pool):
             step.start()
             log.info("started %s: %s", step.name, " ".join(step.cmd))
-        return Lifecycle(cfg, run_dir, job_id, actor, pool, signals).run()
+        return Lifecycle(cfg, run_dir, job_id, actor, pool, signals, trackers).run()
     finally:
+        trackers.close()
         for step in (pool, actor):  # whatever happened, no step outlives the driver
             if step.proc is not None and step.poll() is None:
                 step.stop(POOL_STOP_S)
@@ -102,8 +106,10 @@ def drive(run_dir: Path) -> dict[str, object]:
 class Lifecycle:
     """The watch loop and what follows it; one instance per job start."""
 
-    def __init__(self, cfg: MoltConfig, run_dir: Path, job_id: str, actor: Child, pool: Child, signals: StopSignals):
-        self.cfg, self.run_dir, self.job_id = cfg, run_dir, job_id
+    def __init__(
+        self, cfg: MoltConfig, run_dir: Path, job_id: str, actor: Child, pool: Child, signals: StopSignals, trackers
+    ):
+        self.cfg, self.run_dir, self.job_id, self.trackers = cfg, run_dir, job_id, trackers
         self.actor, self.pool, self.signals = actor, pool, signals
         self.log = get_logger()
 
@@ -138,6 +144,7 @@ class Lifecycle:
         """Poll both steps until one of: done, stop (signal), cancel, engines failed (or raise)."""
         while True:
             time.sleep(POLL_S)
+            self.trackers.update()
             if self.signals.received:
                 return "stop"
             if control_file(self.run_dir, "cancel").exists():

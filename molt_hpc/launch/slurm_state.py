@@ -75,3 +75,17 @@ def slurm_job_state(run_dir: str | Path) -> str | None:
     if job_id is None:
         return None
     return f"job {job_id} {job_state(job_id) or 'UNKNOWN (Slurm does not know it any more)'}"
+
+
+def queue_detail(run_dir: str | Path) -> str | None:
+    """For a pending job: why it waits and when Slurm expects it to start (`squeue`'s %r and %S)."""
+    job_id = read_job_id(run_dir)
+    if job_id is None:
+        return None
+    for line in _query("squeue", "-h", "-j", job_id, "-o", "%i|%T|%r|%S").splitlines():
+        jid, state, reason, start = [*line.split("|"), "", "", ""][:4]
+        if jid not in (job_id, f"{job_id}+0") or state != "PENDING":
+            continue
+        when = "Slurm gives no estimate yet" if start in ("", "N/A") else f"Slurm expects it to start at {start}"
+        return f"waiting in the queue: reason {reason or 'none given'}; {when}"
+    return None

@@ -4,6 +4,8 @@
 - `resolve`: `model.path` to a directory; the `builtin:` registry, each built once into the model cache.
 - `tiny_char`: `builtin:tiny-char`, the offline character-level Qwen3 the CPU demo and tests train.
 - `gguf`: GGUF checkpoints from installed packages (`builtin:smollm2`), converted once to safetensors.
+- `sharded`: the trainer's loading: a model built on the meta device, sharded, each rank reading only its
+  slices of the safetensors files (`slices`: names, fused MoE experts, region reads).
 """
 
 from molt_hpc.models.load import check_model_dir, load_causal_lm, load_tokenizer, quiet_transformers

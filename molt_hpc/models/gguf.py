@@ -51,7 +51,8 @@ def load_gguf(gguf_file: str | Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from molt_hpc.models.load import quiet_transformers
+    from molt_hpc.log import get_logger
+    from molt_hpc.models.load import quiet_transformers, transformers_progress
 
     require_gguf()
     path = Path(gguf_file).expanduser().resolve()
@@ -60,7 +61,9 @@ def load_gguf(gguf_file: str | Path):
     quiet_transformers()
     kwargs = {"gguf_file": path.name, "local_files_only": True}
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kwargs)
+    get_logger().info("converting %s to safetensors (once; about 20 s for SmolLM2-135M)", path.name)
+    with transformers_progress():  # dequantising shows a bar per tensor on a terminal
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kwargs)
     # The weights are already dequantised; dropping the GGUF quantizer marks the model as a plain
     # fp32 one, which save_pretrained accepts and which loads back without `gguf_file`.
     model.hf_quantizer = None

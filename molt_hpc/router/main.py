@@ -140,6 +140,10 @@ async def serve(cfg: MoltConfig, run: RunDir) -> None:
 
 def main(cfg: MoltConfig, run_dir: str | Path) -> int:
     """Run the router of the run in `run_dir` until SIGTERM."""
+    if cfg.router.kind == "vllm-router":
+        from molt_hpc.router import vllm_router
+
+        return vllm_router.main(cfg, run_dir)
     setup_logging("router", cfg.logging.level)
     asyncio.run(serve(cfg, RunDir(Path(run_dir))))
     return 0

@@ -1,0 +1,103 @@
+"""`router.kind = "vllm-router"`: vLLM's Rust router started and watched by our router process, real engines."""
+
+import contextlib
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from molt_hpc.router.vllm_router import command
+from tests.test_rollout_procs import Pool, base_overrides, make_run, spawn, wait_file
+
+pytest.importorskip("vllm_router")
+pytestmark = pytest.mark.timeout(300)
+
+
+def generate(url: str, token: str | None, session: str) -> tuple[int, dict]:
+    body = json.dumps({"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2, "temperature": 0.0}})
+    headers = {"Content-Type": "application/json", "X-Session-ID": session}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url + "/inference/v1/generate", data=body.encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, {}
+
+
+def engine_of(answer: dict) -> int:
+    return int(answer["id"].split("-")[1])  # the built-in engine names its answers gen-<index>-<n>
+
+
+def wait_until(condition, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.2)
+    return value
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory, tiny_model_dir):
+    """One pool for the module; the tests run in file order and the last one stops its router."""
+    run, cfg = make_run(
+        tmp_path_factory.mktemp("vllm-router"), "pool", [*base_overrides(tiny_model_dir), "router.kind=vllm-router"]
+    )
+    pool = Pool(run, cfg)
+    pool.engines = [pool.start_engine(i) for i in range(2)]
+    for i, p in enumerate(pool.engines):
+        wait_file(run.rendezvous / f"engine-{i}.json", [p], pid=p.proc.pid)
+    pool.router = spawn("engine.py", [str(run.path), "--role", "router"], run.logs / "router.log")
+    try:
+        wait_file(run.rendezvous / "router.json", [pool.router])
+        yield pool
+    finally:
+        pool.stop()
+
+
+def test_engines_answer_a_tokenless_health_check_with_liveness_only(pool) -> None:
+    url = pool.engine_url(0)
+    with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+        assert json.loads(resp.read()) == {"status": "ok"}  # no scheduler state without the token
+    with urllib.request.urlopen(urllib.request.Request(url + "/health", headers=pool.run.auth_headers())) as resp:
+        assert "index" in json.loads(resp.read())
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        urllib.request.urlopen(url + "/v1/models", timeout=10)
+    assert pool.run.token() not in " ".join(command(pool.cfg, 1234, ["http://127.0.0.1:1"]))
+
+
+def test_sessions_stick_tokens_are_checked_and_a_restarted_engine_is_followed(pool) -> None:
+    url, token = json.loads((pool.run.rendezvous / "router.json").read_text())["url"], pool.run.token()
+    firsts = {}
+    for s in range(8):
+        status, answer = generate(url, token, f"session-{s}")
+        assert status == 200 and len(answer["choices"][0]["token_ids"]) == 2
+        firsts[s] = engine_of(answer)
+    assert len(set(firsts.values())) == 2  # 8 sessions spread over both engines (fails with probability 2^-7)
+    for s, engine in firsts.items():  # every later turn of a session reaches the same engine
+        assert engine_of(generate(url, token, f"session-{s}")[1]) == engine
+    assert generate(url, None, "session-0")[0] == 401  # the engines still refuse a request without the token
+    assert generate(url, "wrong", "session-0")[0] == 401
+
+    old = pool.engine_url(0)
+    pool.engines[0].stop()
+    pool.engines[0] = pool.start_engine(0)  # back on a new port, as the pool restarts engines
+    wait_file(pool.run.rendezvous / "engine-0.json", [pool.engines[0]], pid=pool.engines[0].proc.pid)
+    assert pool.engine_url(0) != old
+    log = pool.run.logs / "router.log"
+    wait_until(lambda: "restarting vllm-router" in log.read_text())
+    answers = [wait_until(lambda s=s: generate(url, token, f"session-{s}")[0] == 200) for s in range(8)]
+    assert all(answers)  # every session is served again, on the same router address
+
+
+def test_a_worker_added_behind_the_run_stops_the_router(pool) -> None:
+    url = json.loads((pool.run.rendezvous / "router.json").read_text())["url"]
+    stranger = pool.engine_url(1).replace("http://127.0.0.1:", "http://localhost:")  # same server, foreign name
+    req = urllib.request.Request(f"{url}/add_worker?url={stranger}", method="POST")
+    with contextlib.suppress(OSError):  # vLLM's router takes this without any token (it may answer late)
+        urllib.request.urlopen(req, timeout=30).close()
+    assert pool.router.proc.wait(timeout=60) == 1
+    assert "not engines of this run" in (pool.run.logs / "router.log").read_text()
