@@ -11,7 +11,7 @@ through `StepEnvRunner` as the orchestrator does. Rows, each round in a rotated 
   `env_timeout_s = 2`; its group is dropped (`on_env_error = drop_group`), the others go on. The
   in-process host would freeze on the first one, so it has no such row.
 
-    .venv/bin/python bench/env_workers.py [--groups 64] [--rounds 6] [--hang-every 256]
+    .venv/bin/python bench/env_workers.py [--groups 256] [--rounds 5] [--hang-every 256]
 """
 
 import argparse
@@ -115,8 +115,8 @@ async def bench(args, tok, cfg, router_url, run, prompts, hang_file: Path) -> tu
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--groups", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--groups", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--hang-every", type=int, default=256)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-env-workers-") as tmp:
