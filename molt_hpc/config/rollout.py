@@ -31,8 +31,9 @@ class RolloutConfig(Section):
     """Most model turns of a multi-turn episode."""
     env_timeout_s: PositiveFloat = 30.0
     """A single `Env.step` (or `reset`, or the env's construction) that takes longer fails its sample; with
-    `env_workers`, the worker running it is killed and a fresh one takes its place. A chat-mode episode
-    gets `env_timeout_s + max_turns × request_timeout_s` in all."""
+    `env_workers`, the worker running it is killed and a fresh one takes its place (there, construction
+    and `reset` run as one call allowed twice this). A chat-mode episode gets
+    `env_timeout_s + max_turns × request_timeout_s` in all."""
     env_workers: NonNegativeInt | Literal["auto"] = "auto"
     """Processes that run the env's construction, `reset` and `step` (env mode), so that an env holding the
     GIL (a runaway regular expression, a long C call) cannot freeze the orchestrator: a call past
