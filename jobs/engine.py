@@ -6,7 +6,6 @@ config from `RUN_DIR/config.toml`; heavy modules are imported after the argument
 """
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
@@ -72,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip the interpreter's teardown of torch + transformers (seconds); nothing is left to flush.
-    os._exit(code)
+    from molt_hpc.log import end_process
+
+    # Skip the interpreter's teardown of torch + transformers (seconds, and torch's own threads).
+    end_process(code)

@@ -184,6 +184,15 @@ def buffer_stats_cmd(run_dir: str) -> None:
     click.echo("\n".join(stats_lines(run_dir)))
 
 
+@buffer_group.command("clean")
+@click.argument("run_dir")
+def buffer_clean_cmd(run_dir: str) -> None:
+    """Remove a finished or stopped run's /dev/shm spool (refused while the run is live)."""
+    from molt_hpc.buffer.cleanup import clean
+
+    click.echo(clean(run_dir))
+
+
 @main.command("submit")
 @click.argument("config", required=False)
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)

@@ -63,7 +63,10 @@ def status_lines(run_dir: str | Path) -> list[str]:
 def _buffer_line(run_dir: Path) -> str:
     from molt_hpc.buffer import find_spool, spool_counts
 
-    root = find_spool(run_dir)
+    try:
+        root = find_spool(run_dir)
+    except ValueError as err:  # removed after the run finished, or never created
+        return f"buffer: {err}"
     if not root.is_dir():
         return f"buffer: {root} is gone (a /dev/shm spool does not survive a reboot)"
     counts = spool_counts(root)

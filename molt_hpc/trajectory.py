@@ -113,3 +113,21 @@ class Group:
     @property
     def rewards(self) -> list[float]:
         return [s.reward for s in self.samples]
+
+
+FINISHED_REWARDS = "finished_rewards"
+"""`Group.meta` key: `[sum, count]` of the env rewards of every finished sample this group reports: its
+own, and those of the groups dynamic sampling dropped since the previous group reached the buffer."""
+
+
+def finished_reward(groups: list[Group]) -> float | None:
+    """The mean env reward over every finished sample that `groups` report (kept or filtered): the
+    `reward` of a training step. A group without the record (written before it existed) reports its own
+    samples."""
+    total, count = 0.0, 0
+    for g in groups:
+        record = g.meta.get(FINISHED_REWARDS)
+        if record is None:
+            record = [sum(s.reward for s in g.samples), len(g.samples)]
+        total, count = total + float(record[0]), count + int(record[1])
+    return total / count if count else None

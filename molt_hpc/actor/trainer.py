@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from molt_hpc import checkpoint as ck
 from molt_hpc.actor import build, state
@@ -23,13 +22,14 @@ from molt_hpc.actor.moe_router import MoeRouting
 from molt_hpc.actor.packing import sequence_layout
 from molt_hpc.actor.step import Models, train_step
 from molt_hpc.actor.sync import EngineSync
-from molt_hpc.actor.world import World, init_world, share
+from molt_hpc.actor.world import World, close_world, init_world, share
 from molt_hpc.algorithm.logprob_kernels import check_kernel
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import MetricsWriter, get_logger, setup_logging, step_line
 from molt_hpc.models import resolve_model
 from molt_hpc.models.sharded import meta_model
 from molt_hpc.rundir import RunDir
+from molt_hpc.trajectory import finished_reward
 
 
 def resume_point(cfg: MoltConfig, run: RunDir, base: Path, required: bool) -> Path | None:
@@ -162,6 +162,12 @@ class Trainer:
         if req.refit and not req.stop:
             self.refit()
 
+    def close(self) -> None:
+        """Close what this rank opened: the refit sender (its engine connections and TCPStore), metrics."""
+        self.sync.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
     def run(self) -> int:
         cfg = self.cfg
         self.refit()
@@ -189,6 +195,10 @@ class Trainer:
         self.memory.start()
         metrics = train_step(groups, cfg, self.models, self.world, self.pad_id)
         step_s = time.perf_counter() - t0
+        # `reward`: every finished sample the batch reports (dynamic sampling's dropped ones included);
+        # `reward_trained`: the samples this step trained on.
+        metrics["reward_trained"] = metrics.pop("reward")
+        metrics["reward"] = finished_reward(groups)
         self.step += 1
         self.feed.record(groups)
         self.feed.heartbeat()
@@ -213,16 +223,25 @@ class Trainer:
 
 
 def main(cfg: MoltConfig, run_dir: str | Path, *, resume: bool = False) -> int:
-    """Train the run in `run_dir` on this rank (torchrun starts one per rank); returns the exit code."""
+    """Train the run in `run_dir` on this rank (torchrun starts one per rank); returns the exit code.
+
+    The shutdown is ordered: the refit sender's connections and store close, the metrics file closes,
+    every rank meets at a barrier (a clean end only), then the process groups are destroyed. The
+    entry point then leaves through `end_process`, past the interpreter teardown that torch's own
+    threads do not survive.
+    """
     run = RunDir(Path(run_dir).absolute())
     world = init_world(cfg.actor)
     quiet = not world.is_main and not cfg.logging.all_ranks
     setup_logging(f"actor r{world.rank}", cfg.logging.level, quiet=quiet)
+    trainer = None
+    clean = False
     try:
         trainer = Trainer(cfg, run, world, resume)
         code = trainer.run()
-        trainer.sync.close()
-        dist.barrier()
+        clean = True
         return code
     finally:
-        dist.destroy_process_group()
+        if trainer is not None:
+            trainer.close()
+        close_world(barrier=clean)

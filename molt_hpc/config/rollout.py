@@ -30,8 +30,16 @@ class RolloutConfig(Section):
     max_turns: PositiveInt = 1
     """Most model turns of a multi-turn episode."""
     env_timeout_s: PositiveFloat = 30.0
-    """A single `Env.step` (or `reset`) that takes longer fails its sample. A chat-mode episode gets
+    """A single `Env.step` (or `reset`, or the env's construction) that takes longer fails its sample; with
+    `env_workers`, the worker running it is killed and a fresh one takes its place (there, construction
+    and `reset` run as one call allowed twice this). A chat-mode episode gets
     `env_timeout_s + max_turns × request_timeout_s` in all."""
+    env_workers: NonNegativeInt | Literal["auto"] = "auto"
+    """Processes that run the env's construction, `reset` and `step` (env mode), so that an env holding the
+    GIL (a runaway regular expression, a long C call) cannot freeze the orchestrator: a call past
+    `env_timeout_s` kills its worker and fails only its sample. An episode stays in one worker. `auto`:
+    one per 8 usable cores, at least 2 and at most 8. 0 runs envs in the orchestrator's own threads (no
+    process boundary; a GIL-holding env freezes the rollout). Chat-mode agents run in the orchestrator."""
     on_env_error: Literal["drop_group", "retry"] = "drop_group"
     """A failed sample (env raised or timed out) drops its group, or is retried from its start.
     Engine failures (lost connection, 5xx, an aborted request) are always retried from the start."""

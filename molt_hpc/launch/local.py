@@ -24,8 +24,9 @@ from pathlib import Path
 
 from molt_hpc import fault
 from molt_hpc.actor.ep_check import check_ep, model_experts
+from molt_hpc.buffer.cleanup import release_finished
 from molt_hpc.config import MoltConfig, to_toml
-from molt_hpc.launch.procs import REPO, Child, job_command, stop_all
+from molt_hpc.launch.procs import REPO, Child, exit_report, job_command, stop_all
 from molt_hpc.launch.progress import Progress
 from molt_hpc.launch.watchdog import Watchdog
 from molt_hpc.log import MetricsWriter, get_logger, log_tail
@@ -137,16 +138,21 @@ def run_local(cfg: MoltConfig) -> int:
         children.append(actor.start())
         record = {"launcher": os.getpid(), **{c.name: c.pid for c in children}}
         atomic_write(run.path / "processes.json", json.dumps(record))
-        return _supervise(run, actor, pool, progress, watchdog, lambda: interrupts > 0)
+        code = _supervise(run, actor, pool, progress, watchdog, lambda: interrupts > 0)
     except KeyboardInterrupt:
         log.warning("stopped at once%s", _resume_hint(run, "; continue from checkpoint {name} with: "))
-        return 130
+        code = 130
     finally:
-        stop_all(children)
+        codes = stop_all(children)
+        log.info("stopped: %s", exit_report(codes))
         progress.close()
         trackers.close()
         for s, handler in old.items():
             signal.signal(s, handler)
+    removed = release_finished(run.path) if code == 0 else None  # a stopped run keeps its spool to resume from
+    if removed is not None:
+        log.info("removed the finished run's replay buffer %s", removed)
+    return code
 
 
 def _wait_for_engines(cfg: MoltConfig, run: RunDir, pool: Child, stopping) -> int | None:

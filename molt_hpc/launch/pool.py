@@ -15,7 +15,7 @@ import time
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.fault import fail
-from molt_hpc.launch.procs import Child, job_command, stop_all
+from molt_hpc.launch.procs import Child, exit_report, job_command, stop_all
 from molt_hpc.log import get_logger
 from molt_hpc.rundir import RunDir
 
@@ -99,7 +99,9 @@ def run_pool(cfg: MoltConfig, run: RunDir, node_rank: int, max_restarts: int) ->
                 log.info("%s finished", child.name)
                 finishing.remove(child)
     finally:
-        stop_all(children)
+        codes = stop_all(children)
+        failed = {n: c for n, c in codes.items() if c not in (0, None)}
+        (log.warning if failed else log.info)("pool stopped: %s", exit_report(codes))
 
 
 def restart(child: Child, code: int, max_restarts: int, run: RunDir) -> bool:

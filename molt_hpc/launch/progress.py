@@ -127,6 +127,7 @@ def _postfix(rec: dict) -> str:
     parts = []
     for key, label, fmt in (
         ("reward", "reward", ".3f"),
+        ("reward_trained", "trained", ".3f"),
         ("kl", "kl", ".4f"),
         ("kl_rollout", "kl(rollout)", ".4f"),
         ("tokens_per_s", "tok/s", ".0f"),

@@ -71,6 +71,7 @@ class Lifecycle:
         if outcome == "done":
             self.pool.stop(POOL_STOP_S)
             self.log.info("training finished; engine pool stopped after %d relaunches", self.pool.restarts)
+            self.release_buffer()
             return {"status": "done", "engine_restarts": self.pool.restarts}
         if outcome == "failed":
             self.checkpoint_and_stop_actor()
@@ -91,6 +92,14 @@ class Lifecycle:
             return self.stop_and_leave("SIGUSR1", "warning")
         what = self.signals.received or f"the {outcome}"  # a step stopped by a signal the driver did not get
         return self.stop_and_leave(what, stop_cause(self.job_id, self.restart))
+
+    def release_buffer(self) -> None:
+        """Training finished and both steps stopped: free the run's /dev/shm spool (shm backend)."""
+        from molt_hpc.buffer.cleanup import release_finished
+
+        removed = release_finished(self.run_dir)
+        if removed is not None:
+            self.log.info("removed the finished run's replay buffer %s", removed)
 
     def watch(self) -> str:
         """Poll both steps until: done, signal, cancel, failed, actor/pool stopped, engines failed (or raise)."""
@@ -159,6 +168,7 @@ class Lifecycle:
         self.pool.stop(POOL_STOP_S)
         if self.done():
             self.log.info("training finished while stopping")
+            self.release_buffer()
             return {"status": "done", "engine_restarts": self.pool.restarts}
         if cause == "cancel" or control_file(self.run_dir, "cancel").exists():
             if stop_cause(self.job_id, self.restart) == "cancelled":  # `cancel --now`: Slurm ends it already

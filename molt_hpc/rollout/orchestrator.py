@@ -28,7 +28,7 @@ from molt_hpc.rollout.group import GroupOutcome, Runner, run_group
 from molt_hpc.rollout.metrics import RolloutStats
 from molt_hpc.rollout.state import RolloutState
 from molt_hpc.rundir import RunDir
-from molt_hpc.trajectory import Group
+from molt_hpc.trajectory import FINISHED_REWARDS, Group
 
 POLL_S = 0.25
 FAILURE_RECORD_S = 10.0
@@ -104,6 +104,8 @@ class Orchestrator:
         self.eval_prompts = eval_prompts or []
         self.eval_task: asyncio.Task | None = None
         self.stats = RolloutStats()
+        self.unreported = [0.0, 0]
+        """[sum, count] of the rewards of samples in groups dropped since the last put (the next put reports them)."""
         self.metrics = MetricsWriter(run.metrics, source="rollout")
         self.stop = stop or asyncio.Event()
         self.log = get_logger()
@@ -208,6 +210,7 @@ class Orchestrator:
         outcome: GroupOutcome = task.result()  # anything but a sample failure is a bug: let it stop us
         self.stats.finished(outcome)
         self.count_failure(outcome, pos)
+        raw = [s.reward for s in outcome.group.samples] if outcome.group is not None else []
         if outcome.failure == "engine":  # the pool is down, not the prompt: issue it again once engines are back
             self.log.warning("group %s failed on the engines; it will be issued again", pos.group_id)
             self.reissue.append(pos)
@@ -223,10 +226,14 @@ class Orchestrator:
             if reason == "equal_rewards":
                 self.stats.filtered(reason)
             self.state.groups_dropped += 1
+            self.unreported = [self.unreported[0] + sum(raw), self.unreported[1] + len(raw)]
         else:
             if spent and alg.dynamic_sampling and not has_signal(group):
                 self.stats.counts["groups_kept_over_drop_budget"] += 1
             group.meta["engine_version"] = self.link.version
+            # The trainer's `reward` averages every finished sample: this group's, and the dropped ones'.
+            group.meta[FINISHED_REWARDS] = [self.unreported[0] + sum(raw), self.unreported[1] + len(raw)]
+            self.unreported = [0.0, 0]
             await self.put(group)
             self.state.groups_accepted += 1
             self.stats.accepted(group)
@@ -276,17 +283,20 @@ class Orchestrator:
             self.eval_task = asyncio.create_task(evaluate(self.runner, self.eval_prompts, version))
 
     def write_record(self) -> None:
-        extra = {"version": self.link.version, "in_flight": len(self.tasks), **self.buffer.stats()}
+        envs = getattr(self.runner, "envs", None)  # env mode: where the env runs, and what its workers went through
+        env_stats = envs.stats() if envs is not None else {}
+        extra = {"version": self.link.version, "in_flight": len(self.tasks), **self.buffer.stats(), **env_stats}
         if self.first_failure is not None:
             extra["first_failure"] = self.first_failure
         record = self.stats.record(**extra, groups_accepted_total=self.state.groups_accepted)
         self.last_record = time.monotonic()
         self.metrics.write(record)
         self.log.info(
-            "version %d | accepted %d | reward %s | len %s | %.1f tok/s | %.2f groups/s",
+            "version %d | accepted %d | reward %s (trained %s) | len %s | %.1f tok/s | %.2f groups/s",
             self.link.version,
             self.state.groups_accepted,
-            f"{record['reward_mean']:.3f}" if "reward_mean" in record else "-",
+            f"{record['reward']:.3f}" if "reward" in record else "-",
+            f"{record['reward_trained']:.3f}" if "reward_trained" in record else "-",
             f"{record['response_len_mean']:.1f}" if "response_len_mean" in record else "-",
             record["tokens_per_s"],
             record["groups_per_s"],
