@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -22,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from molt_hpc.actor.parallelize import parallelize
 from molt_hpc.config.train import ActorConfig
 from molt_hpc.refit.experts import expert_views
+from tests.ranks import spawn_ranks
 
 VOCAB, ROWS, COLS, LR, CLIP = 50, 8, 12, 0.5, 0.05
 
@@ -140,7 +140,7 @@ def reference():
 @pytest.fixture(scope="module")
 def ep_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ep")
-    mp.spawn(_rank_main, args=(WORLD, str(out / "store"), str(out)), nprocs=WORLD, join=True)
+    spawn_ranks(_rank_main, (WORLD, str(out / "store"), str(out)), WORLD)
     return out
 
 

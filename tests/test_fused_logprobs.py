@@ -11,7 +11,6 @@
 
 import json
 import math
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
+from tests.ranks import spawn_ranks
 
 VOCAB, TEMP = 97, 0.7
 
@@ -71,7 +71,7 @@ def _per_sample(exp, values):
     return [values[(exp.seq_index == n) & exp.action_mask].double().tolist() for n in range(exp.num_samples)]
 
 
-def _worker(out: str) -> None:
+def _worker(_rank: int, out: str) -> None:
     import copy
 
     from molt_hpc.actor.attention import DocumentAttention
@@ -148,10 +148,7 @@ def _gap(x: list[float], y: list[float]) -> float:
 
 def test_trainer_forward_from_hidden_states_equals_full_logits(tmp_path):
     out = tmp_path / "results.json"
-    proc = mp.get_context("spawn").Process(target=_worker, args=(str(out),))
-    proc.start()
-    proc.join(timeout=300)
-    assert proc.exitcode == 0, f"the worker failed (exit {proc.exitcode})"
+    spawn_ranks(_worker, (str(out),), 1)  # raises if the worker failed
     results = json.loads(out.read_text())
     assert sorted(results) == ["tied-packed", "tied-padded", "untied-packed", "untied-padded"]
     for case, r in results.items():

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from molt_hpc.actor.moe_router import MoeRouting
 from molt_hpc.algorithm import compute_advantages, experience_from_groups, policy_loss
+from tests.ranks import spawn_ranks
 from tests.test_actor_cp import V, config, groups, reference_logprobs
 
 E, K, LAYERS = 4, 2, 2
@@ -98,7 +98,7 @@ def test_cp2_packed_replay_moves_the_weights_as_one_plain_process(tmp_path) -> N
     from molt_hpc.net import free_port
 
     out = tmp_path / "ranks.pt"
-    mp.spawn(_rank_main, args=(free_port("127.0.0.1"), str(out)), nprocs=2, join=True)
+    spawn_ranks(_rank_main, (free_port("127.0.0.1"), str(out)), 2)
     got = torch.load(out, weights_only=False)
     assert got["packed"]
     want, totals = reference(config("actor.router_replay=true"))
