@@ -106,7 +106,7 @@ def check_model(cfg: MoltConfig, original: str, cwd: Path):
         if path not in BUILTINS:
             names = ", ".join(repr(n) for n in BUILTINS)
             raise PreflightError(f"model.path = {path!r} is not a builtin model: the builtin models are {names}")
-        if path == "builtin:tiny-char":
+        if path != "builtin:smollm2":  # the tiny models are built from a config with the tiny-char tokenizer
             from molt_hpc.models import build_tiny_tokenizer
 
             return build_tiny_tokenizer()
