@@ -31,3 +31,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("tiny-model")
     return build_tiny(out, MoltConfig().model.tiny)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory) -> Path:
+    """The default tiny MoE model (`builtin:tiny-moe`), built once per test session."""
+    from molt_hpc.config import MoltConfig
+    from molt_hpc.models import build_tiny_moe
+
+    out = tmp_path_factory.mktemp("tiny-moe")
+    return build_tiny_moe(out, MoltConfig().model.tiny_moe)

@@ -4,7 +4,7 @@ is an HF sequence-classification model whose scores and saved statistics a plain
 reproduces.
 
 Real parts: the tiny model built offline, the shipped reversal data, `StageTrainer` with FSDP2 and
-its micro-batching, torch.distributed gloo groups of 1 and 2 processes (`torch.multiprocessing`).
+its micro-batching, torch.distributed gloo groups of 1 and 2 processes (`tests.ranks.spawn_ranks`).
 """
 
 import json
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.conftest import ROOT
+from tests.ranks import spawn_ranks
 
 ONE = ("actor.packing='off'", "actor.micro_batch_size=3")  # padded rows, several micro-batches
 TWO = ("actor.packing='on'", "actor.max_tokens_per_micro_batch=96")  # packed rows dealt to two ranks
@@ -41,7 +41,7 @@ def _worker(rank: int, size: int, port: int, tmp: str, model_dir: str, layout: t
     import torch.distributed as dist
 
     from molt_hpc.actor.supervised import StageTrainer, make_stage
-    from molt_hpc.actor.world import init_world
+    from molt_hpc.actor.world import close_world, init_world
     from molt_hpc.config import to_toml
     from molt_hpc.rundir import create_run_dir
 
@@ -58,7 +58,8 @@ def _worker(rank: int, size: int, port: int, tmp: str, model_dir: str, layout: t
         step.update(trainer.evaluate())
         trainer.checkpoint()
         results[stage] = step
-        dist.destroy_process_group()
+        trainer.close()
+    close_world()  # once: the stages share the world (a second group on the same port races the first's store)
     if rank == 0:
         Path(tmp, f"result-{size}.json").write_text(json.dumps(results))
 
@@ -66,7 +67,7 @@ def _worker(rank: int, size: int, port: int, tmp: str, model_dir: str, layout: t
 def run_world(tmp: Path, model_dir: Path, size: int, layout: tuple[str, ...]) -> dict:
     from molt_hpc.net import free_port
 
-    mp.spawn(_worker, args=(size, free_port("127.0.0.1"), str(tmp), str(model_dir), layout), nprocs=size, join=True)
+    spawn_ranks(_worker, (size, free_port("127.0.0.1"), str(tmp), str(model_dir), layout), size)
     return json.loads((tmp / f"result-{size}.json").read_text())
 
 

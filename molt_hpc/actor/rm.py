@@ -82,6 +82,7 @@ class RewardStage:
         self.train_data: PreferenceDataset | None = None
         self.eval_data: PreferenceDataset | None = None
         self.pad_id = 0
+        self.moe = None  # a reward model's MoE routers (if any) run as transformers runs them
 
     def expected_shapes(self, base: Path) -> dict[str, tuple[int, ...]]:
         from transformers import AutoConfig, AutoModelForSequenceClassification

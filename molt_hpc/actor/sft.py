@@ -8,6 +8,7 @@ log-likelihood of the reply tokens over the step's global supervised-token count
 The checkpoint's `policy` directory is an HF causal LM, a `model.path` for RL as it is.
 """
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ class SftStage:
         self.train_data: SftDataset | None = None
         self.eval_data: SftDataset | None = None
         self.pad_id = 0
+        self.moe = None
 
     def expected_shapes(self, base: Path) -> dict[str, tuple[int, ...]]:
         return build.expected_shapes(base)
@@ -72,13 +74,17 @@ class SftStage:
         count = global_token_count([mb.batch.action_mask for mb in mbs], group=world.dp_group)
         for mb in mbs:
             b = mb.batch.to(world.device)
-            logp, ent = policy_logprobs(model, b, 1.0, act.logprob_chunk)
-            loss = sft_loss(logp, b.action_mask, count)
-            (loss * world.dp_size).backward()
-            n = int(b.action_mask.sum()) if world.cp_rank == 0 else 0  # a CP group's ranks computed one loss
-            entropy = torch.where(b.action_mask, ent.detach(), 0.0).sum() / max(1, int(b.action_mask.sum()))
-            meter.add({"loss": loss.detach(), "entropy": entropy}, n)
-        return {"tokens": int(exp.attention_mask.sum()), "supervised_tokens": count, "rows": len(rows)}
+            tokens = int(mb.batch.action_mask.sum())  # from the host copy: no device sync
+            with self.moe.micro_batch(b) if self.moe else contextlib.nullcontext():
+                logp, ent = policy_logprobs(model, b, 1.0, act.logprob_chunk, act.logprob_kernel)
+                loss = sft_loss(logp, b.action_mask, count)
+                if self.moe:  # MoE aux losses, weighted like the loss (a share of the global tokens)
+                    loss = loss + self.moe.aux_loss(tokens / max(count, 1))
+                (loss * world.dp_size).backward()
+            entropy = torch.where(b.action_mask, ent.detach(), 0.0).sum() / max(1, tokens)
+            meter.add({"loss": loss.detach(), "entropy": entropy}, tokens if world.cp_rank == 0 else 0)
+        out = {"tokens": int(exp.attention_mask.sum()), "supervised_tokens": count, "rows": len(rows)}
+        return {**out, **(self.moe.step_metrics(exp) if self.moe else {})}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, world: World) -> dict[str, float]:
@@ -87,7 +93,7 @@ class SftStage:
         total, count = 0.0, 0.0
         for mb in mbs:
             b = mb.batch.to(world.device)
-            logp, _ = policy_logprobs(model, b, 1.0, self.cfg.actor.logprob_chunk)
+            logp, _ = policy_logprobs(model, b, 1.0, self.cfg.actor.logprob_chunk, self.cfg.actor.logprob_kernel)
             if world.cp_rank == 0:
                 total -= float(torch.where(b.action_mask, logp, 0.0).sum())
                 count += float(b.action_mask.sum())

@@ -21,7 +21,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from molt_hpc.actor import build, state
@@ -29,7 +28,8 @@ from molt_hpc.actor.control import Control, Requests
 from molt_hpc.actor.packing import sequence_layout
 from molt_hpc.actor.step import Meter, optimizer_step
 from molt_hpc.actor.trainer import _shared, latest_to_resume
-from molt_hpc.actor.world import World, init_world
+from molt_hpc.actor.world import World, close_world, init_world
+from molt_hpc.algorithm.logprob_kernels import check_kernel
 from molt_hpc.checkpoint import check_shapes
 from molt_hpc.config import MoltConfig
 from molt_hpc.config.stages import SupervisedData
@@ -54,6 +54,8 @@ class Stage(Protocol):
     """Tokens of one packed micro-batch, None for padded rows (set by the trainer)."""
     pad_id: int
     """The model's pad token id (set by the trainer)."""
+    moe: Any
+    """The policy's `MoeRouting` (aux losses, routing metrics) when it is an MoE model; None otherwise."""
 
     def expected_shapes(self, base: Path) -> dict[str, tuple[int, ...]]: ...
 
@@ -70,6 +72,7 @@ class StageTrainer:
     def __init__(self, cfg: MoltConfig, run: RunDir, world: World, stage: Stage, resume: bool):
         self.cfg, self.rundir, self.world, self.stage = cfg, run, world, stage
         self.log = get_logger()
+        check_kernel(cfg.actor.logprob_kernel, world.device)  # before minutes of loading
         self.base = _shared(lambda: resolve_model(cfg.model, run.models), world)
         ckpt = _shared(lambda: self._resume_point(resume), world)
         random.seed(cfg.run.seed)
@@ -111,6 +114,10 @@ class StageTrainer:
         self.log.info("micro-batches: %s", f"packed, {pack} tokens" if pack else f"{act.micro_batch_size} padded rows")
         model = build.load_model(path, cfg, world, stage.part, documents=docs)  # type: ignore[arg-type]
         stage.pad_id = model.config.pad_token_id or 0
+        if stage.part == "policy":  # an MoE policy: its routers in fp32, its aux losses (no replay: no engines)
+            from molt_hpc.actor.moe_router import MoeRouting
+
+            stage.moe = MoeRouting.for_policy(model, cfg)
         opt = build.build_optimizer(model, act, act.lr)
         return state.Trainable(self.stage.part, model, opt, build.build_scheduler(opt, act, cfg.run.steps))
 
@@ -141,6 +148,10 @@ class StageTrainer:
         if self.metrics is not None:
             self.metrics.write(record)
         self.log.info(step_line(record["step"], record))
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
 
     def serve(self, req: Requests) -> None:
         if req.checkpoint or req.stop:
@@ -210,14 +221,20 @@ def make_stage(cfg: MoltConfig) -> Stage:
 
 
 def main(cfg: MoltConfig, run_dir: str | Path, *, resume: bool = False) -> int:
-    """Train the stage of the run in `run_dir` on this rank (torchrun starts one per rank); the exit code."""
+    """Train the stage of the run in `run_dir` on this rank (torchrun starts one per rank); the exit code.
+    The shutdown is the RL trainer's: metrics closed, a barrier on a clean end, the groups destroyed;
+    the entry point then leaves through `end_process`."""
     run = RunDir(Path(run_dir).absolute())
     world = init_world(cfg.actor)
     quiet = not world.is_main and not cfg.logging.all_ranks
     setup_logging(f"actor r{world.rank}", cfg.logging.level, quiet=quiet)
+    trainer, clean = None, False
     try:
-        code = StageTrainer(cfg, run, world, make_stage(cfg), resume).run()
-        dist.barrier()
+        trainer = StageTrainer(cfg, run, world, make_stage(cfg), resume)
+        code = trainer.run()
+        clean = True
         return code
     finally:
-        dist.destroy_process_group()
+        if trainer is not None:
+            trainer.close()
+        close_world(barrier=clean)

@@ -9,6 +9,7 @@ from molt_hpc.config.base import Section
 from molt_hpc.config.infra import (
     BufferConfig,
     LoggingConfig,
+    PlanConfig,
     RefitConfig,
     RunConfig,
     SlurmConfig,
@@ -57,6 +58,8 @@ class MoltConfig(Section):
     """Reward-model training (`molt-hpc rm train`; `[rm]` with at least `data`)."""
     reward_model: RewardModelConfig | None = None
     """A trained reward model scoring the rollouts of `molt-hpc run` (`[reward_model]` with at least `path`)."""
+    plan: PlanConfig = Field(default_factory=PlanConfig)
+    """The hardware the memory plan checks against (`molt-hpc plan`)."""
 
     @model_validator(mode="after")
     def _cross_section_rules(self) -> "MoltConfig":
@@ -93,6 +96,7 @@ class MoltConfig(Section):
         self._check_sequences()
         self._check_stages()
         self._check_tiny_model()
+        self._check_router_replay()
         self._check_slurm()
         return self
 
@@ -133,6 +137,11 @@ class MoltConfig(Section):
         if stage != "rl" and getattr(self, stage) is None:
             command = "molt-hpc sft" if stage == "sft" else "molt-hpc rm train"
             raise ValueError(f"`{command}` needs a [{stage}] section with at least `data` (the training file)")
+        if stage != "rl" and self.actor.router_replay:
+            raise ValueError(
+                f"actor.router_replay = true but run.stage = {stage!r} has no engines whose routing could be "
+                "replayed: set actor.router_replay = false for this stage"
+            )
         rm = self.reward_model
         if rm is not None and rm.max_model_len is not None and rm.max_model_len < self.rollout.max_total_tokens:
             raise ValueError(
@@ -150,6 +159,18 @@ class MoltConfig(Section):
         """Longest sequence a reward-model scorer accepts."""
         rm = self.reward_model
         return rm.max_model_len if rm is not None and rm.max_model_len else self.engines.max_model_len
+
+    def _check_router_replay(self) -> None:
+        if not self.actor.router_replay or self.engines.kind != "vllm":
+            return
+        refused = ("--speculative-config", "--pipeline-parallel-size", "-pp", "--kv-transfer-config")
+        bad = [a for a in self.engines.extra_args if a.split("=", 1)[0] in refused]
+        if bad:
+            raise ValueError(
+                f"actor.router_replay = true with engines.extra_args {bad}: vLLM 0.26 returns no (or misaligned) "
+                "routed experts with speculative decoding, pipeline parallelism or a KV connector; drop them or set "
+                "actor.router_replay = false"
+            )
 
     def _check_tiny_model(self) -> None:
         tiny = self.model.tiny
@@ -179,11 +200,16 @@ class MoltConfig(Section):
                 f"actor.cp × actor.ep = {inner} exceeds slurm.actor.gpus_per_node = "
                 f"{sl.actor.gpus_per_node}: context and expert parallelism stay inside a node"
             )
-        engine_gpus = sl.engines.gpus_per_node
-        if engine_gpus and engine_gpus % self.engines.tensor_parallel:
+        if sl.actor.gpus_per_node and sl.actor.gpus_per_node % act.ep:
             raise ValueError(
-                f"slurm.engines.gpus_per_node ({engine_gpus}) is not a multiple of "
-                f"engines.tensor_parallel ({self.engines.tensor_parallel})"
+                f"actor.ep = {act.ep} does not divide slurm.actor.gpus_per_node = {sl.actor.gpus_per_node}: an "
+                "expert-parallel group stays inside a node, so pick an ep that divides the GPUs per node"
+            )
+        engine_gpus = sl.engines.gpus_per_node
+        if engine_gpus and engine_gpus % self.engines.gpus_per_engine:
+            raise ValueError(
+                f"slurm.engines.gpus_per_node ({engine_gpus}) is not a multiple of engines.tensor_parallel × "
+                f"engines.data_parallel ({self.engines.gpus_per_engine})"
             )
         if sl.signal_lead_s >= slurm_time_seconds(sl.time):
             raise ValueError(
