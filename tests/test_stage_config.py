@@ -1,5 +1,7 @@
 """The stages' config and commands: a config runs only under its own command, wrong input is one clear line
-with exit code 2, and run directories stand in for model paths."""
+with exit code 2 before anything starts (the config, the pre-flight of the stage's own files and of a
+reward model, the memory plan), run directories stand in for model paths, and the plan of a stage is its
+own rows on the actor pool alone."""
 
 import json
 
@@ -7,7 +9,11 @@ import pytest
 
 from molt_hpc.config import ConfigError, load_config
 from molt_hpc.models.resolve import run_model
-from tests.conftest import molt
+from molt_hpc.plan import plan_config
+from molt_hpc.plan.trainer import shape_of, trainer_memory
+from tests.conftest import ROOT, molt
+
+RM_UNTRAINED = ["rm", "train", "configs/tiny_rm.toml", "--set", "model.path=builtin:tiny-char"]
 
 
 @pytest.mark.parametrize(
@@ -23,6 +29,27 @@ from tests.conftest import molt
         (
             ["sft", "configs/tiny_sft.toml", "--set", "sft.batch_size=0"],
             "sft.batch_size: Input should be greater than 0",
+        ),
+        (
+            ["sft", "configs/tiny_sft.toml", "--set", "actor.router_replay=true"],
+            "run.stage = 'sft' has no engines whose routing could be replayed",
+        ),
+        (  # the pre-flight: the stage's own files, read as the stage reads them
+            ["sft", "configs/tiny_sft.toml", "--set", "sft.data=no/such.jsonl"],
+            "sft.data = 'no/such.jsonl': " + str(ROOT / "no/such.jsonl") + " does not exist",
+        ),
+        (
+            [*RM_UNTRAINED, "--set", "rm.max_tokens=8"],
+            "rm.data: " + str(ROOT / "data/reverse_prefs_train.jsonl") + ", line 1: too long (chosen: 35 tokens > "
+            'rm.max_tokens = 8); fix the row or set rm.on_bad_row = "skip"',
+        ),
+        (
+            ["run", "configs/tiny_rlhf.toml", "--set", "model.path=builtin:tiny-char", "--set", "reward_model.path=no"],
+            "reward_model.path = 'no': reward_model.path " + str(ROOT / "no") + " does not exist",
+        ),
+        (  # the memory plan of the actor pool alone, as `run` makes it
+            ["sft", "configs/tiny_sft.toml", "--set", "plan.host_memory_gib=0.001"],
+            "the plan refuses this config; change it, or pass --no-plan to start anyway",
         ),
     ],
 )
@@ -65,3 +92,25 @@ def test_a_run_directory_is_a_model_path(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"holds no reward model \(it has: policy\)"):
         run_model(run, "reward")
     assert run_model(step / "policy", "policy") == step / "policy"  # a model directory is itself
+
+
+def test_a_stage_whose_model_is_an_unfinished_run_is_refused(tmp_path) -> None:
+    (tmp_path / "checkpoints").mkdir()
+    result = molt("rm", "train", "configs/tiny_rm.toml", "--set", f"model.path={tmp_path}")
+    assert result.returncode == 2 and "is a run directory without a checkpoint yet" in result.stderr
+
+
+def test_the_plan_of_a_stage_is_its_rows_on_the_actor_pool_alone() -> None:
+    padded = ["actor.packing='off'", "actor.micro_batch_size=8", "algorithm.kl_coef=0.1"]
+    sft = load_config(ROOT / "configs" / "tiny_sft.toml", padded)
+    s = shape_of(sft, 1, "cpu")  # sft.batch_size = 32 rows of sft.max_tokens = 64, 8 at a time; no reference
+    assert (s.rows, s.seq, s.micro_batches, s.reference, s.critic, s.vocab_logits) == (8, 64, 4, False, False, True)
+    rm = load_config(ROOT / "configs" / "tiny_rm.toml", padded)
+    s = shape_of(rm, 2, "cpu")  # 64 pairs over 2 ranks, each pair one row of 2 × rm.max_tokens = 128
+    assert (s.rows, s.seq, s.micro_batches, s.vocab_logits) == (8, 128, 4, False)
+    plan, _ = plan_config(rm, local=True, gpus=0)
+    assert plan.placement.engines == 0 and [c.what for c in plan.checks] == ["host memory per actor node"]
+    assert plan.refit_phase.name == "checkpoint (rank 0)"  # no refit: a checkpoint's whole tensor on rank 0
+    logprob = next(p for p in trainer_memory(plan.arch, s).phases if p.name == "forward: log-probs")
+    assert logprob.parts["logits"] == s.tokens * 4 * 1  # one fp32 score per token, not the vocabulary
+    assert plan.runnable

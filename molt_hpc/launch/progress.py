@@ -26,7 +26,7 @@ class Progress:
         self.trackers = trackers
         """`molt_hpc.trackers.Trackers` fed on every update (W&B, TensorBoard), or None."""
         self._last_shown = time.monotonic()
-        self.engines = cfg.engines.count  # a local run has one node
+        self.engines = cfg.engines.count if cfg.run.stage == "rl" else 0  # a local run has one node; a stage none
         self.records: list[dict] = []
         self._offset = run.metrics.stat().st_size if run.metrics.exists() else 0  # earlier starts' records
         self.errors = {"env_errors": 0, "engine_errors": 0}
