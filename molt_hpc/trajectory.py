@@ -2,12 +2,35 @@
 
 Token in, trace out: `tokens` is exactly what the engine saw plus what it produced, never
 re-tokenised. `action_ranges` are the spans the model produced; everything else (prompt, env
-feedback) is context that never trains. The replay buffer stores and hands over whole `Group`s,
-because GRPO-style advantages compare the samples of one prompt.
+feedback) is context that never trains. Images (vision-language models) travel with the tokens: each
+`TraceImage` holds the encoded image and the run of placeholder tokens its features fill.
+The replay buffer stores and hands over whole `Group`s, because GRPO-style advantages compare the samples of one prompt.
 """
 
 from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass(frozen=True)
+class TraceImage:
+    """One image of a trajectory: its encoded bytes and the placeholder tokens its features fill."""
+
+    data: bytes
+    """The image file's bytes (PNG, JPEG, ...), exactly as loaded; engines and trainer decode the same bytes."""
+    offset: int
+    """Index in `Trajectory.tokens` of its first placeholder (image pad) token."""
+    length: int
+    """Placeholder tokens: the image's patch grid t·h·w over the merge size squared."""
+    grid: tuple[int, int, int]
+    """(t, h, w) patch grid the image processor made of it (Qwen2-VL's `image_grid_thw`)."""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def moved(self, by: int) -> "TraceImage":
+        """The same image placed `by` tokens later."""
+        return TraceImage(self.data, self.offset + by, self.length, self.grid)
 
 
 @dataclass
@@ -38,6 +61,9 @@ class Trajectory:
     """Unique id of this sample (also its router session id)."""
     routed_experts: list[list[list[int]]] | None = None
     """MoE only: experts each token was routed to, [tokens, layers, top_k], for router replay."""
+    images: list[TraceImage] = field(default_factory=list)
+    """Vision-language models: every image of the trace (the prompt's and the observations'), in order
+    of their placeholder runs, which never overlap an action."""
 
     def __post_init__(self) -> None:
         n_action = sum(end - start for start, end in self.action_ranges)
@@ -47,6 +73,8 @@ class Trajectory:
         for start, end in self.action_ranges:
             assert last <= start < end <= len(self.tokens), f"bad action range {(start, end)}"
             last = end
+        if self.images:
+            _check_images(self.images, self.action_ranges, len(self.tokens))
 
     @property
     def num_action_tokens(self) -> int:
@@ -55,6 +83,15 @@ class Trajectory:
     @property
     def response_len(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+
+def _check_images(images: list[TraceImage], ranges: list[tuple[int, int]], n_tokens: int) -> None:
+    last = 0
+    for im in images:
+        assert last <= im.offset and im.length > 0 and im.end <= n_tokens, f"bad image span {(im.offset, im.length)}"
+        last = im.end
+    for start, end in ranges:
+        assert not any(im.offset < end and start < im.end for im in images), "an action overlaps an image's tokens"
 
 
 @dataclass

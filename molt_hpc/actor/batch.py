@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from molt_hpc.actor.attention import attention_setup
 from molt_hpc.actor.packing import rank_micro_batches
+from molt_hpc.actor.vision import ImageInputs
 from molt_hpc.actor.world import World, gather_all
 from molt_hpc.algorithm import Experience, logprobs_from_logits, target_logprobs
 
@@ -33,22 +34,31 @@ def my_rows(rows: Tensor, world: World) -> Tensor:
     return rows[world.dp_rank :: world.dp_size]
 
 
-def policy_logprobs(model: nn.Module, mb: Experience, temperature: float, chunk: int) -> tuple[Tensor, Tensor]:
+def policy_logprobs(
+    model: nn.Module, mb: Experience, temperature: float, chunk: int, images: ImageInputs | None = None
+) -> tuple[Tensor, Tensor]:
     """(log-prob, entropy) `[B, T]` of each action token under `model` at the sampling temperature.
 
     Position ids restart per sample; no attention mask and no KV cache (with either, transformers
     would not confine attention to each sample of a packed row; see `molt_hpc.algorithm.experience`).
+    A vision-language model also gets the micro-batch's pixel values and multimodal positions (`images`).
     """
+    rows_in = mb.sequences.shape[0]
+    extra: dict[str, Tensor] = {}
+    if images is not None:
+        mb, extra = images.inputs(mb)
     setup = attention_setup(model)
     if setup is None:
-        logits = model(input_ids=mb.sequences, position_ids=mb.position_ids, use_cache=False).logits
-        return logprobs_from_logits(
+        inputs = {"input_ids": mb.sequences, "position_ids": mb.position_ids, "use_cache": False, **extra}
+        logits = model(**inputs).logits
+        logp, ent = logprobs_from_logits(
             logits, mb.sequences, temperature=temperature, chunk=chunk, action_mask=mb.action_mask
         )
+        return logp[:rows_in], ent[:rows_in]
     rows = setup.rows(mb)
-    logits = model(**rows.inputs).logits
+    logits = model(**{**rows.inputs, **extra}).logits
     logp, ent = target_logprobs(logits, rows.next_tokens, temperature=temperature, chunk=chunk, mask=rows.next_action)
-    return rows.own_index(logp), rows.own_index(ent)
+    return rows.own_index(logp)[:rows_in], rows.own_index(ent)[:rows_in]
 
 
 def critic_values(critic: nn.Module, mb: Experience) -> Tensor:

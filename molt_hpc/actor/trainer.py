@@ -22,12 +22,14 @@ from molt_hpc.actor.memory import StepMemory
 from molt_hpc.actor.packing import sequence_layout
 from molt_hpc.actor.step import Models, train_step
 from molt_hpc.actor.sync import EngineSync
+from molt_hpc.actor.vision import ImageInputs
 from molt_hpc.actor.world import World, init_world, share
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import MetricsWriter, get_logger, setup_logging, step_line
 from molt_hpc.models import resolve_model
 from molt_hpc.models.sharded import meta_model
 from molt_hpc.rundir import RunDir
+from molt_hpc.vision.processor import Vision, is_vision_model
 
 
 def resume_point(cfg: MoltConfig, run: RunDir, base: Path, required: bool) -> Path | None:
@@ -120,6 +122,8 @@ class Trainer:
         )  # fmt: skip
         policy = build.load_model(src, cfg, world, "policy", documents=docs)
         models = Models(policy=self._trainable("policy", policy, cfg.actor.lr), pack_tokens=pack_tokens)
+        if is_vision_model(self.base):  # pixel values from the base directory's image processor
+            models.images = ImageInputs(Vision(self.base))
         if cfg.algorithm.uses_reference:
             models.reference = build.load_model(self.base, cfg, world, "reference", documents=docs)
         if cfg.algorithm.uses_critic:

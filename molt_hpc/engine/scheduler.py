@@ -160,7 +160,7 @@ class Scheduler:
         room = self.max_batch - len(self.rows)
         if room > 0 and self.waiting:
             newcomers, self.waiting = self.waiting[:room], self.waiting[room:]
-            logits, cache = self.runner.prefill([r.context for r in newcomers])
+            logits, cache = self.runner.prefill([r.context for r in newcomers], [r.images for r in newcomers])
             self._append(newcomers, logits)
             self._batch = self.runner.join(self._batch, cache)
             self.rows.extend(newcomers)
@@ -169,7 +169,8 @@ class Scheduler:
             assert self._batch is not None and self._batch.rows == len(self.rows)
             last = [r.tokens[-1] for r in self.rows]  # every running row has sampled at least once
             positions = [r.length - 1 for r in self.rows]
-            self._append(self.rows, self.runner.decode(self._batch, last, positions))
+            rope = [p + r.rope_delta for p, r in zip(positions, self.rows, strict=True)]  # multimodal positions lag
+            self._append(self.rows, self.runner.decode(self._batch, last, rope))
             self._retire()
         self.steps += 1
         if self.pause_mode == "wait" and not (self.rows or self.waiting):

@@ -23,6 +23,13 @@ def _tiny_char(cfg: ModelConfig, cache_dir: Path) -> Path:
     return build_once(cache_dir, "tiny-char", cfg.tiny.model_dump(), lambda out: build_tiny(out, cfg.tiny))
 
 
+def _tiny_vl(cfg: ModelConfig, cache_dir: Path) -> Path:
+    from molt_hpc.models.tiny_vl import build_tiny_vl
+
+    spec = cfg.tiny_vl
+    return build_once(cache_dir, "tiny-vl", spec.model_dump(), lambda out: build_tiny_vl(out, spec))
+
+
 def _smollm2(cfg: ModelConfig, cache_dir: Path) -> Path:
     from molt_hpc.models.gguf import resolve_smollm2
 
@@ -32,6 +39,7 @@ def _smollm2(cfg: ModelConfig, cache_dir: Path) -> Path:
 BUILTINS: dict[str, Callable[[ModelConfig, Path], Path]] = {
     "builtin:tiny-char": _tiny_char,
     "builtin:smollm2": _smollm2,
+    "builtin:tiny-vl": _tiny_vl,
 }
 """Every `builtin:` model: name -> function(model config, cache dir) -> its HF directory."""
 

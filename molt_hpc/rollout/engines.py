@@ -57,7 +57,9 @@ class EngineLink:
         """Newest weight version any engine answered with."""
         self.generated_tokens = 0
 
-    async def generate(self, token_ids: list[int], sampling_params: dict[str, Any], session_id: str) -> Any:
+    async def generate(
+        self, token_ids: list[int], sampling_params: dict[str, Any], session_id: str, images: list | None = None
+    ) -> Any:
         try:
             out = await client.generate(
                 self.session,
@@ -67,6 +69,7 @@ class EngineLink:
                 token=self.token,
                 session_id=session_id,
                 timeout=self.timeout_s,
+                images=images,
             )
         except client.EngineHTTPError as err:
             if err.status < 500:
