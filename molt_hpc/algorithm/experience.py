@@ -36,7 +36,7 @@ from torch import Tensor
 
 from molt_hpc.algorithm.vision import drop_reason, kept_images, rope_rows
 from molt_hpc.trajectory import Group, TraceImage, Trajectory
-from molt_hpc.vision.processor import VisionSpec
+from molt_hpc.vision.spec import VisionSpec
 
 TOKEN_FIELDS = (
     "sequences",

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from molt_hpc.trajectory import TraceImage, Trajectory
-from molt_hpc.vision.processor import VisionSpec
+from molt_hpc.vision.spec import VisionSpec
 from molt_hpc.vision.rope import rope_positions
 
 

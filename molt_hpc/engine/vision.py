@@ -8,7 +8,9 @@ image processor, and no pad may lie outside a span; anything else is a 400 namin
 (transformers would fail the forward with "Image features and image tokens do not match").
 
 Prefill computes each row's positions with `molt_hpc.vision.rope` (left padding shifts nothing: a
-padded row's positions start at its first real token). Decode needs no images: the scheduler gives
+padded row's positions start at its first real token) and places the image features itself, at the
+spans: a row re-prefilled after a refit may hold an image pad it generated, which keeps its plain
+embedding there, as it had in decode (transformers would count it as one more placeholder). Decode needs no images: the scheduler gives
 each row's next position as `length - 1 + rope_delta`, which transformers spreads over the three
 rotary axes. A VLM runs on this plain runner (the growing cache), not the GPU slot cache, whose
 columns are position ids.
@@ -103,19 +105,26 @@ class VisionRunner(ModelRunner):
             ids[i, length - len(ctx) :] = torch.tensor(ctx)
             mask[i, length - len(ctx) :] = 1
             positions[:, i, length - len(ctx) :] = rope_positions(len(ctx), im.images if im else [], self.merge)[0]
-        kwargs = {}
-        with_images = [im for im in images if im is not None]
-        if with_images:  # rows in order: the features fill the pads in the same (row-major) order
-            kwargs["pixel_values"] = torch.cat([im.pixel_values for im in with_images]).to(self.device)
-            kwargs["image_grid_thw"] = torch.cat([im.image_grid_thw for im in with_images]).to(self.device)
+        embeds = self.model.get_input_embeddings()(ids.to(self.device))
+        with_images = [(i, im) for i, im in enumerate(images) if im is not None]
+        if with_images:  # the features fill the prompts' spans only (a generated pad keeps its embedding)
+            pixels = torch.cat([im.pixel_values for _, im in with_images]).to(self.device, embeds.dtype)
+            grids = torch.cat([im.image_grid_thw for _, im in with_images]).to(self.device)
+            feats = self.model.get_image_features(pixels, grids).pooler_output
+            feats = torch.cat(list(feats)) if isinstance(feats, tuple | list) else feats
+            at = torch.zeros(ids.shape, dtype=torch.bool)
+            for i, im in with_images:
+                shift = length - len(contexts[i])
+                for placed in im.images:
+                    at[i, shift + placed.offset : shift + placed.end] = True
+            embeds[at.to(self.device)] = feats.to(embeds.dtype)
         cache = self._new_cache()
         out = self.model(
-            input_ids=ids.to(self.device),
+            inputs_embeds=embeds,
             attention_mask=mask.to(self.device),
             position_ids=positions.to(self.device),
             use_cache=True,
             logits_to_keep=1,
-            **kwargs,
             **{self._cache_kw: cache},
         )
         return out.logits[:, -1], BatchCache(cache, mask.to(self.device))

@@ -4,7 +4,8 @@ vLLM's dev routes (/pause, the weight-transfer routes) are not token-guarded, so
 on 127.0.0.1 only and every outside call comes through here. Generate requests get vLLM's sampling
 settings for our protocol (the sampled token's log-prob, no detokenizing) and their answers the
 weight version(s) that produced them, which vLLM does not report; `/finish_weight_update` sets that
-version. Everything else is forwarded as it is. No torch here: this process only relays.
+version. A request with images (our `mm` field) becomes vLLM's render + `features` (`vllm_mm.py`).
+Everything else is forwarded as it is. No torch here: this process only relays.
 """
 
 import json
@@ -15,9 +16,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from molt_hpc.engine import vllm_mm
 from molt_hpc.engine.http import error, errors_middleware, read_json, token_middleware
 
 GENERATE_PATH = "/inference/v1/generate"
+RENDER_PATH = "/v1/chat/completions/render"
 FORWARDED = (
     "/pause",
     "/resume",
@@ -140,6 +143,12 @@ def build_front(front: Front) -> web.Application:
     async def generate(request: web.Request) -> web.Response:
         body = normalise_generate(await read_json(request))
         start = front.version
+        mm = body.pop("mm", None)
+        if mm is not None:  # images: vLLM's processor renders them, our token ids place them
+            status, raw, _ = await call_upstream(front, "POST", RENDER_PATH, json=vllm_mm.render_request(mm))
+            if status >= 300:
+                return error(status, f"rendering the images: {upstream_message(raw)}")
+            body["features"] = vllm_mm.features(json.loads(raw), mm, body.get("token_ids") or [], start)
         status, raw, _ = await call_upstream(front, "POST", GENERATE_PATH, json=body)
         if status >= 300:
             return error(status, upstream_message(raw))

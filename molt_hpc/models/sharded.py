@@ -140,7 +140,8 @@ def load_local_shards(
     """Fill this rank's part of every tensor of `model` (materialised, sharded) from `path`'s files."""
     prefix = getattr(model, "base_model_prefix", "model")
     with Checkpoint(path) as ckpt, torch.no_grad():
-        table = recipes(list(ckpt.shapes), model.config.model_type)
+        classes = [c.__name__ for c in type(model).__mro__]  # FSDP2 subclasses the model's class
+        table = recipes(list(ckpt.shapes), model.config.model_type, *classes)
         total = 0
         for name, t in _tensors(model):
             region = local_region(t)

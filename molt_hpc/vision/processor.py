@@ -8,47 +8,15 @@ the rule every Qwen2-VL implementation shares (an image's tokens = t·h·w / mer
 """
 
 import io
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from molt_hpc.trajectory import TraceImage
+from molt_hpc.vision.spec import VisionSpec, is_vision_model, vision_spec
 
-
-@dataclass(frozen=True)
-class VisionSpec:
-    """The token ids and the merge size of a vision-language model (pure data: no processor)."""
-
-    image_token_id: int
-    """The placeholder (image pad) token one image's features replace, repeated per image token."""
-    media_token_ids: frozenset[int]
-    """Tokens only images and videos may produce (pads, vision start/end): never an action."""
-    merge: int
-    """Spatial merge size: merge² patches make one image token."""
-
-
-def is_vision_model(model_dir: str | Path) -> bool:
-    """Whether the HF directory holds a vision-language model (its config has a `vision_config`)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return isinstance(config.get("vision_config"), dict)
-
-
-def vision_spec(model_dir: str | Path) -> VisionSpec:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    vision = config.get("vision_config") or {}
-    if "image_token_id" not in config or "spatial_merge_size" not in vision:
-        raise ValueError(
-            f"{model_dir}: a vision-language model must name its image_token_id and vision_config.spatial_merge_size "
-            "(Qwen2-VL and Qwen2.5-VL checkpoints do)"
-        )
-    media = [
-        config.get(k) for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    ]
-    return VisionSpec(int(config["image_token_id"]), frozenset(int(m) for m in media if m is not None),
-                      int(vision["spatial_merge_size"]))  # fmt: skip
+__all__ = ["Vision", "VisionSpec", "is_vision_model", "pixel_inputs", "vision_spec"]
 
 
 class Vision:
