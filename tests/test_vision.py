@@ -110,7 +110,7 @@ def test_rows_with_images(tmp_path, tiny_vl_dir, vision) -> None:
             "id": "inline",
             "prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}}]}],
             "label": "blue",
-        },  # fmt: skip
+        },
         {"id": "front", "prompt": "What colour?", "images": ["img/red.png"], "label": "red"},
         {"id": "extra", "prompt": [user], "images": ["img/red.png", uri], "label": "x"},
         {"id": "missing", "prompt": [user], "images": ["img/none.png"], "label": "x"},
@@ -203,8 +203,8 @@ def test_trainer_logprobs_match_the_model_alone(tiny_vl_dir, vision, model) -> N
     def rand(n: int) -> list[int]:
         return torch.randint(8, 100, (n,), generator=g).tolist()
 
-    ids_a, ims_a = vision.expand(rand(3) + [pad] + rand(4), [shape_png("green")])
-    ids_b, ims_b = vision.expand(rand(2) + [pad] + rand(2) + [pad] + rand(3), [shape_png(side=28), shape_png("blue")])
+    ids_a, ims_a = vision.expand([*rand(3), pad, *rand(4)], [shape_png("green")])
+    ids_b, ims_b = vision.expand([*rand(2), pad, *rand(2), pad, *rand(3)], [shape_png(side=28), shape_png("blue")])
     trajs = [_sample(ids_a, ims_a, rand(5)), _sample(ids_b, ims_b, rand(4)), _sample(rand(6), [], rand(3))]
     inputs = ImageInputs(vision)
 

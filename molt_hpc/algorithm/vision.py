@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from molt_hpc.trajectory import TraceImage, Trajectory
-from molt_hpc.vision.spec import VisionSpec
 from molt_hpc.vision.rope import rope_positions
+from molt_hpc.vision.spec import VisionSpec
 
 
 def drop_reason(traj: Trajectory, cut: int, spec: VisionSpec) -> str | None:
