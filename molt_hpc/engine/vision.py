@@ -12,8 +12,8 @@ padded row's positions start at its first real token) and places the image featu
 spans: a row re-prefilled after a refit may hold an image pad it generated, which keeps its plain
 embedding there, as it had in decode (transformers would count it as one more placeholder).
 Decode needs no images: the scheduler gives each row's next position as `length - 1 + rope_delta`,
-which transformers spreads over the three rotary axes. A VLM runs on this plain runner (the growing cache), not the GPU slot cache, whose
-columns are position ids.
+which transformers spreads over the three rotary axes. A VLM runs on this plain runner (the growing
+cache), not the GPU slot cache, whose columns are position ids.
 """
 
 import base64
