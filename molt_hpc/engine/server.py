@@ -18,7 +18,7 @@ from molt_hpc.engine.batch import Row
 from molt_hpc.engine.http import errors_middleware, read_json, token_middleware
 from molt_hpc.engine.sampling import parse_generate
 from molt_hpc.engine.scheduler import Scheduler
-from molt_hpc.engine.vision import row_images
+from molt_hpc.engine.vision import check_no_pads, row_images
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -66,6 +66,8 @@ def build_app(state: EngineState, token: str, open_health: bool = False) -> web.
         if req.mm is not None:  # decoding and measuring images is CPU work: off the event loop
             row.images = await asyncio.to_thread(row_images, req.mm, row.prompt, state.vision)
             row.rope_delta = row.images.rope_delta
+        elif state.vision is not None:
+            check_no_pads(row.prompt, state.vision)
         await run_on_scheduler(state, lambda: sched.submit(row))
         try:
             reason, version = await asyncio.wrap_future(row.future)

@@ -87,6 +87,13 @@ def row_images(mm: object, token_ids: list[int], vision) -> RowImages:
     return RowImages(placed, pixels, grids, delta)
 
 
+def check_no_pads(token_ids: list[int], vision) -> None:
+    """A prompt without images must hold no image pad: its features would be missing."""
+    pad = vision.spec.image_token_id
+    if pad in token_ids:
+        raise ValueError(f"token_ids hold image pads ({pad}) but the request has no images (mm): send them")
+
+
 class VisionRunner(ModelRunner):
     """A `ModelRunner` for vision-language models: prefill with pixel values and 3-D positions."""
 
