@@ -35,8 +35,15 @@ def draw(colour: str, shape: str, seed: int):
 
 
 def colour_reward(answer: str, label: str) -> float:
-    """1 for the colour's name (case and surrounding whitespace aside), else the share of its letters in
-    place, over the longer of the two: partial credit a policy learns the spelling from."""
-    answer, label = answer.strip().lower(), label.lower()
+    """1 for the colour's name (surrounding whitespace aside), else the length of the prefix it gets right
+    over the longer of the two: partial credit a policy learns the spelling from, starting with the
+    first letter, which names the colour (r, g, b). A fixed answer's first letter is at most one label's,
+    so a policy blind to the image averages at most 1/3."""
+    answer = answer.strip()
+    right = 0
+    for a, b in zip(answer, label, strict=False):
+        if a != b:
+            break
+        right += 1
     longest = max(len(answer), len(label))
-    return sum(a == b for a, b in zip(answer, label, strict=False)) / longest if longest else 0.0
+    return right / longest if longest else 0.0

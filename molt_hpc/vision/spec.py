@@ -19,9 +19,10 @@ class VisionSpec:
 
 
 def is_vision_model(model_dir: str | Path) -> bool:
-    """Whether the HF directory holds a vision-language model (its config has a `vision_config`)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return isinstance(config.get("vision_config"), dict)
+    """Whether the HF directory holds a vision-language model (its config has a `vision_config`); False
+    when it has no config.json (whoever loads it reports that)."""
+    path = Path(model_dir) / "config.json"
+    return path.is_file() and isinstance(json.loads(path.read_text()).get("vision_config"), dict)
 
 
 def vision_spec(model_dir: str | Path) -> VisionSpec:
