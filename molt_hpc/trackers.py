@@ -157,6 +157,9 @@ class WandbSink:
 
     def close(self) -> None:
         self.run.finish()
+        # finish() returns before W&B's service process has written the run's last records (seen
+        # offline under load); tearing the service down waits for it, so the files are whole.
+        self.wandb.teardown()
 
 
 class TensorBoardSink:
