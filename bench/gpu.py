@@ -3,14 +3,15 @@ packed against padded trainer steps, the cost of trainer offload.
 
 Runs `bench/gpu_engine.py`, `bench/gpu_refit.py`, `bench/gpu_train.py` (under torchrun, two ranks),
 `bench/gpu_pack.py` (one GPU), `bench/gpu_vllm.py` (vLLM next to the built-in engine; skipped without
-vLLM) and `bench/gpu_offload.py` (one GPU) one after the other, each in its own processes with a time
+vLLM), `bench/gpu_offload.py` (one GPU) and `bench/gpu_vlm.py` (vLLM serving the tiny vision-language model
+on one GPU; skipped without vLLM) one after the other, each in its own processes with a time
 limit, collects their rows and prints one
 Markdown table: what was measured, the baseline measured in the same run, their ratio and the target.
 Made for two CUDA GPUs; on one, the trainer runs as a world of one and the refit is timed without its
 NCCL broadcast (see `gpu_refit.py`). `--dry-run` runs the same scripts on the CPU with tiny shapes (a
 script check, not a measurement). Each benchmark's full output goes to `--logs`.
 
-    python bench/gpu.py [--only engine refit train pack vllm offload] [--logs DIR] [--dry-run]
+    python bench/gpu.py [--only engine refit train pack vllm offload vlm] [--logs DIR] [--dry-run]
 """
 
 import argparse
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-LIMIT_S = {"engine": 180, "refit": 150, "train": 240, "pack": 240, "vllm": 420, "offload": 150}
+LIMIT_S = {"engine": 180, "refit": 150, "train": 240, "pack": 240, "vllm": 420, "offload": 150, "vlm": 480}
 
 
 def command(name: str, out: Path, dry: bool, gpus: int) -> list[str]:
@@ -63,7 +64,10 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--only", nargs="+", choices=sorted(LIMIT_S), default=["engine", "refit", "train", "pack", "vllm", "offload"]
+        "--only",
+        nargs="+",
+        choices=sorted(LIMIT_S),
+        default=["engine", "refit", "train", "pack", "vllm", "offload", "vlm"],
     )
     ap.add_argument("--logs", type=Path, default=None, help="where each benchmark's output goes (default: a temp dir)")
     ap.add_argument("--dry-run", action="store_true")

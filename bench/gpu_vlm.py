@@ -5,10 +5,11 @@ front, the trainer's forward on the same GPU scores vLLM's samples, and a short 
   resolves; the colour task's prompts (`data/color_train.jsonl`, one image each) go through our front (render
   → `/inference/v1/generate` with `features`, `vllm_mm.py`), 64 seeded samples of 6 tokens at temperature 1.
   This process then runs the trainer's forward (`make_experience` + `policy_logprobs`: our PIL image
-  processor's pixels, our mRoPE positions, packed rows) over the same traces on the same GPU, in bf16 and in
-  fp32, and reports the engine-vs-trainer log-prob gap (max and mean |Δ| over every action token), with the
-  gap between two bf16 forwards of the trainer on padded and packed rows as the baseline of what bf16 alone
-  costs. Samples holding a generated vision token (the trainer drops them) are counted, not compared.
+  processor's pixels, our mRoPE positions, packed and padded rows) over the same traces on the same GPU, in
+  bf16 and in fp32, and reports the engine-vs-trainer log-prob gap (mean |Δ| over every action token, the
+  max beside it). The baseline is the image's own effect: the trainer's log-probs of the same tokens with
+  another colour's image in each prompt. A gap well below it says vLLM put each image's features where the
+  trainer does. Samples holding a generated vision token (the trainer drops them) are counted, not compared.
 - train: `molt-hpc run configs/tiny_vl_cpu.toml` with the vLLM engine for a few steps on the same GPU. The
   refit between a trainer and an engine on one GPU goes through CUDA IPC (colocated pools), not NCCL; without
   that transport (`molt_hpc.refit.ipc`) the part reports that it did not run. It reports the steps done, the
@@ -76,10 +77,11 @@ def trainer_logprobs(model_dir: Path, trajs, vision, dtype: str, device: str, pa
     return torch.cat(out).float().cpu()
 
 
-def check(tmp: Path, out: Path | None, dry: bool) -> None:
+def check(tmp: Path, out: Path | None, dry: bool) -> dict[str, float]:
+    """Sample through the engine, score with the trainer; returns the mean gaps and the image's effect."""
     from molt_hpc.data import PromptDataset
     from molt_hpc.models import load_tokenizer, resolve_model
-    from molt_hpc.trajectory import Trajectory
+    from molt_hpc.trajectory import TraceImage, Trajectory
     from molt_hpc.vision.processor import Vision
 
     cfg = load_config(CONFIG, [f"run.root='{tmp}'", "run.name='check'", *engine_sets(dry)])
@@ -87,36 +89,43 @@ def check(tmp: Path, out: Path | None, dry: bool) -> None:
     model_dir = resolve_model(cfg.model, run.models)
     vision = Vision(model_dir)
     data = cfg.data.model_copy(update={"path": str(REPO / cfg.data.path)})
-    prompts = PromptDataset.load(data, load_tokenizer(model_dir), vision=vision, max_images=2).prompts[:SAMPLES]
+    every = PromptDataset.load(data, load_tokenizer(model_dir), vision=vision, max_images=2).prompts
+    prompts = every[:SAMPLES]
     proc = start_engine(run, {**gpu_env(), "CUDA_VISIBLE_DEVICES": "0"})
     try:
         outs = asyncio.run(sample(engine_url(run, proc, 900), run.token(), prompts))
     finally:
         proc.terminate()
         proc.wait(timeout=120)
-    trajs, media = [], 0
-    for p, o in zip(prompts, outs, strict=True):
+    trajs, swapped, media = [], [], 0
+    for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
         if not vision.spec.media_token_ids.isdisjoint(o.token_ids):
             media += 1  # a generated vision token: the trainer drops such a sample
             continue
         n, k = len(p.token_ids), len(o.token_ids)
-        trajs.append(Trajectory(p.token_ids + o.token_ids, n, [(n, n + k)], o.logprobs, [0] * k,
-                                images=list(p.images)))  # fmt: skip
+        tokens, [im] = p.token_ids + o.token_ids, p.images
+        other = every[(i + len(every) // 3) % len(every)].images[0]  # another colour, the same token count
+        trajs.append(Trajectory(tokens, n, [(n, n + k)], o.logprobs, [0] * k, images=[im]))
+        swapped.append(Trajectory(tokens, n, [(n, n + k)], o.logprobs, [0] * k,
+                                  images=[TraceImage(other.data, im.offset, im.length, other.grid)]))  # fmt: skip
     engine = torch.tensor([lp for t in trajs for lp in t.action_logprobs])
     device = "cpu" if dry else "cuda"
     kind = "builtin engine (dry run)" if dry else "vLLM 0.26 (bf16)"
     note = f"{len(trajs)} samples x {NEW} tokens; {media} with a generated vision token left out"
-    padded16 = trainer_logprobs(model_dir, trajs, vision, "bfloat16", device, pack=False)
-    packed16 = trainer_logprobs(model_dir, trajs, vision, "bfloat16", device, pack=True)
-    base = (padded16 - packed16).abs()
-    write_row(out, bench="vlm", case="trainer bf16: padded vs packed rows (baseline)", value=float(base.max()),
-              unit="max |Δ logp|", note=f"mean {float(base.mean()):.2e}")  # fmt: skip
-    for dtype, trainer in (("bf16", packed16), ("fp32", trainer_logprobs(model_dir, trajs, vision, "float32",
-                                                                         device, pack=True))):  # fmt: skip
+    bf16 = trainer_logprobs(model_dir, trajs, vision, "bfloat16", device, pack=True)
+    effect = (bf16 - trainer_logprobs(model_dir, swapped, vision, "bfloat16", device, pack=True)).abs()
+    write_row(out, bench="vlm", case="trainer bf16: the same tokens with another image (the image's effect)",
+              value=float(effect.mean()), unit="mean |Δ logp|", note=f"max {float(effect.max()):.2e}")  # fmt: skip
+    gaps = {}
+    fp32 = trainer_logprobs(model_dir, trajs, vision, "float32", device, pack=True)
+    padded = trainer_logprobs(model_dir, trajs, vision, "bfloat16", device, pack=False)
+    for name, trainer in (("bf16, packed rows", bf16), ("bf16, padded rows", padded), ("fp32", fp32)):
         gap = (engine - trainer).abs()
-        write_row(out, bench="vlm", case=f"{kind} vs trainer {dtype}, tiny-vl, 1 image/prompt",
-                  value=float(gap.max()), unit="max |Δ logp|", baseline=float(base.max()),
-                  note=f"mean {float(gap.mean()):.2e}; {note}")  # fmt: skip
+        gaps[name] = float(gap.mean())
+        write_row(out, bench="vlm", case=f"{kind} vs trainer {name}, tiny-vl, 1 image/prompt",
+                  value=float(gap.mean()), unit="mean |Δ logp|", baseline=float(effect.mean()),
+                  ratio=float(gap.mean() / effect.mean()), note=f"max {float(gap.max()):.2e}; {note}")  # fmt: skip
+    return {"effect": float(effect.mean()), **gaps}
 
 
 def train(tmp: Path, out: Path | None, dry: bool) -> None:

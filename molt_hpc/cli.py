@@ -58,14 +58,17 @@ def model_group() -> None:
 
 @model_group.command("build-tiny")
 @click.argument("out_dir")
-@click.option("--config", "config", default=None, help="Take model.tiny from this config file.")
+@click.option("--config", "config", default=None, help="Take model.tiny (or model.tiny_vl) from this config file.")
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)
-def build_tiny_cmd(out_dir: str, config: str | None, overrides: tuple[str, ...]) -> None:
+@click.option("--kind", type=click.Choice(["char", "vl"]), default="char",
+              help="char: builtin:tiny-char; vl: builtin:tiny-vl, the tiny vision-language model.")  # fmt: skip
+def build_tiny_cmd(out_dir: str, config: str | None, overrides: tuple[str, ...], kind: str) -> None:
     """Write the offline tiny model (tokenizer + random-init weights, HF layout) to OUT_DIR."""
     from molt_hpc.models import build_tiny
+    from molt_hpc.models.tiny_vl import build_tiny_vl
 
     cfg = _load(config, overrides)
-    path = build_tiny(out_dir, cfg.model.tiny)
+    path = build_tiny(out_dir, cfg.model.tiny) if kind == "char" else build_tiny_vl(out_dir, cfg.model.tiny_vl)
     click.echo(f"wrote {path}")
 
 

@@ -23,7 +23,7 @@ from molt_hpc.models import load_causal_lm, load_tokenizer
 from molt_hpc.trajectory import Group, TraceImage, Trajectory
 from molt_hpc.vision.processor import Vision
 from molt_hpc.vision.rope import rope_positions
-from tests.conftest import shape_png
+from tests.conftest import molt, shape_png
 
 QUESTION = [{"type": "image"}, {"type": "text", "text": "What colour?"}]
 
@@ -59,6 +59,20 @@ def test_tiny_vl_builds_offline_and_reloads(tiny_vl_dir, vision) -> None:
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert sum(t == pad for t in ids) == 2, "one placeholder per image part"
     assert len(tok) == config.text_config.vocab_size == 108
+
+
+def test_builtin_and_cli_build_tiny_vl(tmp_path) -> None:
+    from molt_hpc.models import BUILTINS, resolve_model
+
+    assert "builtin:tiny-vl" in BUILTINS
+    cfg = MoltConfig().model.model_copy(update={"path": "builtin:tiny-vl"})
+    first = resolve_model(cfg, tmp_path / "cache")
+    assert resolve_model(cfg, tmp_path / "cache") == first, "built once, then found"
+    result = molt("model", "build-tiny", str(tmp_path / "cli"), "--kind", "vl")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "cli" / "model.safetensors").read_bytes() == (first / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="64 or 128"):
+        MoltConfig().model.tiny_vl.model_validate({"hidden_size": 128, "num_heads": 4})
 
 
 @pytest.mark.parametrize(("side", "tokens"), [(28, 1), (56, 4), (100, 4)])

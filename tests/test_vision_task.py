@@ -32,7 +32,9 @@ def test_a_blind_policy_scores_at_most_a_third() -> None:
 
 
 def _rises(root: Path, steps: int, *sets: str) -> tuple[float, float]:
-    args = [a for s in (f"run.root={root}", f"run.steps={steps}", "logging.progress=lines", *sets) for a in ("--set", s)]
+    args = [
+        a for s in (f"run.root={root}", f"run.steps={steps}", "logging.progress=lines", *sets) for a in ("--set", s)
+    ]
     proc = subprocess.run([str(BIN / "molt-hpc"), "run", "configs/tiny_vl_cpu.toml", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -7,6 +7,7 @@ loader.py        load_agent: the one agent class a file or module declares
 calls.py         calling user code safely; EnvError / EngineError
 observation.py   an observation as the tokens that follow an action (chat-template glue)
 grading.py       the math grader; arith.py the safe arithmetic evaluator of the calculator env
+shapes.py        the synthetic visual task's images and reward (envs/color*.py)
 """
 
 from molt_hpc.agents.base import ChatAgent, ChatContext, Env, Result, State
