@@ -154,6 +154,27 @@ def test_rows_with_images(tmp_path, tiny_vl_dir, vision) -> None:
         _dataset(tmp_path, rows[:1], tok, vision, max_prompt_tokens=n - 1, on_bad_row="error")
 
 
+def test_image_parts_take_the_images_in_order() -> None:
+    from molt_hpc.vision.prompt import normalise
+
+    image = {"type": "image"}
+    msgs, refs = normalise([{"role": "user", "content": "a<image>b<image>"}], ["x", "y"])
+    assert msgs[0]["content"] == [{"type": "text", "text": "a"}, image, {"type": "text", "text": "b"}, image]
+    assert refs == ["x", "y"]
+    inline = {"type": "image_url", "image_url": {"url": "data:u"}}
+    msgs, refs = normalise([{"role": "user", "content": [image, inline, {"type": "image", "image": "z"}]}], ["x"])
+    assert msgs[0]["content"] == [image] * 3 and refs == ["x", "data:u", "z"]
+    sys_user = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    msgs, _ = normalise(sys_user, ["x"])
+    assert msgs[0]["content"] == "s" and msgs[1]["content"] == [image, {"type": "text", "text": "q"}]
+    msgs, _ = normalise([{"role": "tool", "content": "out"}], ["x"])  # a tool's observation with a screenshot
+    assert msgs[0]["content"] == [image, {"type": "text", "text": "out"}]
+    with pytest.raises(ValueError, match="more image parts than the 1"):
+        normalise([{"role": "user", "content": "<image><image>"}], ["x"])
+    with pytest.raises(ValueError, match="2 image"):
+        normalise([{"role": "user", "content": "<image>"}], ["x", "y"])
+
+
 def _sample(
     prompt_ids: list[int], images: list[TraceImage], action: list[int], extra: list[int] = (), **kw
 ) -> Trajectory:

@@ -3,7 +3,8 @@
 An image part is `{"type": "image"}` (takes the next of the row's images), `{"type": "image", "image":
 ref}`, or `{"type": "image_url", "image_url": {"url": ref}}` (the image travels inline). In text
 content, each `<image>` mark becomes an image part where it stands; text content with no mark but
-with images given (a plain prompt, an env's observation) gets them in front of the last user turn's text. After
+with images given (a plain prompt, an env's observation) gets them in front of the last user turn's text
+(or of the last text, for a tool's observation). After
 normalising, every image part is `{"type": "image"}`, which the chat template turns into the model's
 placeholder (`<|vision_start|><|image_pad|><|vision_end|>` for Qwen2-VL); `Vision.expand` then repeats
 each pad to its image's token count. That happens once: the ids are the trace from then on.
@@ -42,10 +43,11 @@ def normalise(messages: list[dict[str, Any]], images: list[Any]) -> tuple[list[d
     `images` are the row's (or the env's) images; each bare image part takes the next one. Every
     image must be used and every part must find one: a `ValueError` otherwise."""
     row_images = list(images)
-    front = -1  # images given for plain text: they go before the last user turn's text
+    front = -1  # images given for plain text: they go before the last user turn's text (else the last text)
     if row_images and not has_images(messages):
-        users = [i for i, m in enumerate(messages) if m.get("role") == "user" and isinstance(m.get("content"), str)]
-        front = users[-1] if users else -1
+        texts = [i for i, m in enumerate(messages) if isinstance(m.get("content"), str)]
+        users = [i for i in texts if messages[i].get("role") == "user"]
+        front = (users or texts or [-1])[-1]
     out, refs, taken = [], [], 0
     for i, msg in enumerate(messages):
         content = msg.get("content")
