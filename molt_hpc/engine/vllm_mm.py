@@ -38,7 +38,7 @@ def render_request(mm: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(ref, str) or not ref.startswith("data:image/"):
             raise ValueError("mm.images must be data:image/...;base64 URIs for a vLLM engine")
     parts = [{"type": "image_url", "image_url": {"url": ref}} for ref in mm["images"]]
-    return {"messages": [{"role": "user", "content": parts}], "max_tokens": 1}
+    return {"messages": [{"role": "user", "content": parts}], "max_completion_tokens": 1}
 
 
 def features(rendered: dict[str, Any], mm: dict[str, Any], token_ids: list[int], version: int) -> dict[str, Any]:
