@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 CONFIG  ?= configs/tiny_cpu.toml
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast test-gpu lint fmt golden bench bench-gpu clean venv
+.PHONY: demo test test-fast test-gpu check-onegpu lint fmt golden bench bench-gpu bench-gpu-speed clean venv
 
 venv: $(STAMP)
 
@@ -29,6 +29,11 @@ test-fast: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/pytest -m gpu $(PYTEST_ARGS)
 
+# The one-GPU verification (< 8 min): the GPU tests on GPU 0 alone, the CUDA IPC refit benchmark, one
+# table; RUNS="runs/x ..." adds each run's time-per-step split. Uses .venv if there is one, else python3.
+check-onegpu:
+	bash bench/gpu_onegpu_check.sh $(RUNS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -48,6 +53,11 @@ bench: $(STAMP)
 # GPU benchmarks on two GPUs, one table (BENCH_ARGS="--dry-run" checks them on the CPU).
 bench-gpu: $(STAMP)
 	$(BIN)/python bench/gpu.py $(BENCH_ARGS)
+
+# The speed subset on one GPU (~5 min): trainer step + host breakdown + loss kernels at 0.5B, engine decode
+# variants, vLLM direct vs our front vs our engine.
+bench-gpu-speed: $(STAMP)
+	$(BIN)/python bench/gpu.py --speed $(BENCH_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

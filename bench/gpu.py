@@ -2,16 +2,19 @@
 packed against padded trainer steps, the cost of trainer offload.
 
 Runs `bench/gpu_engine.py`, `bench/gpu_refit.py`, `bench/gpu_train.py` (under torchrun, two ranks),
-`bench/gpu_pack.py` (one GPU), `bench/gpu_vllm.py` (vLLM next to the built-in engine; skipped without
-vLLM), `bench/gpu_offload.py` (one GPU) and `bench/gpu_vlm.py` (vLLM serving the tiny vision-language model
-on one GPU; skipped without vLLM) one after the other, each in its own processes with a time
-limit, collects their rows and prints one
+`bench/gpu_pack.py` (one GPU), `bench/gpu_vllm.py` (vLLM next to the built-in engine), `bench/gpu_vllm_one.py`
+(vLLM direct, through our front and our engine on one GPU), `bench/gpu_offload.py` (one GPU),
+`bench/gpu_moe.py` (MoE router replay through vLLM on one GPU) and `bench/gpu_vlm.py` (vLLM serving the
+tiny vision-language model on one GPU; the vLLM ones skipped without vLLM) one after the other (and,
+asked for with `--only ep`, `bench/gpu_ep.py` on every GPU of a 4- or 8-GPU host: expert parallelism
+against FSDP alone), each in its own processes with a time limit, collects their rows and prints one
 Markdown table: what was measured, the baseline measured in the same run, their ratio and the target.
-Made for two CUDA GPUs; on one, the trainer runs as a world of one and the refit is timed without its
-NCCL broadcast (see `gpu_refit.py`). `--dry-run` runs the same scripts on the CPU with tiny shapes (a
-script check, not a measurement). Each benchmark's full output goes to `--logs`.
+Made for two CUDA GPUs; on one, the trainer runs as a world of one and the refit goes through CUDA IPC
+only (the NCCL refit needs two; see `gpu_refit.py`). `--dry-run` runs the same scripts on the CPU with
+tiny shapes (a script check, not a measurement). Each benchmark's full output goes to `--logs`.
 
-    python bench/gpu.py [--only engine refit train pack vllm offload vlm] [--logs DIR] [--dry-run]
+    python bench/gpu.py [--only engine refit train pack vllm vllm1 offload moe vlm ep] [--speed] [--logs DIR]
+                         [--dry-run]
 """
 
 import argparse
@@ -25,16 +28,32 @@ import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-LIMIT_S = {"engine": 180, "refit": 150, "train": 240, "pack": 240, "vllm": 420, "offload": 150, "vlm": 480}
+LIMIT_S = {
+    "engine": 180,
+    "refit": 300,
+    "train": 240,
+    "pack": 240,
+    "vllm": 420,
+    "vllm1": 300,
+    "offload": 150,
+    "moe": 300,
+    "vlm": 480,
+    "ep": 600,
+}
+SPEED = ["train", "engine", "vllm1"]
+"""`--speed`: the trainer at the 0.5B shape (step, host breakdown, loss kernels), the engine's decode
+variants and vLLM on one GPU: about five minutes on one H200."""
 
 
-def command(name: str, out: Path, dry: bool, gpus: int) -> list[str]:
-    script = str(BENCH / f"gpu_{name}.py")
+def command(name: str, out: Path, dry: bool, gpus: int, shapes: list[str] | None = None) -> list[str]:
+    script = str(BENCH / f"gpu_{'vllm_one' if name == 'vllm1' else name}.py")
     args = ["--out", str(out)] + (["--dry-run"] if dry else [])
-    if name == "train":
+    if name in ("train", "ep"):  # ep: every GPU of the host (made for 4 or 8)
+        args += ["--shapes", *shapes] if shapes and name == "train" else []
         local = Path(sys.executable).parent / "torchrun"
         torchrun = str(local) if local.exists() else shutil.which("torchrun") or "torchrun"
-        return [torchrun, "--nproc-per-node", str(2 if dry else min(2, gpus)), script, *args]
+        ranks = 2 if dry else (min(2, gpus) if name == "train" else max(gpus, 1))
+        return [torchrun, "--nproc-per-node", str(ranks), script, *args]
     return [sys.executable, script, *args]
 
 
@@ -67,11 +86,15 @@ def main() -> int:
         "--only",
         nargs="+",
         choices=sorted(LIMIT_S),
-        default=["engine", "refit", "train", "pack", "vllm", "offload", "vlm"],
+        default=["engine", "refit", "train", "pack", "vllm", "vllm1", "offload", "moe", "vlm"],
     )
     ap.add_argument("--logs", type=Path, default=None, help="where each benchmark's output goes (default: a temp dir)")
+    ap.add_argument("--speed", action="store_true", help=f"only {' '.join(SPEED)}, the trainer at the 0.5B shape")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args()
+    shapes = ["0.5b"] if args.speed else None
+    if args.speed:
+        args.only = SPEED
     logs = args.logs or Path(tempfile.mkdtemp(prefix="bench-gpu-"))
     logs.mkdir(parents=True, exist_ok=True)
     out = logs / "rows.jsonl"
@@ -86,8 +109,9 @@ def main() -> int:
         t0 = time.perf_counter()
         with open(logs / f"{name}.log", "wb") as log:
             try:
-                code = subprocess.run(command(name, out, args.dry_run, gpus), stdout=log, stderr=subprocess.STDOUT,
-                                      env=env, timeout=LIMIT_S[name]).returncode  # fmt: skip
+                cmd = command(name, out, args.dry_run, gpus, shapes)
+                code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                      timeout=LIMIT_S[name]).returncode  # fmt: skip
             except subprocess.TimeoutExpired:
                 code = "timeout"
         print(f"== {name}: exit {code} in {time.perf_counter() - t0:.0f} s (log {logs / f'{name}.log'})", flush=True)

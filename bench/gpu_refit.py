@@ -1,26 +1,31 @@
-"""Refit of a Qwen2-7B-shape model (bf16 on the wire, 15.2 GB), trainer on GPU 0 → engine on GPU 1, next to a
-raw NCCL broadcast of the same bytes between the same two processes in the same run.
+"""Refit benchmarks on GPUs, each against a baseline measured in the same run.
 
-- trainer: this process, an FSDP2 world of one on GPU 0 holding fp32 master weights (random init with
+Through CUDA IPC, trainer and engine on GPU 0 (any machine with a GPU), Qwen2 0.5B and 7B shapes, bf16
+on the wire (1.26 GB / 15.2 GB):
+- trainer: this process, an FSDP2 world of one holding fp32 master weights (random init with
   `from_config`); a refit is `molt_hpc.actor.sync.EngineSync.refit`, end to end: health check, the
-  full weights out of FSDP in bf16, `RefitSender` (start → packed 256 MiB buckets over NCCL → finish);
-- engine: a real engine process on GPU 1 (`molt_hpc.engine.main.serve`: HTTP server, scheduler, the
-  weight-transfer routes, `RefitReceiver`) whose bf16 model is built in memory with `from_config`
-  instead of read from disk (15 GB of safetensors would take longer to write than the benchmark);
+  full weights out of FSDP, `RefitSender` (start → buckets packed into the slots it shared with the
+  engine once → finish);
+- engine: a real engine process on the same GPU (`molt_hpc.engine.main.serve` with its bf16 model
+  built in memory) that copies each bucket out of the trainer's slot into its parameters;
+- baseline: a device-to-device copy of the same bytes in one process. A refit moves each byte twice
+  (packed into a slot while cast from fp32, copied out into the engine's parameters): about 2.5x the
+  copy's memory traffic is the floor of that design.
+
+Over NCCL (two GPUs), a Qwen2-7B shape, trainer on GPU 0 → engine on GPU 1, next to a raw NCCL
+broadcast of the same bytes between the same two processes in the same run:
+- trainer and refit as above, the buckets broadcast (256 MiB) instead of shared;
+- engine: a real engine process on GPU 1 whose model is built in memory (15 GB of safetensors would
+  take longer to write than the benchmark);
 - baseline: before it serves, the engine process joins a raw NCCL group with this one
   (`molt_hpc.refit.group.new_group`) and receives the same bucket sizes, and the same bytes in 1 GiB
   messages; each round ends with a 1-element broadcast back from the engine, so it is really received.
 
-The engine's log-probs on a prompt are compared with the trainer's own forward before the first refit
-(different random weights) and after the last (the refit's weights), and the new version is checked
-in a generate answer.
+In both, the engine's log-probs on a prompt are compared with the trainer's own forward before the
+first refit (different random weights) and after the last (the refit's weights), and the new version
+is checked in a generate answer. `--dry-run`: tiny shapes on the CPU (/dev/shm slots, gloo).
 
-With one GPU (no NCCL group can join two processes on one device) it times what surrounds the wire
-on that GPU instead: the trainer side (full weights out of FSDP in bf16, packed into the buckets), both
-sides without the broadcast (+ the engine's load into its bf16 parameters), against a device copy of
-the same bytes; and the protocol's fixed cost as the whole refit of a tiny model on the CPU over gloo.
-
-    python bench/gpu_refit.py [--out rows.jsonl] [--dry-run]
+    python bench/gpu_refit.py [--out rows.jsonl] [--shapes 0.5b 7b] [--dry-run]
 """
 
 import argparse
@@ -74,6 +79,19 @@ def raw_rounds(group, plans: dict[str, list[int]], device, rank: int) -> dict[st
             if r:
                 times.setdefault(name, []).append(time.perf_counter() - t0)
     return times
+
+
+def ipc_engine_main(run_dir: Path, shape: str, dry: bool) -> int:
+    """The engine process of the IPC refit: build the model, serve as engine 0 on the trainer's GPU."""
+    from molt_hpc.engine.main import serve
+    from molt_hpc.log import setup_logging
+
+    setup_logging("engine 0")
+    run = RunDir(run_dir)
+    cfg = load_config(run.config)
+    model = build_model(shape, getattr(torch, cfg.model.dtype), "cpu" if dry else "cuda", seed=1)
+    asyncio.run(serve(cfg, run, 0, model=model))
+    return 0
 
 
 def engine_main(run_dir: Path, port: int, shape: str, dry: bool) -> int:
@@ -175,81 +193,117 @@ def two_processes(out: Path | None, dry: bool, prefix: str = "") -> None:
                   note=f"{total / med / 1e9:.0f} GB/s, {total / 1e9:.2f} GB")  # fmt: skip
     write_row(out, bench="refit", case=prefix + "log-probs engine vs trainer, after the refits (bf16)", value=after,
               unit="max abs", note=f"before the first refit: {before:.2f}; engine serves v{served}")  # fmt: skip
-    torch.distributed.destroy_process_group()
 
 
-def one_gpu(out: Path | None, shape: str = "7b", device: str = "cuda") -> None:
-    """With one GPU no NCCL group can join two processes: time what surrounds the wire, on that GPU."""
-    from molt_hpc.actor.parallelize import parallelize
-    from molt_hpc.actor.weights import full_buckets
-    from molt_hpc.actor.world import init_world
-    from molt_hpc.refit.buckets import pack_into, unpack
-
-    cfg = load_config(None, [f"actor.device='{device}'", "model.dtype='bfloat16'"])
-    world = init_world(cfg.actor)
-    model = parallelize(build_model(shape, torch.float32, world.device, seed=0), world.mesh, cfg.actor,
-                        compute_dtype=torch.bfloat16)  # fmt: skip
-    engine_params = build_model(shape, torch.bfloat16, world.device, seed=1).state_dict(keep_vars=True)
-    names = [n for n, _ in model.named_parameters()]
-    metas = [TensorMeta(n, "bfloat16", tuple(p.shape)) for n, p in model.named_parameters()]
-    plan = plan_buckets(metas, cfg.refit.bucket_mb << 20)
-    total = sum(m.nbytes for m in metas)
-    bufs = [torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8, device=world.device) for _ in range(2)]
-
-    def refit_without_wire(load: bool) -> None:
-        """EngineSync's gather + RefitSender's packing (+ RefitReceiver's loading), with no broadcast."""
-        gathered = full_buckets(model, [[n] for n in names], keep=True, dtype=torch.bfloat16, device=world.device)
-        items = (item for bucket in gathered for item in bucket.items())
-        for k, bucket in enumerate(plan):
-            flat = pack_into(bufs[k % 2], bucket, [next(items)[1] for _ in bucket.metas])
-            if load:
-                with torch.no_grad():
-                    for name, tensor in unpack(flat, bucket):
-                        engine_params[name].copy_(tensor)
-
-    src = torch.ones(total, dtype=torch.uint8, device=world.device)
+def copy_seconds(nbytes: int, device: torch.device) -> float:
+    """Median seconds of one device-to-device copy of `nbytes` (the first round is a warm-up)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    cases = {
-        "device copy of the same bytes, 256 MiB chunks": lambda: [
-            dst[s : s + (256 << 20)].copy_(src[s : s + (256 << 20)]) for s in range(0, total, 256 << 20)
-        ],
-        "trainer side: FSDP full weights (bf16) + pack into buckets": lambda: refit_without_wire(False),
-        "both sides without the wire: + load into the engine's bf16 params": lambda: refit_without_wire(True),
-    }
-    times = {}
-    for name, fn in cases.items():
-        runs = [timed(fn, world.device) for _ in range(ROUNDS)]
-        times[name] = statistics.median(runs[1:])
-    base = times["device copy of the same bytes, 256 MiB chunks"]
-    wire = total / (346 * 2**30)  # NCCL GPU0->GPU1 broadcast measured earlier on this kind of machine (notes)
-    for name, t in times.items():
-        write_row(out, bench="refit (1 GPU)", case=name, value=1000 * t, unit="ms", baseline=1000 * base,
-                  ratio=t / base, note=f"{total / t / 1e9:.0f} GB/s of {total / 1e9:.2f} GB; the NCCL broadcast "
-                  f"alone: {1000 * wire:.0f} ms at the 346 GiB/s measured earlier (not this run)")  # fmt: skip
-    torch.distributed.destroy_process_group()
+    return statistics.median([timed(lambda: dst.copy_(src), device) for _ in range(ROUNDS)][1:])
+
+
+def pack_and_copy_seconds(model, bucket_mb: int, device: torch.device) -> float:
+    """Median seconds of the refit's two passes in one process: pack the fp32 weights into bf16 buckets
+    (two slots, alternating), copy each bucket out into bf16 tensors of the engine's shapes."""
+    from molt_hpc.refit.buckets import bucket_views, pack_into
+
+    named = [(n, p.detach().to_local() if hasattr(p, "to_local") else p.detach()) for n, p in model.named_parameters()]
+    metas = [TensorMeta(n, "bfloat16", tuple(t.shape)) for n, t in named]
+    plan = plan_buckets(metas, bucket_mb << 20)
+    slots = [torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8, device=device) for _ in range(2)]
+    views = [bucket_views(slots[k % 2], b) for k, b in enumerate(plan)]
+    dst = {n: torch.empty(t.shape, dtype=torch.bfloat16, device=device) for n, t in named}
+    src = dict(named)
+
+    def once() -> None:
+        for k, bucket in enumerate(plan):
+            pack_into(slots[k % 2], bucket, [src[m.name] for m in bucket.metas], views[k])
+            torch._foreach_copy_([dst[m.name] for m in bucket.metas], views[k])
+
+    return statistics.median([timed(once, device) for _ in range(ROUNDS)][1:])
+
+
+def ipc_refit(out: Path | None, shape: str, dry: bool) -> None:
+    """The refit from this process to an engine process on the same GPU, through CUDA IPC (see the top)."""
+    from molt_hpc.actor.parallelize import parallelize
+    from molt_hpc.actor.sync import EngineSync
+    from molt_hpc.actor.world import init_world
+
+    dev = "cpu" if dry else "cuda"
+    sets = ["model.dtype='bfloat16'", "refit.host='127.0.0.1'", f"actor.device='{dev}'", f"engines.device='{dev}'",
+            "engines.max_batch=8", "engines.max_model_len=256", "refit.backend='ipc'"]  # fmt: skip
+    cfg = load_config(None, sets)
+    run = create_run_dir(tempfile.mkdtemp(prefix="bench-gpu-refit-ipc-"), "run", to_toml(cfg))
+    cmd = [sys.executable, __file__, "--ipc-engine", str(run.path), shape] + (["--dry-run"] if dry else [])
+    env = gpu_env() if dry else {**gpu_env(), "CUDA_VISIBLE_DEVICES": "0"}
+    log = open(run.logs / "engine-0.log", "wb")  # noqa: SIM115 - the child owns it
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
+    try:
+        world = init_world(cfg.actor)
+        model = parallelize(build_model(shape, torch.float32, world.device, seed=0), world.mesh, cfg.actor,
+                            compute_dtype=torch.bfloat16)  # fmt: skip
+        total = sum(p.numel() * 2 for p in model.parameters())
+        base = copy_seconds(total, world.device)
+        floor = pack_and_copy_seconds(model, 256, world.device)
+        url = wait_url(run, proc)
+        token = run.token()
+        before, _ = trainer_diff(model, url, token, world.device)
+        times: dict[str, list[float]] = {}
+        version = 0
+        for mb in (256, 1024):
+            engine_sync = EngineSync(load_config(None, [*sets, f"refit.bucket_mb={mb}"]), run.path, world)
+            for r in range(ROUNDS):  # the first connects and shares the slots: a warm-up
+                version += 1
+                dt = engine_sync.refit(model, version)
+                assert dt is not None, f"the refit failed (see {run.logs})"
+                if r:
+                    times.setdefault(f"refit through CUDA IPC end to end, {mb} MiB buckets", []).append(dt)
+            engine_sync.close()
+        after, served = trainer_diff(model, url, token, world.device)
+        assert served == version, f"the engine serves version {served}, not {version}"
+    finally:
+        proc.terminate()
+        proc.wait()
+    name = f"{shape} bf16 ({total / 1e9:.2f} GB), trainer and engine on one GPU"
+    write_row(out, bench="refit (1 GPU)", case=f"{name}: device copy of the same bytes", value=1000 * base, unit="ms",
+              note=f"{total / base / 1e9:.0f} GB/s, one process, the baseline")  # fmt: skip
+    write_row(out, bench="refit (1 GPU)", case=f"{name}: its two passes in one process (fp32 -> bf16 pack, copy out)",
+              value=1000 * floor, unit="ms", baseline=1000 * base, ratio=floor / base,
+              note="the floor of a refit that packs and copies each byte; no second process, no protocol")  # fmt: skip
+    for case, values in times.items():
+        med = statistics.median(values)
+        write_row(out, bench="refit (1 GPU)", case=f"{name}: {case}", value=1000 * med, unit="ms",
+                  baseline=1000 * base, ratio=med / base, target="<= 1.5x",
+                  note=f"{total / med / 1e9:.0f} GB/s; {med / floor:.2f}x its two passes in one process")  # fmt: skip
+    write_row(out, bench="refit (1 GPU)", case=f"{name}: log-probs engine vs trainer after the refits", value=after,
+              unit="max abs", note=f"before the first refit: {before:.2f}; engine serves v{served}")  # fmt: skip
+    del model
+    if not dry:
+        torch.cuda.empty_cache()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU over gloo: checks the script")
-    ap.add_argument("--protocol", action="store_true", help="the tiny CPU run, reported as the protocol's cost")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the script")
+    ap.add_argument("--shapes", nargs="+", default=["0.5b", "7b"], help="shapes of the CUDA IPC refit")
+    ap.add_argument("--no-nccl", action="store_true", help="skip the two-GPU NCCL refit")
     ap.add_argument("--engine", nargs=2, metavar=("RUN_DIR", "PORT"), help=argparse.SUPPRESS)
+    ap.add_argument("--ipc-engine", nargs=2, metavar=("RUN_DIR", "SHAPE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    dry = args.dry_run or args.protocol
     if args.engine:
-        return engine_main(Path(args.engine[0]), int(args.engine[1]), "tiny" if dry else "7b", dry)
+        return engine_main(Path(args.engine[0]), int(args.engine[1]), "tiny" if args.dry_run else "7b", args.dry_run)
+    if args.ipc_engine:
+        return ipc_engine_main(Path(args.ipc_engine[0]), args.ipc_engine[1], args.dry_run)
     gpus = torch.cuda.device_count()
-    if dry or gpus >= 2:
-        two_processes(args.out, dry, "protocol cost (tiny model, CPU, gloo): " if args.protocol else "")
-    elif gpus == 1:
-        one_gpu(args.out)
-        cmd = [sys.executable, __file__, "--protocol"] + (["--out", str(args.out)] if args.out else [])
-        dist_env = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # this world's, not its
-        env = {k: v for k, v in gpu_env().items() if k not in dist_env}
-        subprocess.run(cmd, check=True, env={**env, "CUDA_VISIBLE_DEVICES": ""})
-    else:
-        print("gpu_refit: needs CUDA GPUs (two for the refit itself); --dry-run on a CPU")
+    if not (args.dry_run or gpus):
+        print("gpu_refit: needs a CUDA GPU (two for the NCCL refit); --dry-run on a CPU")
+        return 0
+    for shape in ["tiny"] if args.dry_run else args.shapes:
+        ipc_refit(args.out, shape, args.dry_run)
+    if (args.dry_run or gpus >= 2) and not args.no_nccl:
+        two_processes(args.out, args.dry_run)
+    torch.distributed.destroy_process_group()
     return 0
 
 

@@ -128,7 +128,88 @@ def guarded(fn) -> tuple[float, float]:
         return float("nan"), peak_gib()
 
 
-def run_trainer(shape: str, world, group: Group, cfg, profile: bool) -> tuple[float, float]:
+PHASES = {
+    "experience: groups -> tensors, advantages": ("step", "build_experience"),
+    "micro-batch cut + global token count": ("step", "rank_micro_batches", "global_token_count"),
+    "forward: model + chunked log-probs": ("step", "policy_logprobs"),
+    "policy loss": ("step", "policy_loss"),
+    "gradient clip (local shards)": ("step", "clip_grad_norm"),
+    "metrics: reduce + batch metrics": ("step", "batch_metrics"),
+}
+
+
+def host_breakdown(shape: str, world, group: Group, cfg, models, out: Path | None) -> None:
+    """One `train_step` with the device synchronised around each phase: each phase's own milliseconds
+    (what is left is backward, the optimizer and the Python between them); then the gradient clip of the
+    same gradients by torch's `clip_grad_norm_` against ours."""
+    from molt_hpc.actor import clip, step
+    from molt_hpc.actor.step import Meter, train_step
+
+    spent: dict[str, float] = {}
+    saved = []
+
+    def wrap(owner, attr: str, phase: str):
+        fn = getattr(owner, attr)
+        saved.append((owner, attr, fn))
+
+        def timed_fn(*a, **k):
+            sync(world.device)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                sync(world.device)
+                spent[phase] = spent.get(phase, 0.0) + 1000 * (time.perf_counter() - t0)
+
+        setattr(owner, attr, timed_fn)
+
+    for phase, (_, *names) in PHASES.items():
+        for name in names:
+            wrap(step, name, phase)
+    wrap(Meter, "reduce", "metrics: reduce + batch metrics")
+    opt = models.policy.optimizer
+    wrap(opt, "step", "optimizer step (fused AdamW)")
+    try:
+        for _ in range(2):  # the first warms up
+            spent.clear()
+            total = timed_ms(lambda: train_step([group], cfg, models, world, pad_id=0), world.device)
+    finally:
+        for owner, attr, fn in reversed(saved):
+            if owner is opt:
+                del opt.step  # back to the class's method
+            else:
+                setattr(owner, attr, fn)
+    if world.is_main:
+        for phase, ms in spent.items():
+            write_row(
+                out,
+                bench="host",
+                case=f"{shape} trainer step, {phase}",
+                value=ms,
+                unit="ms",
+                baseline=total,
+                ratio=ms / total,
+                note="baseline: the whole step, device synced per phase",
+            )
+        rest = total - sum(spent.values())
+        write_row(out, bench="host", case=f"{shape} trainer step, the rest: backward + Python between phases",
+                  value=rest, unit="ms", baseline=total, ratio=rest / total)  # fmt: skip
+    # the clip alone, on gradients of one more backward: torch's DTensor path against the local shards
+    part = models.policy
+    params = [p for p in part.model.parameters() if p.requires_grad]
+    part.model(input_ids=torch.ones(1, 8, dtype=torch.long, device=world.device)).logits.float().mean().backward()
+    ours = statistics.median(timed_ms(lambda: clip.clip_grad_norm(params, 1e9), world.device) for _ in range(5))
+    theirs = statistics.median(
+        timed_ms(lambda: torch.nn.utils.clip_grad_norm_(params, 1e9), world.device) for _ in range(5)
+    )
+    part.optimizer.zero_grad(set_to_none=True)
+    if world.is_main:
+        write_row(out, bench="host", case=f"{shape} gradient clip, {len(params)} sharded tensors: local shards",
+                  value=ours, unit="ms", baseline=theirs, ratio=ours / theirs,
+                  note="baseline: torch.nn.utils.clip_grad_norm_ on the same DTensor gradients")  # fmt: skip
+
+
+def run_trainer(shape: str, world, group: Group, cfg, profile: bool, out: Path | None = None) -> tuple[float, float]:
     """`train_step` on a model built the trainer's way (random weights instead of a checkpoint); with
     `profile`, one more step under the torch profiler, its table printed."""
     from molt_hpc.actor import build
@@ -143,6 +224,7 @@ def run_trainer(shape: str, world, group: Group, cfg, profile: bool) -> tuple[fl
     models = Models(policy=Trainable("policy", model, opt, build.build_scheduler(opt, cfg.actor, 10**6)))
     free()
     result = guarded(lambda: step_times(lambda: train_step([group], cfg, models, world, pad_id=0), world))
+    host_breakdown(shape, world, group, cfg, models, out)
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as profiler
@@ -184,7 +266,7 @@ def bench_shape(shape: str, seq: int, prompt: int, world, out: Path | None, prof
                   f"{seq} tokens)", value=cpu_s, unit="ms")  # fmt: skip
     results = run_reference(shape, world, mb, exp, cfg, global_token_count(mb.action_mask))
     free()
-    results["trainer train_step (molt_hpc.actor)"] = run_trainer(shape, world, group, cfg, profile)
+    results["trainer train_step (molt_hpc.actor)"] = run_trainer(shape, world, group, cfg, profile, out)
     free()
     tokens = world.size * mb_rows * seq
     flops = flops_per_token(shape, params, seq) * tokens
@@ -199,7 +281,9 @@ def bench_shape(shape: str, seq: int, prompt: int, world, out: Path | None, prof
 
 
 def loss_kernels(seq: int, prompt: int, rows: int, device, out: Path | None, vocab: int, hidden: int) -> None:
-    """Forward + backward of the loss alone on `rows × seq` positions: CE vs the trainer's log-probs."""
+    """Forward + backward of the loss alone on `rows × seq` positions: CE vs the trainer's log-probs, from
+    logits (today's trainer: the model's full logits) and from hidden states with each chunk kernel; then
+    the bf16 gap of each against an fp32 recompute of the same inputs."""
     from molt_hpc.algorithm import logprobs_from_logits, token_logprobs
 
     torch.manual_seed(0)
@@ -208,7 +292,8 @@ def loss_kernels(seq: int, prompt: int, rows: int, device, out: Path | None, voc
     mask[:, prompt:] = True
     logits = (torch.randn(rows, seq, vocab, device=device) * 2).to(torch.bfloat16).requires_grad_()
     hid = torch.randn(rows, seq, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
-    weight = (torch.randn(vocab, hidden, device=device) * 0.02).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(vocab, hidden, device=device) * 0.05).to(torch.bfloat16).requires_grad_()
+    kernels = ["torch"] + (["compile", "triton"] if device.type == "cuda" else [])  # compile: minutes on a CPU
 
     def ce():
         F.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1)).backward()
@@ -217,31 +302,52 @@ def loss_kernels(seq: int, prompt: int, rows: int, device, out: Path | None, voc
         logp, _ = logprobs_from_logits(logits, ids, action_mask=mask)
         logp.sum().backward()
 
-    def from_hidden():
-        logp, _ = token_logprobs(hid, weight, ids, action_mask=mask)
-        logp.sum().backward()
+    def from_hidden(kernel):
+        def run():
+            logp, ent = token_logprobs(hid, weight, ids, action_mask=mask, kernel=kernel)
+            (logp.sum() + 0.01 * ent.sum()).backward()
+
+        return run
 
     def hidden_ce():
         F.cross_entropy((hid[:, :-1] @ weight.t()).float().reshape(-1, vocab), ids[:, 1:].reshape(-1)).backward()
 
+    def lm_head_then_logits():  # today's trainer: the model's LM head makes [B, T, V], then the chunked loss
+        logp, _ = logprobs_from_logits(hid @ weight.t(), ids, action_mask=mask)
+        logp.sum().backward()
+
     cases = {
         "CE on logits (reference)": ce,
-        "chunked log-probs from logits (trainer)": from_logits,
+        "chunked log-probs from logits": from_logits,
         "lm_head + CE from hidden states": hidden_ce,
-        "chunked log-probs from hidden states": from_hidden,
+        "lm_head -> full logits -> chunked log-probs (before)": lm_head_then_logits,
+        **{f"fused from hidden states, kernel {k}": from_hidden(k) for k in kernels},
     }
-    times = {}
+    times, peaks = {}, {}
     for name, fn in cases.items():
         runs = []
-        for _ in range(6):  # the first is a warm-up
+        for _ in range(6):  # the first is a warm-up (and the compile)
             for t in (logits, hid, weight):
                 t.grad = None
+            free()
             runs.append(timed_ms(fn, device))
-        times[name] = statistics.median(runs[1:])
+        times[name], peaks[name] = statistics.median(runs[1:]), peak_gib()
     base = times["CE on logits (reference)"]
     for name, t in times.items():
         write_row(out, bench="loss", case=f"{name}, {rows}x{seq}, V={vocab}", value=t, unit="ms fwd+bwd",
-                  baseline=base, ratio=t / base)  # fmt: skip
+                  baseline=base, ratio=t / base, note=f"peak {peaks[name]:.1f} GiB (inputs included)")  # fmt: skip
+    # bf16 gap: each kernel on the bf16 inputs against the torch kernel on their fp32 copies
+    hid32, w32 = hid.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    want, _ = token_logprobs(hid32, w32, ids, action_mask=mask)
+    want.sum().backward()
+    for k in kernels:
+        hid.grad = weight.grad = None
+        got, _ = token_logprobs(hid, weight, ids, action_mask=mask, kernel=k)
+        got.sum().backward()
+        gap = float((got.detach() - want.detach())[mask].abs().max())
+        grad_gap = float((weight.grad.float() - w32.grad).norm() / w32.grad.norm())
+        write_row(out, bench="loss", case=f"log-prob gap, bf16 inputs vs their fp32 copies, kernel {k}", value=gap,
+                  unit="max abs", note=f"LM head gradient: relative L2 gap {grad_gap:.1e}")  # fmt: skip
 
 
 def timed_ms(fn, device) -> float:

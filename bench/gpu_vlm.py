@@ -10,10 +10,10 @@ front, the trainer's forward on the same GPU scores vLLM's samples, and a short 
   max beside it). The baseline is the image's own effect: the trainer's log-probs of the same tokens with
   another colour's image in each prompt. A gap well below it says vLLM put each image's features where the
   trainer does. Samples holding a generated vision token (the trainer drops them) are counted, not compared.
-- train: `molt-hpc run configs/tiny_vl_cpu.toml` with the vLLM engine for a few steps on the same GPU. The
-  refit between a trainer and an engine on one GPU goes through CUDA IPC (colocated pools), not NCCL; without
-  that transport (`molt_hpc.refit.ipc`) the part reports that it did not run. It reports the steps done, the
-  reward, and `kl_rollout` (engine vs trainer log-probs on the trained tokens) of each step.
+- train: `molt-hpc run configs/tiny_vl_cpu.toml` with the vLLM engine for a few steps on the same GPU (both
+  pools share it). The refit between a trainer and an engine on one GPU goes through CUDA IPC
+  (`molt_hpc.refit.ipc`), not NCCL. It reports the steps done, the reward, and `kl_rollout` (engine vs
+  trainer log-probs on the trained tokens) of each step.
 
 `--dry-run` runs both parts on the CPU with the builtin engine in vLLM's place (a check of the script, not a
 measurement).
@@ -72,7 +72,7 @@ def trainer_logprobs(model_dir: Path, trajs, vision, dtype: str, device: str, pa
         use_document_attention(model, DocumentAttention("sdpa", torch.device(device)))
     exp = make_experience(trajs, max_len=256, pack=pack, vision=vision.spec).to(device)
     with torch.no_grad():
-        logp, _ = policy_logprobs(model, exp, 1.0, 64, ImageInputs(vision))
+        logp, _ = policy_logprobs(model, exp, 1.0, 64, images=ImageInputs(vision))
     out = [logp[exp.seq_index == n][exp.action_mask[exp.seq_index == n]] for n in range(len(trajs))]
     return torch.cat(out).float().cpu()
 
@@ -131,11 +131,6 @@ def check(tmp: Path, out: Path | None, dry: bool) -> dict[str, float]:
 def train(tmp: Path, out: Path | None, dry: bool) -> None:
     from molt_hpc.log import read_metrics
 
-    if not dry and importlib.util.find_spec("molt_hpc.refit.ipc") is None:
-        write_row(out, bench="vlm", case="train on vLLM rollouts, one GPU", value="not run", unit="",
-                  note="needs the colocated refit (CUDA IPC, molt_hpc.refit.ipc): NCCL cannot join two ranks "
-                  "on one GPU")  # fmt: skip
-        return
     steps = 2 if dry else TRAIN_STEPS
     sets = [*engine_sets(dry), f"run.root={tmp}", "run.name=train", f"run.steps={steps}", "logging.progress=lines",
             "engines.gpu_memory_utilization=0.3" if not dry else "engines.threads=1"]  # fmt: skip

@@ -1,11 +1,14 @@
-"""Refit time and GB/s for a ≥ 100 MB model on CPU/gloo, next to a raw gloo broadcast of the same bytes.
+"""Refit time and GB/s for a ≥ 100 MB model on CPU, over gloo and over shared memory, next to a raw gloo
+broadcast of the same bytes.
 
 The sender is this process (as trainer rank 0 would be); the receiver is a real engine process
 holding the same architecture. A refit is the whole protocol: start (pause at a step boundary),
-update (pack into flat buckets, broadcast, unpack, load by name), finish (version bump, resume).
+update (pack into flat buckets, broadcast or post them in the shared /dev/shm slots, copy them into
+the parameters by name), finish (version bump, resume). `refit.backend = "auto"` takes gloo on a CPU
+unless shared memory wins here.
 The baseline, in the same run, is a separate plain process in a gloo group with this one: one
 broadcast of all the bytes, and one per bucket of the same plan, each ended by a 1-element
-all-reduce so the receiver has really received. Medians of `--repeats`, cases interleaved.
+all-reduce so the receiver has really received. Medians of `--repeats`.
 
     .venv/bin/python bench/refit.py [--repeats 5] [--buckets-mb 256 32]
 """
@@ -101,13 +104,14 @@ def main() -> None:
         child.start()
         pg, _store = raw_group(port, 0)
         proc, url = start_engine(run)
+        token = run.token()
         senders = [
-            RefitSender(run.path, RefitConfig(bucket_mb=mb, host="127.0.0.1"), run.token()) for mb in args.buckets_mb
+            (backend, mb, RefitSender(run.path, RefitConfig(bucket_mb=mb, host="127.0.0.1", backend=backend), token))
+            for backend in ("gloo", "ipc")
+            for mb in args.buckets_mb
         ]
         times: dict[str, list[float]] = {}
-        stats = {}
         try:
-            version = 0
             for r in range(args.repeats + 1):  # round 0 is the warm-up (first-touch of fresh buffers)
                 for plan in raw_plans:
                     label = (
@@ -116,25 +120,32 @@ def main() -> None:
                     dt = raw_send(pg, [torch.ones(n, dtype=torch.uint8) for n in plan])
                     if r:
                         times.setdefault(label, []).append(dt)
-                for mb, sender in zip(args.buckets_mb, senders, strict=True):
-                    sender.connect([url])  # each bucket size has its own sender: re-form the group
+            version = 0
+            for backend, mb, sender in senders:
+                # One engine is in one group at a time: each case connects once, as a run does, then pushes;
+                # its first push is the warm-up (fresh slots and buffers are first touched there).
+                sender.connect([url])
+                how = "gloo" if backend == "gloo" else "shared memory"
+                for r in range(args.repeats + 1):
                     version += 1
                     st = sender.push(named, version)
-                    stats[mb] = st
                     if r:
-                        times.setdefault(f"refit, bucket {mb} MiB ({st.buckets} buckets)", []).append(st.seconds)
+                        times.setdefault(f"refit over {how}, bucket {mb} MiB ({st.buckets} buckets)", []).append(
+                            st.seconds
+                        )
+                sender.close()
         finally:
             proc.terminate()
             proc.wait()
             child.join(timeout=30)
     base = statistics.median(times["raw gloo broadcast, 1 buffer"])
-    print(f"model {total / 1e6:.1f} MB ({len(metas)} tensors, fp32), 1 engine process, gloo on loopback", end="")
+    print(f"model {total / 1e6:.1f} MB ({len(metas)} tensors, fp32), 1 engine process on this host", end="")
     print(f", median of {args.repeats}")
-    print(f"| {'case':<40} | {'seconds':>8} | {'GB/s':>6} | {'vs raw 1 buffer':>15} |")
-    print(f"|{'-' * 42}|{'-' * 10}|{'-' * 8}|{'-' * 17}|")
+    print(f"| {'case':<52} | {'seconds':>8} | {'GB/s':>6} | {'vs raw 1 buffer':>15} |")
+    print(f"|{'-' * 54}|{'-' * 10}|{'-' * 8}|{'-' * 17}|")
     for label, values in times.items():
         med = statistics.median(values)
-        print(f"| {label:<40} | {med:8.3f} | {total / med / 1e9:6.2f} | {base / med:14.2f}x |")
+        print(f"| {label:<52} | {med:8.3f} | {total / med / 1e9:6.2f} | {base / med:14.2f}x |")
 
 
 if __name__ == "__main__":

@@ -3,11 +3,14 @@ jobs/actor.py RUN_DIR [--resume]`.
 
 Reads the resolved config from `RUN_DIR/config.toml`; heavy modules (torch, transformers) are
 imported after the arguments are parsed. `--resume` requires a checkpoint to resume from; without
-it, `checkpoint.resume` decides (`auto`: resume when the run directory has one).
+it, `checkpoint.resume` decides (`auto`: resume when the run directory has one). The rank leaves
+through `end_process` once its shutdown is done (see `molt_hpc.log.end_process` for why).
 """
 
 import argparse
+import signal
 import sys
+import traceback
 from pathlib import Path
 
 
@@ -29,7 +32,26 @@ def main() -> int:
     except ValueError as err:  # a user error (config, model, checkpoint): one line, not a traceback per rank
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
+    finally:
+        # A stop reaches a rank more than once (Slurm signals every process of the step, torchrun passes it
+        # on): one that lands while the interpreter shuts down, when Python's handlers are gone, would kill
+        # the rank after its good checkpoint. What is left to do here is to exit.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+def run() -> None:
+    try:
+        code = main()
+    except SystemExit as stop:  # argparse's --help and usage errors
+        code = stop.code if isinstance(stop.code, int) else int(stop.code is not None) * 2
+    except BaseException:  # the traceback first, then the same clean exit path with a failure code
+        traceback.print_exc()
+        code = 1
+    from molt_hpc.log import end_process
+
+    end_process(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

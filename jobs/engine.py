@@ -6,7 +6,6 @@ config from `RUN_DIR/config.toml`; heavy modules are imported after the argument
 """
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
@@ -63,13 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     if not run.config.is_file():
         raise SystemExit(f"error: {run.config} not found; RUN_DIR must be a run directory with config.toml")
     cfg = load_config(run.config)
-    return ROLES[args.role](cfg, run.path, args)
+    try:
+        return ROLES[args.role](cfg, run.path, args)
+    except ValueError as err:  # a user error (config, model, GPU memory): one line with the fix, exit 2
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":
     code = main()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip the interpreter's teardown of torch + transformers (seconds); nothing is left to flush.
-    os._exit(code)
+    from molt_hpc.log import end_process
+
+    # Skip the interpreter's teardown of torch + transformers (seconds, and torch's own threads).
+    end_process(code)

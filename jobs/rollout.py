@@ -26,4 +26,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from molt_hpc.log import end_process
+
+    # The orchestrator's shutdown has saved its state and stopped its env workers; user threads of an
+    # env (`rollout.env_workers = 0`) may still run torch code, so skip the interpreter's teardown.
+    end_process(code)

@@ -34,6 +34,13 @@ def _load(config: str | None, overrides: tuple[str, ...]):
     return load_config(config, overrides)
 
 
+def _preflight(cfg):
+    """The pre-flight every launch passes first (molt_hpc.launch.preflight): the config with absolute paths."""
+    from molt_hpc.launch.preflight import preflight
+
+    return preflight(cfg)
+
+
 @click.group(cls=_Group)
 @click.version_option(package_name="molt-hpc")
 def main() -> None:
@@ -58,17 +65,23 @@ def model_group() -> None:
 
 @model_group.command("build-tiny")
 @click.argument("out_dir")
-@click.option("--config", "config", default=None, help="Take model.tiny (or model.tiny_vl) from this config file.")
+@click.option("--config", "config", default=None,
+              help="Take model.tiny (or model.tiny_moe, model.tiny_vl) from this config file.")  # fmt: skip
+@click.option("--moe", is_flag=True, help="Write builtin:tiny-moe (shape from model.tiny_moe) instead of tiny-char.")
+@click.option("--vl", is_flag=True, help="Write builtin:tiny-vl (shape from model.tiny_vl), the vision-language model.")
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)
-@click.option("--kind", type=click.Choice(["char", "vl"]), default="char",
-              help="char: builtin:tiny-char; vl: builtin:tiny-vl, the tiny vision-language model.")  # fmt: skip
-def build_tiny_cmd(out_dir: str, config: str | None, overrides: tuple[str, ...], kind: str) -> None:
+def build_tiny_cmd(out_dir: str, config: str | None, moe: bool, vl: bool, overrides: tuple[str, ...]) -> None:
     """Write the offline tiny model (tokenizer + random-init weights, HF layout) to OUT_DIR."""
-    from molt_hpc.models import build_tiny
+    from molt_hpc.models import build_tiny, build_tiny_moe
     from molt_hpc.models.tiny_vl import build_tiny_vl
 
+    if moe and vl:
+        raise click.UsageError("--moe and --vl each name a model: pass one of them")
     cfg = _load(config, overrides)
-    path = build_tiny(out_dir, cfg.model.tiny) if kind == "char" else build_tiny_vl(out_dir, cfg.model.tiny_vl)
+    if vl:
+        path = build_tiny_vl(out_dir, cfg.model.tiny_vl)
+    else:
+        path = build_tiny_moe(out_dir, cfg.model.tiny_moe) if moe else build_tiny(out_dir, cfg.model.tiny)
     click.echo(f"wrote {path}")
 
 
@@ -93,11 +106,45 @@ def sample_cmd(config: str | None, overrides: tuple[str, ...], prompt: str) -> N
     click.echo(sample_reply(_load(config, overrides), prompt))
 
 
+NO_PLAN_HELP = "Start even when the memory plan says the config does not fit or cannot run."
+
+
+def _plan_first(cfg, *, local: bool, refuse: bool) -> None:
+    """Plan `cfg`; print its one-line verdict when it does not fit, and exit 2 when `refuse`."""
+    from molt_hpc.plan import plan_config, verdict_line
+
+    plan, suggestions = plan_config(cfg, local=local)
+    if plan.runnable:
+        return
+    click.echo(verdict_line(plan, suggestions), err=True)
+    if refuse:
+        click.echo("error: the plan refuses this config; change it, or pass --no-plan to start anyway", err=True)
+        sys.exit(2)
+
+
+@main.command("plan")
+@click.argument("config", required=False)
+@click.option("--set", "overrides", multiple=True, help=SET_HELP)
+@click.option("--local/--slurm", "local", default=None,
+              help="Plan this machine's placement (molt-hpc run) or the Slurm job's (molt-hpc submit); "
+              "default: Slurm when the slurm section asks for GPUs.")  # fmt: skip
+def plan_cmd(config: str | None, overrides: tuple[str, ...], local: bool | None) -> None:
+    """Does CONFIG fit? Per-GPU memory of each pool by category and phase, KV cache, refit, host
+    memory, a verdict and the changes that would make it fit. Exit 0: it fits and can run; 1: not."""
+    from molt_hpc.plan import default_local, plan_config, report
+
+    cfg = _load(config, overrides)
+    plan, suggestions = plan_config(cfg, local=default_local(cfg) if local is None else local)
+    click.echo(report(plan, suggestions))
+    sys.exit(0 if plan.runnable else 1)
+
+
 @main.command("run")
 @click.argument("config", required=False)
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)
 @click.option("--resume", "resume_dir", default=None, help="Continue the run in this run directory.")
-def run_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: str | None) -> None:
+@click.option("--no-plan", is_flag=True, help=NO_PLAN_HELP)
+def run_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: str | None, no_plan: bool) -> None:
     """Run the whole RL loop on this machine (CONFIG, or the embedded tiny CPU default)."""
     from molt_hpc.launch.local import resume_config, run_local
     from molt_hpc.log import setup_logging
@@ -105,6 +152,9 @@ def run_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: str | No
     if resume_dir and config:
         raise click.UsageError("give either CONFIG or --resume RUN_DIR (a resumed run keeps its own config)")
     cfg = resume_config(resume_dir, overrides) if resume_dir else _load(config, overrides)
+    cfg = _preflight(cfg)
+    if not no_plan:
+        _plan_first(cfg, local=True, refuse=True)
     setup_logging("launcher", cfg.logging.level)
     sys.exit(run_local(cfg))
 
@@ -142,22 +192,53 @@ def buffer_stats_cmd(run_dir: str) -> None:
     click.echo("\n".join(stats_lines(run_dir)))
 
 
+@buffer_group.command("clean")
+@click.argument("run_dir")
+def buffer_clean_cmd(run_dir: str) -> None:
+    """Remove a finished or stopped run's /dev/shm spool (refused while the run is live)."""
+    from molt_hpc.buffer.cleanup import clean
+
+    click.echo(clean(run_dir))
+
+
 @main.command("submit")
 @click.argument("config", required=False)
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)
 @click.option("--dry-run", is_flag=True, help="Print the exact batch script and exit; nothing is created.")
 @click.option("--resume", "resume_dir", default=None, help="Submit a new job that continues this run directory.")
-def submit_cmd(config: str | None, overrides: tuple[str, ...], dry_run: bool, resume_dir: str | None) -> None:
-    """Submit the run as one heterogeneous Slurm job: het group 0 = actor pool, 1 = engine pool."""
+@click.option("--no-plan", is_flag=True, help=NO_PLAN_HELP)
+def submit_cmd(
+    config: str | None, overrides: tuple[str, ...], dry_run: bool, resume_dir: str | None, no_plan: bool
+) -> None:
+    """Submit the run as one heterogeneous Slurm job: het group 0 = actor pool, 1 = engine pool.
+
+    The memory plan runs first: a config that does not fit or cannot run is refused (exit 2) with
+    its verdict in one line; with --dry-run the verdict is only printed (stderr)."""
     from molt_hpc.launch import slurm
     from molt_hpc.launch.local import resume_config
 
     if resume_dir and config:
         raise click.UsageError("give either CONFIG or --resume RUN_DIR (a resumed run keeps its own config)")
     cfg = resume_config(resume_dir, overrides) if resume_dir else _load(config, overrides)
-    if dry_run:
+    if dry_run:  # the script, and the pre-flight's verdict: a job that submit would refuse exits 2 here too
+        from molt_hpc.launch.preflight import PreflightError
+
+        try:
+            cfg, refused = _preflight(cfg), None
+        except PreflightError as err:
+            refused = err
+        if not no_plan and refused is None:  # a refused input is the one line to read; no plan of it
+            _plan_first(cfg, local=False, refuse=False)
         click.echo(slurm.dry_run_script(cfg), nl=False)
+        if refused is not None:
+            raise refused
         return
+    cfg = _preflight(cfg)
+    from molt_hpc.launch.slurm_checks import check_slurm_reachable
+
+    check_slurm_reachable()  # cheap, and no plan is worth making for a job that cannot be submitted
+    if not no_plan:
+        _plan_first(cfg, local=False, refuse=True)
     job_id, run_dir = slurm.submit(cfg, resume=resume_dir is not None)
     click.echo(f"submitted job {job_id}\nrun directory {run_dir}")
 
@@ -172,7 +253,7 @@ def sbatch_cmd(config: str | None, overrides: tuple[str, ...], out: str) -> None
 
     from molt_hpc.launch import slurm
 
-    Path(out).write_text(slurm.standalone_script(_load(config, overrides)))
+    Path(out).write_text(slurm.standalone_script(_preflight(_load(config, overrides))))
     click.echo(f"wrote {out}; submit it with: sbatch {out}")
 
 
@@ -181,7 +262,8 @@ def sbatch_cmd(config: str | None, overrides: tuple[str, ...], out: str) -> None
 @click.option("--now", is_flag=True, help="Cancel at once, without waiting for a checkpoint.")
 @click.option("--timeout", "timeout_s", type=float, default=None, help="Seconds to wait for the checkpoint.")
 def cancel_cmd(run_dir: str, now: bool, timeout_s: float | None) -> None:
-    """End a run's Slurm job cleanly: the actor pool checkpoints first (unless --now)."""
+    """End a run's Slurm job cleanly: the actor pool checkpoints first (unless --now, a plain scancel).
+    Blocks until the job has ended: at most slurm.stop_timeout_s + 75 s unless --timeout says otherwise."""
     from molt_hpc.launch import slurm
 
     click.echo(slurm.cancel(run_dir, now=now, timeout_s=timeout_s))

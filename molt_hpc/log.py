@@ -5,6 +5,7 @@ Each process calls `setup_logging("actor r0")` (or `engine 1`, `router`, ...) on
 line, appended and flushed so a crash loses at most the line being written.
 """
 
+import contextlib
 import faulthandler
 import json
 import logging
@@ -13,7 +14,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 LOGGER_NAME = "molt_hpc"
 
@@ -94,21 +95,44 @@ def read_metrics(path: str | Path, source: str | None = None) -> list[dict[str, 
     return records
 
 
+def training_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trainer's step records of the run's current history, one per step, in step order.
+
+    A run resumed after a crash re-trains the steps after its last checkpoint, so `metrics.jsonl` holds
+    records of an abandoned history too. A record for step `s` supersedes every earlier record of step
+    `s` or later: what remains is the history the checkpoints continue (the last record of each step).
+    """
+    kept: list[dict[str, Any]] = []
+    for rec in records:
+        step = rec.get("step")
+        if step is None:
+            continue
+        while kept and kept[-1]["step"] >= step:
+            kept.pop()
+        kept.append(rec)
+    return kept
+
+
 def step_line(step: int, metrics: dict[str, Any]) -> str:
     """The fixed-format per-step log line: `step 12 | reward 0.410 | kl 0.0030 | ...`."""
     parts = [f"step {step}"]
     for key, fmt in (
         ("reward", ".3f"),
+        ("reward_trained", ".3f"),
         ("kl", ".4f"),
         ("kl_rollout", ".4f"),
         ("entropy", ".3f"),
         ("grad_norm", ".3f"),
+        ("routing_agreement", ".3f"),
         ("refit_s", ".2f"),
         ("tokens_per_s", ".0f"),
         ("buffer_pending", "d"),
+        ("env_errors", "d"),
+        ("engine_errors", "d"),
     ):
         if metrics.get(key) is not None:
-            parts.append(f"{key.replace('_per_s', '/s')} {format(metrics[key], fmt)}")
+            label = key.replace("_per_s", "/s").replace("_errors", " errors")  # env errors, engine errors
+            parts.append(f"{label} {format(metrics[key], fmt)}")
     return " | ".join(parts)
 
 
@@ -144,3 +168,22 @@ class StallReport:
     def stop(self) -> None:
         faulthandler.cancel_dump_traceback_later()
         self._armed_at = -math.inf
+
+
+def end_process(code: int) -> NoReturn:
+    """Flush every log and leave with `code`, skipping the interpreter's teardown.
+
+    Call it last, after the process's own ordered shutdown (process groups destroyed, stores closed,
+    its threads joined). torch keeps C++ threads that a caller cannot join: a gloo group's
+    `pt_gloo_runloop` and `gloo_tcp_loop` threads outlive `destroy_process_group()` once DTensor or
+    FSDP2 has used the group (it stays referenced from C++). A C++ thread that needs the GIL while the
+    interpreter finalizes (to release a tensor that has a Python object, say) is ended by
+    `pthread_exit`, whose unwinding through a noexcept destructor calls `std::terminate`:
+    `terminate called without an active exception`, SIGABRT, and a run that finished is reported as
+    failed. Leaving here, with everything flushed, gives no such thread an interpreter to meet.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe: nothing more can reach it
+            stream.flush()
+    os._exit(code)

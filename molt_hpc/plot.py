@@ -5,7 +5,7 @@ Reads only `metrics.jsonl`, so it works on a live run, a finished one, or a copy
 
 from pathlib import Path
 
-from molt_hpc.log import read_metrics
+from molt_hpc.log import read_metrics, training_steps
 
 
 def _series(records: list[dict], key: str) -> tuple[list[float], list[float], list[float]]:
@@ -24,22 +24,33 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    records = read_metrics(run_dir / "metrics.jsonl", source="actor")
+    records = training_steps(read_metrics(run_dir / "metrics.jsonl", source="actor"))
     if not records:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} has no training steps yet; nothing to plot")
     out = Path(out) if out else run_dir / "plots" / "metrics.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     kl = ("kl", "KL to reference") if any("kl" in r for r in records) else ("kl_rollout", "KL to the rollout policy")
-    panels = [("reward", "reward (mean)"), kl, ("tokens_per_s", "trainer tokens/s")]
+    panels = [
+        ("reward (mean over every finished sample)", [("reward", "all finished"), ("reward_trained", "trained")]),
+        (kl[1], [(kl[0], None)]),
+        ("trainer tokens/s", [("tokens_per_s", None)]),
+    ]
     fig, axes = plt.subplots(len(panels), 2, figsize=(11, 8), squeeze=False)
-    for row, (key, title) in enumerate(panels):
-        steps, minutes, values = _series(records, key)
-        for col, (xs, xlabel) in enumerate(((steps, "step"), (minutes, "minutes"))):
+    for row, (title, lines) in enumerate(panels):
+        drawn = False
+        for key, label in lines:
+            steps, minutes, values = _series(records, key)
+            drawn = drawn or bool(values)
+            for col, xs in enumerate((steps, minutes)):
+                if values:
+                    axes[row][col].plot(xs, values, marker=".", linewidth=1, label=label)
+        for col, xlabel in enumerate(("step", "minutes")):
             ax = axes[row][col]
-            ax.plot(xs, values, marker=".", linewidth=1)
-            ax.set_title(title if values else f"{title} (not recorded)", fontsize=10)
+            ax.set_title(title if drawn else f"{title} (not recorded)", fontsize=10)
             ax.set_xlabel(xlabel)
             ax.grid(alpha=0.3)
+            if drawn and len(lines) > 1:
+                ax.legend(fontsize=8)
     fig.suptitle(run_dir.name)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
@@ -47,16 +58,29 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     return out
 
 
+def _quarters(records: list[dict], key: str) -> tuple[float, float, int, float, int] | None:
+    """(first-quarter mean, last-quarter mean, steps, best value, its step) of `key`, or None if < 4 steps."""
+    values = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    if len(values) < 4:
+        return None
+    q = len(values) // 4
+    best_step, best = max(values, key=lambda x: x[1])
+    first, last = sum(v for _, v in values[:q]) / q, sum(v for _, v in values[-q:]) / q
+    return first, last, len(values), best, best_step
+
+
 def reward_summary(records: list[dict]) -> str:
-    """Mean reward of the first and last quarter of steps, and the best step."""
-    rewards = [(r["step"], r["reward"]) for r in records if r.get("reward") is not None]
-    if len(rewards) < 4:
-        return f"reward: {len(rewards)} steps recorded, too few to summarise"
-    q = len(rewards) // 4
-    first = sum(v for _, v in rewards[:q]) / q
-    last = sum(v for _, v in rewards[-q:]) / q
-    best_step, best = max(rewards, key=lambda x: x[1])
-    return (
-        f"reward: first quarter {first:.3f} -> last quarter {last:.3f} "
-        f"(best {best:.3f} at step {best_step}, {len(rewards)} steps)"
+    """Mean reward (every finished sample) of the first and last quarter of steps, the best step, and
+    the same quarters of the trained samples' reward."""
+    honest = _quarters(records, "reward")
+    if honest is None:
+        n = sum(1 for r in records if r.get("reward") is not None)
+        return f"reward: {n} steps recorded, too few to summarise"
+    first, last, n, best, best_step = honest
+    line = (
+        f"reward: first quarter {first:.3f} -> last quarter {last:.3f} (best {best:.3f} at step {best_step}, {n} steps)"
     )
+    trained = _quarters(records, "reward_trained")
+    if trained is not None:
+        line += f"; trained groups {trained[0]:.3f} -> {trained[1]:.3f}"
+    return line

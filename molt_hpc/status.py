@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from molt_hpc.log import read_metrics
+from molt_hpc.log import read_metrics, training_steps
 from molt_hpc.plot import reward_summary
 
 
@@ -34,7 +34,7 @@ def status_lines(run_dir: str | Path) -> list[str]:
 
     cfg = load_config(run_dir / "config.toml")
     lines = [f"run: {run_dir}"]
-    actor = read_metrics(run_dir / "metrics.jsonl", source="actor")
+    actor = training_steps(read_metrics(run_dir / "metrics.jsonl", source="actor"))
     if actor:
         last = actor[-1]
         lines.append(
@@ -52,17 +52,21 @@ def status_lines(run_dir: str | Path) -> list[str]:
         lines.append(f"rollout: {last['groups_per_s']:.2f} groups/s, {last.get('tokens_per_s', 0):.0f} tokens/s")
     lines.append(_buffer_line(run_dir))
     lines.append(_checkpoint_line(run_dir))
-    lines.extend(_process_lines(run_dir))
-    slurm = _slurm_line(run_dir)
-    if slurm:
-        lines.append(slurm)
+    slurm = _slurm_lines(run_dir)
+    lines.extend(slurm or _process_lines(run_dir))  # a Slurm run's processes are its job steps
+    failure = _failure_line(run_dir)
+    if failure:
+        lines.append(failure)
     return lines
 
 
 def _buffer_line(run_dir: Path) -> str:
     from molt_hpc.buffer import find_spool, spool_counts
 
-    root = find_spool(run_dir)
+    try:
+        root = find_spool(run_dir)
+    except ValueError as err:  # removed after the run finished, or never created
+        return f"buffer: {err}"
     if not root.is_dir():
         return f"buffer: {root} is gone (a /dev/shm spool does not survive a reboot)"
     counts = spool_counts(root)
@@ -89,11 +93,35 @@ def _process_lines(run_dir: Path) -> list[str]:
     return [("processes: " if not done else "finished; processes: ") + ", ".join(parts)]
 
 
-def _slurm_line(run_dir: Path) -> str | None:
-    from molt_hpc.launch.slurm_state import queue_detail, slurm_job_state
+def _slurm_lines(run_dir: Path) -> list[str]:
+    """The run's Slurm job (state, restarts, nodes) and its running steps; [] for a local run."""
+    from molt_hpc.launch.slurm_state import (
+        job_components,
+        job_step_lines,
+        queue_detail,
+        read_job_id,
+        slurm_job_state,
+    )
 
     state = slurm_job_state(run_dir)
     if state is None:
-        return None
+        return []
     detail = queue_detail(run_dir) if state.endswith(" PENDING") else None
-    return f"slurm: {state}" + (f" ({detail})" if detail else "")
+    lines = [f"slurm: {state}" + (f" ({detail})" if detail else "")]
+    job_id = read_job_id(run_dir)
+    comps = job_components(job_id)
+    if comps:
+        nodes = " + ".join(c.get("NodeList") or "(none yet)" for c in comps)
+        lines.append(f"job: restarts {comps[0].get('Restarts', '0')}, nodes {nodes} (het groups 0 + 1)")
+    steps = job_step_lines(job_id)
+    return [*lines, "job steps: " + ("; ".join(steps) if steps else "none running")]
+
+
+def _failure_line(run_dir: Path) -> str | None:
+    """Why the run stopped on its own (a breaker, a failed job), as recorded in control/failed."""
+    from molt_hpc.fault import read_failure
+
+    failure = read_failure(run_dir)
+    if failure is None:
+        return None
+    return f"failed ({failure.get('source', '?')}, {_ago(failure['time'])}): {failure['reason']}"

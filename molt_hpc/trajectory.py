@@ -2,13 +2,20 @@
 
 Token in, trace out: `tokens` is exactly what the engine saw plus what it produced, never
 re-tokenised. `action_ranges` are the spans the model produced; everything else (prompt, env
-feedback) is context that never trains. Images (vision-language models) travel with the tokens: each
-`TraceImage` holds the encoded image and the run of placeholder tokens its features fill.
-The replay buffer stores and hands over whole `Group`s, because GRPO-style advantages compare the samples of one prompt.
+feedback) is context that never trains. MoE routing travels like the tokens, one row per token.
+Images (vision-language models) travel with the tokens: each `TraceImage` holds the encoded image and
+the run of placeholder tokens its features fill. The replay buffer stores and hands over whole
+`Group`s, because GRPO-style advantages compare the samples of one prompt.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+
+ROUTING_DTYPE = np.int16
+"""Expert ids of `Trajectory.routed_experts`: -1 (unknown) must survive, and 32767 experts is plenty."""
 
 
 @dataclass(frozen=True)
@@ -59,13 +66,20 @@ class Trajectory:
     """Id shared by all samples of one prompt."""
     rollout_id: str = ""
     """Unique id of this sample (also its router session id)."""
-    routed_experts: list[list[list[int]]] | None = None
-    """MoE only: experts each token was routed to, [tokens, layers, top_k], for router replay."""
+    routed_experts: np.ndarray | None = None
+    """MoE router replay only: the experts the engine routed each token to, `[tokens, layers, top_k]`
+    int16 (global expert ids, the layer axis every decoder layer, dense ones included), aligned 1:1
+    with `tokens`; -1 where the engine never forwarded the token (the last one) or did not say.
+    A list of lists is converted."""
     images: list[TraceImage] = field(default_factory=list)
     """Vision-language models: every image of the trace (the prompt's and the observations'), in order
     of their placeholder runs, which never overlap an action."""
 
     def __post_init__(self) -> None:
+        if self.routed_experts is not None:
+            self.routed_experts = np.asarray(self.routed_experts, dtype=ROUTING_DTYPE)
+            r = self.routed_experts
+            assert r.ndim == 3 and r.shape[0] == len(self.tokens), "one routing row [layers, top_k] per token"
         n_action = sum(end - start for start, end in self.action_ranges)
         assert len(self.action_logprobs) == n_action, "one log-prob per action token"
         assert len(self.versions) == n_action, "one policy version per action token"
@@ -75,6 +89,21 @@ class Trajectory:
             last = end
         if self.images:
             _check_images(self.images, self.action_ranges, len(self.tokens))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Trajectory):
+            return NotImplemented
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "routed_experts":  # an array: compare values, not element-wise truth
+                same = (a is None) == (b is None) and (a is None or np.array_equal(a, b))
+            else:
+                same = a == b
+            if not same:
+                return False
+        return True
+
+    __hash__ = None  # mutable, like every dataclass with an __eq__
 
     @property
     def num_action_tokens(self) -> int:
@@ -121,3 +150,21 @@ class Group:
     @property
     def rewards(self) -> list[float]:
         return [s.reward for s in self.samples]
+
+
+FINISHED_REWARDS = "finished_rewards"
+"""`Group.meta` key: `[sum, count]` of the env rewards of every finished sample this group reports: its
+own, and those of the groups dynamic sampling dropped since the previous group reached the buffer."""
+
+
+def finished_reward(groups: list[Group]) -> float | None:
+    """The mean env reward over every finished sample that `groups` report (kept or filtered): the
+    `reward` of a training step. A group without the record (written before it existed) reports its own
+    samples."""
+    total, count = 0.0, 0
+    for g in groups:
+        record = g.meta.get(FINISHED_REWARDS)
+        if record is None:
+            record = [sum(s.reward for s in g.samples), len(g.samples)]
+        total, count = total + float(record[0]), count + int(record[1])
+    return total / count if count else None

@@ -52,3 +52,13 @@ def shape_png(colour: str = "red", shape: str = "circle", seed: int = 0, side: i
     out = io.BytesIO()
     draw(colour, shape, seed).resize((side, side)).save(out, format="PNG")
     return out.getvalue()
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory) -> Path:
+    """The default tiny MoE model (`builtin:tiny-moe`), built once per test session."""
+    from molt_hpc.config import MoltConfig
+    from molt_hpc.models import build_tiny_moe
+
+    out = tmp_path_factory.mktemp("tiny-moe")
+    return build_tiny_moe(out, MoltConfig().model.tiny_moe)

@@ -9,7 +9,12 @@ the victim gets its `--signal` at once, then TERM after `GraceTime`).
 
 Test modules use the session fixture with `pytest_plugins = ["tests.slurm_cluster"]`; it is skipped
 (with the reason) when the Slurm or munge binaries are missing or the tests do not run as root.
-The recipe and its measured timings are in `shared/notes/slurm-local-cluster.md`.
+Settings chosen for fast tests: `cred_expire=5` (a requeued job may start again after 5 s, not 120),
+`SlurmdTimeout=30` (node pings wake the backfill scheduler, which alone restarts requeued het jobs),
+`KillWait=30` (Slurm's default: the seconds between SIGTERM and SIGKILL in which a cancelled or
+requeued job checkpoints; on this loaded 2-core machine the stop of a stand-in job takes up to ~5 s),
+`preempt_send_user_signal` (a preempted job gets its `--signal` at once). slurmctld checks
+time limits every 30 s, so warnings come up to 30 s early and the kill up to 30 s late.
 """
 
 import contextlib
@@ -63,7 +68,7 @@ SchedulerParameters=sched_interval=2,bf_interval=2
 MessageTimeout=10
 SlurmdTimeout=30
 InactiveLimit=0
-KillWait=5
+KillWait=30
 MinJobAge=600
 OverTimeLimit=0
 JobRequeue=1

@@ -62,6 +62,7 @@ def main() -> int:
     if RANK != 0:  # other ranks follow rank 0 (the real trainer's ranks stop together)
         while not exit_flag.exists():
             time.sleep(0.1)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return 0
     try:
         while step < steps:
@@ -82,6 +83,7 @@ def main() -> int:
         return 0
     finally:
         exit_flag.touch()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as jobs/actor.py: a late copy of the stop is no death
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Stand-in for `jobs/engine.py --role pool` in the Slurm driver tests: the pool's contract, no engines.
 
 Run as `SCRIPT RUN_DIR --role pool` on every node of het group 1; it records where it runs
-(`RUN_DIR/standin/engine.jsonl`) and idles until SIGTERM, then exits 0, like the real pool.
-Fault injection: MOLT_STANDIN_ENGINE_FAIL_AFTER=S exits with code 3 after S seconds (every launch).
+(`RUN_DIR/standin/engine.jsonl`) and idles until SIGTERM or SIGINT, then exits 0, like the real pool.
+Fault injection: MOLT_STANDIN_ENGINE_FAIL_AFTER=S exits with code 3 after S seconds (every launch);
+MOLT_STANDIN_ENGINE_CONFIG_ERROR=TEXT records TEXT as the run's failure, a config error, the way the real
+orchestrator records one it finds at run time (`molt_hpc.fault`), and exits with code 2.
 """
 
 import json
@@ -14,8 +16,10 @@ from pathlib import Path
 
 RUN = Path(sys.argv[1])
 FAIL_AFTER = float(os.environ.get("MOLT_STANDIN_ENGINE_FAIL_AFTER", "0"))
+CONFIG_ERROR = os.environ.get("MOLT_STANDIN_ENGINE_CONFIG_ERROR")
 stopping = []
 signal.signal(signal.SIGTERM, lambda s, f: stopping.append(s))
+signal.signal(signal.SIGINT, lambda s, f: stopping.append(s))  # the driver stops the pool step with INT
 
 
 def record(event: str, **fields) -> None:
@@ -37,6 +41,13 @@ def record(event: str, **fields) -> None:
 def main() -> int:
     assert sys.argv[2:] == ["--role", "pool"], sys.argv
     record("start")
+    if CONFIG_ERROR:
+        from molt_hpc.fault import fail
+
+        time.sleep(1.0)  # the actor pool is up and training when the error is found
+        fail(RUN, CONFIG_ERROR, "rollout", config_error=True)
+        record("config error")
+        return 2
     started = time.monotonic()
     while not stopping:
         time.sleep(0.1)

@@ -28,7 +28,11 @@ OVERRIDES = [
 
 @pytest.fixture(scope="module")
 def groups(tiny_model_dir):
-    return sample_groups(tiny_model_dir, 4, 4, seed=7)
+    out = sample_groups(tiny_model_dir, 4, 4, seed=7)
+    # The first group also reports 4 samples of groups that dynamic sampling dropped (rewards 3.0 in all).
+    own = sum(s.reward for s in out[0].samples)
+    out[0].meta["finished_rewards"] = [own + 3.0, len(out[0].samples) + 4]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -108,12 +112,17 @@ def test_one_rank_and_two_ranks_give_the_same_loss(run_a, run_b) -> None:
     assert a[0]["kl"] == 0.0 < a[1]["kl"]  # the reference is the initial policy
 
 
-def test_metrics_record_what_a_step_did(run_a) -> None:
+def test_metrics_record_what_a_step_did(run_a, groups) -> None:
     rec = read_metrics(run_a[1].metrics, "actor")[0]
     for key in ("version", "loss", "reward", "kl", "entropy", "clip_frac", "grad_norm", "lr", "ratio_mean",
                 "ratio_min", "ratio_max", "tokens_per_s", "staleness", "buffer_pending", "refit_s"):  # fmt: skip
         assert key in rec, key
     assert rec["version"] == 1 and rec["staleness"] == {"0": 2}
+    # Step 1 trained groups 0 and 1: `reward_trained` is their samples' mean; `reward` also counts the
+    # 4 dropped samples group 0 reports.
+    trained = [s.reward for g in groups[:2] for s in g.samples]
+    assert rec["reward_trained"] == pytest.approx(sum(trained) / len(trained))
+    assert rec["reward"] == pytest.approx((sum(trained) + 3.0) / (len(trained) + 4))
     # a CPU trainer: host peak memory of the step (a torch process with the tiny model: a few hundred MB),
     # and no GPU allocator peaks
     assert 0.1 < rec["mem_peak_host_rss_gb"] < 8 and "mem_peak_allocated_gb" not in rec

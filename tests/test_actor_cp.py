@@ -14,13 +14,13 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from molt_hpc.actor.attention import DocumentAttention, use_document_attention
 from molt_hpc.actor.packing import packed, padded, rank_micro_batches
 from molt_hpc.algorithm import compute_advantages, experience_from_groups, logprobs_from_logits, policy_loss
 from molt_hpc.config import load_config
 from molt_hpc.trajectory import Group, Trajectory
+from tests.ranks import spawn_ranks
 
 V = 61
 CPU = torch.device("cpu")
@@ -245,7 +245,7 @@ def two_ranks(tmp_path_factory):
     from molt_hpc.net import free_port
 
     out = tmp_path_factory.mktemp("cp") / "ranks.pt"
-    mp.spawn(_rank_main, args=(free_port("127.0.0.1"), str(out)), nprocs=2, join=True)
+    spawn_ranks(_rank_main, (free_port("127.0.0.1"), str(out)), 2)
     return torch.load(out, weights_only=False)
 
 

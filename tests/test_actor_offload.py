@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.ranks import spawn_ranks
 
 STEPS = 3
 
@@ -106,7 +107,7 @@ def _run(tiny_model_dir, tmp_path, size: int, device: str) -> dict:
     groups = sample_groups(tiny_model_dir, STEPS, 4, seed=3)
     out = tmp_path / "results.pt"
     args = (size, device, str(tmp_path / "store"), str(tiny_model_dir), groups, str(out))
-    mp.spawn(_rank, args=args, nprocs=size, join=True)
+    spawn_ranks(_rank, args, size)
     return torch.load(out)
 
 

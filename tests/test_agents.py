@@ -3,13 +3,13 @@
 import asyncio
 import math
 import textwrap
-import time
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from molt_hpc.agents import ChatAgent, Env, Result
+from molt_hpc.agents import ChatAgent, Env, Result, State
 from molt_hpc.agents.calls import EnvError, call_user
 from molt_hpc.agents.chat_runner import trajectory_from_calls
 from molt_hpc.agents.loader import load_agent
@@ -84,11 +84,13 @@ def test_call_user_turns_failures_into_env_errors() -> None:
     def boom(_):
         raise KeyError("nope")
 
+    release = threading.Event()
+
     def slow(_):
-        time.sleep(1)
+        release.wait(60)
 
     async def aslow(_):
-        await asyncio.sleep(5)
+        await asyncio.sleep(60)
 
     async def main() -> list[str]:
         out = [await call_user(lambda x: x + 1, 1, timeout=1, what="ok")]
@@ -99,19 +101,42 @@ def test_call_user_turns_failures_into_env_errors() -> None:
                 out.append(f"{err.reason}|{err}")
         return out
 
-    start = time.monotonic()
-    ok, raised, timed, atimed = asyncio.run(main())
-    assert time.monotonic() - start < 2  # a hung step does not hold the loop (or the test) up
+    try:
+        ok, raised, timed, atimed = asyncio.run(main())
+        # A hung step does not hold the loop (or the test) up: the call failed while `slow` still waits.
+        assert not release.is_set() and any(t.name == "user-slow" and t.is_alive() for t in threading.enumerate())
+    finally:
+        release.set()
     assert ok == 2
     assert raised.startswith("raised|") and "KeyError" in raised
     assert timed == "timeout|timeout: slow took longer than 0.2 s"
     assert atimed.startswith("timeout|")
 
 
-def test_result_checks_the_reward_type() -> None:
-    assert Result(1).reward == 1.0
-    with pytest.raises(ValueError, match="must be a number"):
-        Result("1")
+def test_result_takes_numbers_tensors_and_numpy_scalars() -> None:
+    import numpy as np
+    import torch
+
+    for value, want in ((1, 1.0), (0.25, 0.25), (torch.tensor(1.5), 1.5), (torch.tensor(2, dtype=torch.int64), 2.0),
+                        (np.float32(0.5), 0.5), (np.int64(3), 3.0), (np.array(0.75), 0.75)):  # fmt: skip
+        got = Result(reward=value).reward
+        assert type(got) is float and got == want, (value, got)
+    assert Result(reward=torch.tensor(1.0), score=np.float64(0.5)).score == 0.5
+    for bad in ("1", None, True, [1.0], torch.tensor([1.0]), np.array([0.5]), float("nan"), torch.tensor(float("inf"))):
+        with pytest.raises(EnvError, match=r"Result\.reward") as err:
+            Result(reward=bad)
+        assert err.value.reason == "api"
+
+
+def test_state_reads_as_a_mapping() -> None:
+    state = State(prompt="p", label="cba", action_text="abc", sampling_params={"temperature": 1.0},
+                  observation_text="Reverse: abc")  # fmt: skip
+    assert state["action_text"] == state.action_text == "abc"
+    assert state.get("label") == "cba" and state.get("nope") is None and state.get("nope", 3) == 3
+    assert state["observation_text"] == "Reverse: abc" and state["sampling_params"] == {"temperature": 1.0}
+    assert "turn" in state and "nope" not in state and {"history", "label"} <= set(state.keys())
+    with pytest.raises(KeyError, match="State has no 'nope'"):
+        state["nope"]
 
 
 def test_observation_glue_follows_the_template() -> None:

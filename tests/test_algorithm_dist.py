@@ -10,7 +10,6 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from molt_hpc.algorithm.advantage import compute_advantages
 from molt_hpc.algorithm.experience import make_experience
@@ -18,6 +17,7 @@ from molt_hpc.algorithm.logprobs import token_logprobs
 from molt_hpc.algorithm.loss import global_token_count, policy_loss, value_loss
 from molt_hpc.config.train import AlgorithmConfig
 from molt_hpc.trajectory import Trajectory
+from tests.ranks import spawn_ranks
 
 H, V = 8, 13
 RANK_ROWS = ([0, 1], [2, 3, 4, 5, 6])  # rank 0 gets 2 rows, rank 1 gets 5
@@ -103,7 +103,7 @@ def _rank_main(rank: int, store: str, out: str) -> None:
 @pytest.mark.timeout(180)
 def test_two_ranks_with_unequal_tokens_match_one_rank(tmp_path):
     out = tmp_path / "ranks.pt"
-    mp.spawn(_rank_main, args=(str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    spawn_ranks(_rank_main, (str(tmp_path / "store"), str(out)), 2)
     ranks = torch.load(out)
     all_rows = RANK_ROWS[0] + RANK_ROWS[1]
     for name, cfg in CASES.items():

@@ -1,5 +1,6 @@
 """Experience assembly: action masks, own-index log-probs, padding, packing, truncation, a real model."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -111,15 +112,21 @@ def test_from_groups_and_micro_batches():
 
 def test_routed_experts_follow_tokens():
     t = single(2, 2)
-    t.routed_experts = [[[i, i + 1]] for i in range(4)]  # 4 tokens, 1 layer, top-2
-    with pytest.raises(ValueError, match="all or none"):
-        make_experience([t, single(1, 1)], max_len=8)
+    t.routed_experts = np.array([[[i, i + 1]] for i in range(4)], dtype=np.int16)  # 4 tokens, 1 layer, top-2
     u = single(1, 1)
-    u.routed_experts = [[[5, 6]], [[7, 8]]]
-    exp = make_experience([t, u], max_len=8)
-    assert exp.routed_experts.shape == (2, 4, 1, 2)
-    assert exp.routed_experts[0, 3, 0].tolist() == [3, 4]
-    assert exp.routed_experts[1, 2].tolist() == [[-1, -1]]
+    u.routed_experts = np.array([[[5, 6]], [[-1, -1]]], dtype=np.int16)
+    exp = make_experience([t, u, single(2, 1)], max_len=9, pack=True)
+    assert exp.routed_experts.shape == (1, 9, 1, 2) and exp.routed_experts.dtype == torch.int16
+    flat = exp.routed_experts[0, :, 0].tolist()  # packed longest first: t (4), then the others (3, 2)
+    assert flat[:4] == [[0, 1], [1, 2], [2, 3], [3, 4]]
+    assert flat[4:7] == [[-1, -1]] * 3  # the sample without routing: live routing for its tokens
+    assert flat[7:] == [[5, 6], [-1, -1]]  # u, whose last token the engine never forwarded
+    assert exp.stats["unrouted_samples"] == 1
+    assert make_experience([single(2, 2)], max_len=8).stats["unrouted_samples"] == 0
+    w = single(1, 1)
+    w.routed_experts = np.zeros((2, 2, 2), dtype=np.int16)
+    with pytest.raises(ValueError, match=r"differ in \[layers, top_k\]"):
+        make_experience([t, w], max_len=8)
 
 
 def _sample_logprobs(model, exp) -> dict[int, list[float]]:

@@ -72,5 +72,6 @@ def test_put_times_out_with_a_clear_error_and_reports_the_wait(tmp_path: Path) -
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"1 pending groups \(buffer.capacity = 1\).*trainer.*put_timeout_s"):
         buf.put(make_group("g1"))
-    assert time.monotonic() - start >= 0.3
-    assert 0.3 <= buf.stats()["buffer_last_put_blocked_s"] < 5 and not buf.was_put("g1")
+    took = time.monotonic() - start
+    assert took >= 0.3
+    assert 0.3 <= buf.stats()["buffer_last_put_blocked_s"] <= took and not buf.was_put("g1")

@@ -85,6 +85,11 @@ BAD_CASES = {
     "bad choice": ('[algorithm]\nadvantage = "ppo"\n', "algorithm.advantage: Input should be 'grpo', 'dr_grpo'"),
     "missing required": ("[data.eval]\nevery = 5\n", "data.eval.path: required key is missing"),
     "invalid toml": ("[run]\nname = \nsteps = 3\n", "invalid TOML"),
+    "section rule": (
+        "[slurm]\nstop_timeout_s = 200\n",
+        "): slurm.stop_timeout_s (200) is not shorter than slurm.signal_lead_s (120): the job would be killed",
+    ),
+    "value for a section": ("run = 5\n", "run: is a section: write it as a [run] table of keys"),
 }
 
 
@@ -99,7 +104,7 @@ def test_bad_config_prints_one_line_and_exits_2(case: str, tmp_path: Path) -> No
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert expected in lines[0]
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and "{" not in lines[0]  # no raw section contents
     if case == "invalid toml":
         assert "line 2" in lines[0]
 

@@ -227,8 +227,9 @@ def test_pause_keep_abort_wait(engine) -> None:
 
     async def go():
         async with aiohttp.ClientSession() as s:
-            # keep: the request is frozen (no steps) and completes in full after resume
-            task = asyncio.create_task(generate(s, url, [3, 4], {**sp, "max_tokens": 200}, token=token))
+            # keep: the request is frozen (no steps) and completes in full after resume. Long requests (500
+            # decode steps) are still running when the pause lands right after they start.
+            task = asyncio.create_task(generate(s, url, [3, 4], {**sp, "max_tokens": 500}, token=token))
             while (await health(s, url, token=token))["running"] < 1:
                 await asyncio.sleep(0.005)
             paused = await post(s, "/pause?mode=keep")
@@ -238,13 +239,14 @@ def test_pause_keep_abort_wait(engine) -> None:
             await post(s, "/resume")
             kept = await task
             # abort: the in-flight request ends now; a request sent while paused waits for resume
-            task = asyncio.create_task(generate(s, url, [3, 4], {**sp, "max_tokens": 400}, token=token))
+            task = asyncio.create_task(generate(s, url, [3, 4], {**sp, "max_tokens": 500}, token=token))
             while (await health(s, url, token=token))["running"] < 1:
                 await asyncio.sleep(0.005)
             await post(s, "/pause?mode=abort")
             aborted = await task
             held = asyncio.create_task(generate(s, url, [3, 4], {**sp, "max_tokens": 4}, token=token))
-            await asyncio.sleep(0.3)
+            while (await health(s, url, token=token))["waiting"] < 1:  # it reached the engine, which holds it
+                await asyncio.sleep(0.005)
             held_waits = not held.done()
             await post(s, "/resume")
             after = await held
@@ -252,16 +254,17 @@ def test_pause_keep_abort_wait(engine) -> None:
             task = asyncio.create_task(generate(s, url, [3, 4], {**sp, "max_tokens": 40}, token=token))
             while (await health(s, url, token=token))["running"] < 1:
                 await asyncio.sleep(0.005)
-            await post(s, "/pause?mode=wait")
-            drained = task.done()
+            # (the pause's own answer says so: the generate answer may still be on its way to us)
+            status = await post(s, "/pause?mode=wait")
+            drained = status["running"] == 0 and status["waiting"] == 0
             await post(s, "/resume")
             waited = await task
             return paused, frozen, kept, aborted, held_waits, after, drained, waited
 
     paused, frozen, kept, aborted, held_waits, after, drained, waited = arun(go())
-    assert paused["paused"] and frozen
-    assert kept.finish_reason == "length" and len(kept.token_ids) == 200
-    assert aborted.finish_reason == "abort" and len(aborted.token_ids) < 400
+    assert paused["paused"] and paused["running"] == 1 and frozen
+    assert kept.finish_reason == "length" and len(kept.token_ids) == 500
+    assert aborted.finish_reason == "abort" and len(aborted.token_ids) < 500
     assert held_waits and after.finish_reason == "length" and len(after.token_ids) == 4
     assert drained and waited.finish_reason == "length" and len(waited.token_ids) == 40
 

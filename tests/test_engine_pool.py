@@ -19,7 +19,7 @@ import torch
 
 from molt_hpc.config.infra import RefitConfig
 from molt_hpc.engine.batch import ModelRunner
-from molt_hpc.engine.client import generate, health
+from molt_hpc.engine.client import generate, health, pause, resume
 from molt_hpc.engine.sampling import processed_logprobs
 from molt_hpc.models import load_causal_lm
 from molt_hpc.refit import RefitSender
@@ -28,7 +28,7 @@ from tests.test_engine_procs import arun, get_json, make_run, spawn, wait_regist
 
 PROMPT = [7, 30, 31, 32, 33, 12]
 SESSIONS = [f"rollout-{i}" for i in range(16)]
-REFIT = RefitConfig(bucket_mb=1, host="127.0.0.1")
+REFIT = RefitConfig(bucket_mb=1, host="127.0.0.1", backend="gloo")  # the group (test_refit_ipc.py: shared memory)
 
 
 @pytest.fixture(scope="module")
@@ -183,8 +183,12 @@ def test_refit_pushes_exact_weights_to_both_engines(pool, tiny_model_dir) -> Non
             long = asyncio.create_task(generate(s, engines[0].url, PROMPT, sp, token=token))
             while (await health(s, engines[0].url, token=token))["running"] < 1:
                 await asyncio.sleep(0.005)
+            # Frozen mid-request (tokens of version 0 made), so the push lands inside it however slow it is.
+            frozen = await pause(s, engines[0].url, token=token, mode="keep")
             stats = await asyncio.to_thread(sender.push, new.named_parameters(), 5)
+            await resume(s, engines[0].url, token=token)
             after = [await engine_logprobs(s, p.url, token) for p in engines]
+            assert frozen["running"] == 1
             return before, await long, stats, after
 
     before, straddled, stats, after = arun(go())
@@ -225,7 +229,7 @@ from molt_hpc.config.infra import RefitConfig
 from molt_hpc.refit import RefitSender
 run, model_dir, token, *urls = sys.argv[1:]
 weights = load_file(model_dir + "/model.safetensors")
-sender = RefitSender(run, RefitConfig(bucket_mb=1, host="127.0.0.1"), token)
+sender = RefitSender(run, RefitConfig(bucket_mb=1, host="127.0.0.1", backend="gloo"), token)
 sender.connect(urls)
 print("pushing", flush=True)
 for version in range(100, 100000):
@@ -266,10 +270,13 @@ def test_engine_killed_mid_run_fails_over_rejoins_and_refits(pool, tiny_model_di
     async def storm_and_kill():
         async with aiohttp.ClientSession() as s:
             sp = {"max_tokens": 120, "ignore_eos": True}
+            for e in engines:  # hold every request where the router sends it: the kill finds some in flight
+                await pause(s, e.url, token=token, mode="keep")
             tasks = [asyncio.create_task(routed(s, router.url, token, sid, sp)) for sid in SESSIONS]
-            while (await health(s, engines[1].url, token=token))["running"] < 1:
+            while sum([(await health(s, e.url, token=token))["waiting"] for e in engines]) < len(SESSIONS):
                 await asyncio.sleep(0.005)
             engines[1].kill()
+            await resume(s, engines[0].url, token=token)
             results = await asyncio.gather(*tasks)
             metrics = await get_json(router.url + "/metrics", run)
             return results, metrics, await turns(s, router.url, token)

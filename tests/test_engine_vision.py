@@ -20,6 +20,7 @@ from aiohttp import web
 from molt_hpc.actor.batch import policy_logprobs
 from molt_hpc.actor.vision import ImageInputs
 from molt_hpc.agents import StepEnvRunner, load_agent
+from molt_hpc.agents.env_workers import EnvWorkerPool
 from molt_hpc.algorithm import make_experience
 from molt_hpc.config import load_config
 from molt_hpc.data import PromptDataset
@@ -148,24 +149,33 @@ def test_reprefill_places_features_at_the_spans_only(tiny_vl_dir, prompts) -> No
 def test_two_turn_episode_carries_both_images(vl, prompts, tiny_vl_dir) -> None:
     """The env shows a second image (`Result.images`): it joins the trace with its tokens after the first
     answer, the second turn's request sends both images, and the trainer's log-probs over the whole
-    trace equal the engine's."""
+    trace equal the engine's. The env runs in a worker process (`rollout.env_workers`, its images pickled
+    across) and in the orchestrator's threads, with the same trace."""
     run, url, vision, model = vl
     cfg = load_config(ROOT / "configs" / "tiny_vl_cpu.toml", ["rollout.max_turns=2"])
+    spec = str(ROOT / "envs" / "color_two_turn.py")
     sent: list[int] = []
 
-    async def go():
-        async with aiohttp.ClientSession() as s:
+    async def go(workers: int):
+        pool = EnvWorkerPool(spec, workers, cfg.rollout.env_timeout_s) if workers else None
+        try:
+            async with aiohttp.ClientSession() as s:
 
-            async def gen(ids, sp, session, images=None):
-                sent.append(len(images or []))
-                return await generate(s, url, ids, sp, token=run.token(), session_id=session, images=images)
+                async def gen(ids, sp, session, images=None):
+                    sent.append(len(images or []))
+                    return await generate(s, url, ids, sp, token=run.token(), session_id=session, images=images)
 
-            env = load_agent(str(ROOT / "envs" / "color_two_turn.py"))
-            runner = StepEnvRunner(env, load_tokenizer(tiny_vl_dir), cfg.rollout, gen, vision=vision)
-            return await runner.run(prompts[7], rollout_id="r0", overrides={"temperature": 0.0})  # greedy
+                runner = StepEnvRunner(load_agent(spec), load_tokenizer(tiny_vl_dir), cfg.rollout, gen,
+                                       vision=vision, envs=pool)  # fmt: skip
+                return await runner.run(prompts[7], rollout_id="r0", overrides={"temperature": 0.0})  # greedy
+        finally:
+            if pool is not None:
+                await pool.close()
 
-    traj = arun(go())
-    assert sent == [1, 2] and len(traj.action_ranges) == 2 and traj.info["turns"] == 2.0
+    traj = arun(go(1))
+    assert arun(go(0)) == traj, "the same trace whether the env runs in a worker process or in a thread"
+    assert sent == [1, 2, 1, 2]
+    assert len(traj.action_ranges) == 2 and traj.info["turns"] == 2.0
     first, second = traj.images
     assert first == prompts[7].images[0]
     assert traj.action_ranges[0][1] <= second.offset < traj.action_ranges[1][0]
@@ -174,19 +184,21 @@ def test_two_turn_episode_carries_both_images(vl, prompts, tiny_vl_dir) -> None:
     assert torch.allclose(torch.tensor(traj.action_logprobs), want, atol=1e-5)
     exp = make_experience([traj], max_len=cfg.rollout.max_total_tokens, vision=vision.spec)
     with torch.no_grad():
-        logp, _ = policy_logprobs(model, exp, 1.0, 8, ImageInputs(vision))
+        logp, _ = policy_logprobs(model, exp, 1.0, 8, images=ImageInputs(vision))
     assert torch.allclose(logp[exp.action_mask], torch.tensor(traj.action_logprobs), atol=1e-5)
 
 
 class VllmRenderStandIn:
     """Stands in for `vllm serve`'s render and generate routes (vLLM needs a GPU): render answers vLLM's
     `GenerateRequest` shape for a message of images, placed in its own rendering; generate takes
-    `features` and hands the request, turned back into our `mm`, to the real builtin engine. The items'
-    `kwargs_data` are the images' bytes (in vLLM, msgpack tensors: opaque to the front either way)."""
+    `features` and hands the request, turned back into our `mm`, to the real builtin engine, whose answer
+    loses its weight versions, as vLLM's has none. The items' `kwargs_data` are the images' bytes (in
+    vLLM, msgpack tensors: opaque to the front either way)."""
 
     def __init__(self, engine_url: str, token: str, vision: Vision):
         self.engine_url, self.token, self.vision = engine_url, token, vision
         self.seen: list[dict] = []
+        self.rendered: list[dict] = []
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -196,6 +208,7 @@ class VllmRenderStandIn:
 
     async def render(self, request: web.Request) -> web.Response:
         body = await request.json()
+        self.rendered.append(body)
         datas = [image_bytes(part["image_url"]["url"]) for part in body["messages"][0]["content"]]
         ids, places = [2, 9, 9], []
         for data in datas:
@@ -221,7 +234,12 @@ class VllmRenderStandIn:
             hdr = {"Authorization": f"Bearer {self.token}"}
             async with s.post(self.engine_url + "/inference/v1/generate", headers=hdr,
                               json={**body, "mm": {"images": uris, "spans": spans}}) as r:  # fmt: skip
-                return web.json_response(await r.json(), status=r.status)
+                answer = await r.json()
+        # vLLM answers without weight versions: the front stamps them
+        answer.pop("weight_version", None)
+        for choice in answer.get("choices") or []:
+            choice.pop("weight_versions", None)
+        return web.json_response(answer, status=r.status)
 
 
 def test_vllm_front_renders_then_generates_with_our_spans(vl, prompts) -> None:
@@ -261,7 +279,9 @@ def test_vllm_front_renders_then_generates_with_our_spans(vl, prompts) -> None:
             asyncio.run_coroutine_threadsafe(r.cleanup(), loop).result()
         loop.call_soon_threadsafe(loop.stop)
     assert fronted.token_ids == direct.token_ids and fronted.logprobs == pytest.approx(direct.logprobs, abs=1e-6)
-    assert fronted.weight_version == 3
+    assert fronted.weight_version == 3 and fronted.weight_versions == [3] * 5
+    # the chat-completions render request as vLLM 0.26 reads it (max_tokens is deprecated there)
+    assert {k: v for k, v in stand_in.rendered[0].items() if k != "messages"} == {"max_completion_tokens": 1}
     [body] = stand_in.seen
     assert "mm" not in body and body["token_ids"] == p.token_ids, "our expanded ids, as they are"
     [im] = p.images

@@ -243,14 +243,19 @@ def test_chat_mode_through_the_framework_endpoint(pool, tok, dataset, tmp_path) 
 
 
 FLAKY_ENV = """
+import threading
 CALLS = []
+HANGING = threading.Event()
+RELEASE = threading.Event()
 class Flaky(Env):
     def step(self, state):
         CALLS.append(1)
         if MODE == "raise" and len(CALLS) == 1:
             raise RuntimeError("boom")
         if MODE == "hang" and len(CALLS) == 1:  # one sample hangs; the other must not time out too
-            time.sleep(30)
+            HANGING.set()
+            RELEASE.wait(120)
+            HANGING.clear()
         return Result(1.0)
 """
 
@@ -266,35 +271,69 @@ class Flaky(Env):
 def test_env_failures_fail_only_their_sample(pool, tok, dataset, tmp_path, mode, policy, failure, env_errors,
                                              env_retries) -> None:  # fmt: skip
     env_cls = load_agent(env_file(tmp_path, FLAKY_ENV))
-    __import__(env_cls.__module__).MODE = mode
+    module = __import__(env_cls.__module__)
+    module.MODE = mode
     cfg = pool.cfg.rollout.model_copy(update={"on_env_error": policy, "env_timeout_s": 0.5, "n_samples": 2})
 
     async def go(link):
         runner = StepEnvRunner(env_cls, tok, cfg, link.generate)
-        start = time.monotonic()
         out = await run_group(runner, dataset[1], Position(0, 1), cfg)
-        return out, time.monotonic() - start
+        return out, module.HANGING.is_set()
 
-    outcome, seconds = with_link(pool, go)
+    try:
+        outcome, still_hanging = with_link(pool, go)
+    finally:
+        module.RELEASE.set()
     assert outcome.failure == failure
     assert dict(outcome.env_errors) == env_errors and outcome.env_retries == env_retries
     assert (outcome.group is None) == (failure is not None)
-    assert seconds < 10  # a hung env costs its timeout, not its sleep
+    # A hung env costs its timeout, not its hang: the group came back while the step still hung.
+    assert still_hanging == (mode == "hang")
+
+
+async def wait_until(condition, timeout: float = 60.0) -> None:
+    """Poll the coroutine `condition()` until it is true (a test waits for what it needs, not a time)."""
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        assert time.monotonic() < deadline, "the condition was not reached in time"
+        await asyncio.sleep(0.05)
+
+
+async def requests_held(link, urls: list[str]) -> int:
+    """Requests the engines at `urls` hold (running or waiting)."""
+    total = 0
+    for url in urls:
+        status = await client.health(link.session, url, token=link.token)
+        total += status["running"] + status["waiting"]
+    return total
 
 
 def long_group(pool, tok, dataset, during):
-    """A group of long samples (200 tokens each, EOS ignored) while `during(link)` runs after 0.3 s."""
+    """A group of long samples (200 tokens each, EOS ignored); `during(link)` runs while every one of its
+    requests is held by a paused engine, so the fault it injects always finds them in flight."""
     cfg = pool.cfg.rollout.model_copy(update={"n_samples": 4, "max_new_tokens": 200, "max_total_tokens": 256})
     env_cls = load_agent(str(ROOT / "envs" / "reverse.py"))
 
     async def go(link):
+        urls = [pool.engine_url(i) for i in range(len(pool.engines)) if pool.engines[i].proc.poll() is None]
+        for url in urls:
+            await client.pause(link.session, url, token=link.token, mode="keep")
         runner = StepEnvRunner(env_cls, tok, cfg, _ignore_eos(link.generate))
         task = asyncio.create_task(run_group(runner, dataset[2], Position(0, 2), cfg))
-        await asyncio.sleep(0.3)
-        await during(link)
+        try:
+            await wait_until(lambda: _all_held(link, urls, cfg.n_samples))
+            await during(link)
+        finally:
+            for url in urls:  # a killed engine does not answer: the others go on
+                with contextlib.suppress(aiohttp.ClientError, OSError, RuntimeError):
+                    await client.resume(link.session, url, token=link.token, timeout=5)
         return await task
 
     return with_link(pool, go)
+
+
+async def _all_held(link, urls: list[str], n: int) -> bool:
+    return await requests_held(link, urls) == n
 
 
 def _ignore_eos(generate):
@@ -306,11 +345,8 @@ def _ignore_eos(generate):
 
 def test_an_aborted_request_restarts_its_sample(pool, tok, model, dataset) -> None:
     async def abort_all(link):
-        for i in range(len(pool.engines)):
+        for i in range(len(pool.engines)):  # every request is held here: each one ends as `abort`
             await client.pause(link.session, pool.engine_url(i), token=link.token, mode="abort")
-        await asyncio.sleep(0.3)
-        for i in range(len(pool.engines)):
-            await client.resume(link.session, pool.engine_url(i), token=link.token)
 
     outcome = long_group(pool, tok, dataset, abort_all)
     assert outcome.failure is None and outcome.engine_retries >= 1

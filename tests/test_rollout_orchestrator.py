@@ -24,7 +24,7 @@ from molt_hpc.rollout import serve
 from molt_hpc.rollout.group import GroupOutcome
 from molt_hpc.rollout.orchestrator import admits, over_drop_budget, shape_group
 from molt_hpc.rollout.state import RolloutState
-from molt_hpc.trajectory import Group, Trajectory
+from molt_hpc.trajectory import Group, Trajectory, finished_reward
 from tests.test_rollout_procs import ROOT, base_overrides, make_run, shared_pool, spawn
 
 pytestmark = pytest.mark.timeout(300)
@@ -70,6 +70,19 @@ def test_groups_are_shaped_then_filtered() -> None:
     assert shape_group(failed, cfg, over_budget=True) == (None, "env_timeout")
 
 
+def test_finished_reward_averages_every_sample_the_groups_report() -> None:
+    def group(rewards: list[float], report: list | None = None) -> Group:
+        g = outcome_with([3] * len(rewards), rewards).group
+        if report is not None:
+            g.meta["finished_rewards"] = report
+        return g
+
+    # [1, 0] plus 6 dropped samples worth 2.0; [1, 1] reporting only itself; [0.5, 0.5] written before the record.
+    groups = [group([1.0, 0.0], [3.0, 8]), group([1.0, 1.0], [2.0, 2]), group([0.5, 0.5])]
+    assert finished_reward(groups) == pytest.approx((1 + 0 + 2.0 + 1 + 1 + 0.5 + 0.5) / (8 + 2 + 2))
+    assert finished_reward([]) is None
+
+
 def test_drop_budget() -> None:
     # budget 4 with 8 groups a step: 32 drops of slack, then 4 more per accepted group
     assert not over_drop_budget(31, 0, 4.0, 8) and over_drop_budget(32, 0, 4.0, 8)
@@ -103,11 +116,17 @@ def stop_when_settled(run, expected: int, timeout: float = 120) -> threading.Thr
 SLOW_FIRST = """
 import time
 from molt_hpc.agents import Env, Result
+from molt_hpc.buffer import find_spool, spool_counts
 class SlowFirst(Env):
     def step(self, state):
-        if state.row.get("id") == SLOW_ID:
-            time.sleep(1.5)
-        return Result(float(len(state.action_text) % 2))
+        # The first prompt's samples finish only once another group reached the buffer: an orchestrator
+        # that waited for groups in issue order would hold that one back, and this step would time out.
+        while state.row.get("id") == SLOW_ID and spool_counts(find_spool(RUN_DIR))["pending"] == 0:
+            time.sleep(0.02)
+        reward = float(len(state.action_text) % 2)
+        with open(REWARD_LOG, "a") as log:  # every reward given, whatever becomes of its group
+            log.write(f"{reward}\\n")
+        return Result(reward)
 """
 
 
@@ -116,10 +135,15 @@ def test_groups_arrive_in_completion_order_within_the_staleness_bound(pool, tmp_
     dataset = PromptDataset.load(pool.cfg.data, load_tokenizer(pool.cfg.model.path))
     slow_id = Cursor(dataset, pool.cfg.data, seed=0).at(Position(0, 0)).prompt_id
     env = tmp_path / "slow_first.py"
-    env.write_text(SLOW_FIRST.replace("SLOW_ID", repr(slow_id)))
     overrides = [*base_overrides(Path(pool.cfg.model.path)), f"rollout.agent={json.dumps(str(env))}",
                  "buffer.max_staleness=1", f"run.sync={str(sync).lower()}"]  # fmt: skip
     run, cfg = make_run(tmp_path, "run", overrides, share=pool.run)
+    reward_log = tmp_path / "rewards.log"
+    env.write_text(
+        SLOW_FIRST.replace("SLOW_ID", repr(slow_id))
+        .replace("RUN_DIR", repr(str(run.path)))
+        .replace("REWARD_LOG", repr(str(reward_log)))
+    )
     watcher = stop_when_settled(run, expected)
     assert asyncio.run(serve(cfg, run)) == 0
     watcher.join()
@@ -137,9 +161,21 @@ def test_groups_arrive_in_completion_order_within_the_staleness_bound(pool, tmp_
     batches = [r for r in records if r.get("groups_accepted") == 4]
     assert len(batches) == expected // 4
     assert all(r["tokens_per_s"] > 0 and r["groups_per_s"] > 0 for r in batches)
-    # Equal-sized windows: the mean of the window means is the mean over every sample in the buffer.
-    all_rewards = [s.reward for g in groups for s in g.samples]
-    assert sum(r["reward_mean"] for r in batches) / len(batches) == pytest.approx(sum(all_rewards) / len(all_rewards))
+    # Equal-sized windows: the mean of the window means of `reward_trained` is the mean over the buffer.
+    trained = [s.reward for g in groups for s in g.samples]
+    assert sum(r["reward_trained"] for r in batches) / len(batches) == pytest.approx(sum(trained) / len(trained))
+    # `reward` is the mean over every finished sample, the ones of groups dynamic sampling dropped too:
+    # the env's own log of what it gave is the independent count.
+    given = [float(x) for x in reward_log.read_text().split()]
+    windows = [r for r in records if r.get("samples_finished")]
+    assert sum(r["samples_finished"] for r in windows) == len(given)
+    weighted = sum(r["reward"] * r["samples_finished"] for r in windows) / len(given)
+    assert weighted == pytest.approx(sum(given) / len(given))
+    # What the trainer averages: each group reports its samples and the dropped ones before it; the last
+    # group accepted is the last to finish (admission), so together they report every reward given.
+    reported = [g.meta["finished_rewards"] for g in groups]
+    assert sum(c for _, c in reported) == len(given) and sum(t for t, _ in reported) == pytest.approx(sum(given))
+    assert finished_reward(groups) == pytest.approx(sum(given) / len(given))
 
 
 def wait_for(predicate, timeout: float, proc=None) -> None:
@@ -175,10 +211,11 @@ def test_kill_9_at_random_points_loses_and_duplicates_nothing(pool, tmp_path) ->
     rng = random.Random(7)
     kills = 0
     for _ in range(3):
+        # Killed at a random point of its progress: after 1 to 4 saves of its state (an issue or a completion).
         proc = spawn("rollout.py", [str(run.path)], run.logs / "rollout.log")
-        before = state_file.stat().st_mtime_ns if state_file.exists() else 0
-        wait_for(lambda b=before: state_file.exists() and state_file.stat().st_mtime_ns != b, 60, proc)
-        time.sleep(rng.uniform(0.0, 1.0))
+        for _ in range(rng.randint(1, 4)):
+            before = state_file.stat().st_mtime_ns if state_file.exists() else 0
+            wait_for(lambda b=before: state_file.exists() and state_file.stat().st_mtime_ns != b, 60, proc)
         if proc.proc.poll() is None:
             proc.proc.kill()
             kills += 1

@@ -10,9 +10,9 @@ it read. Shapes are chosen so nothing divides evenly by 3 (vocab 100, hidden 40,
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from molt_hpc.actor.memory import host_peak_bytes, reset_host_peak
+from tests.ranks import spawn_ranks
 
 IDS = torch.tensor([[3, 17, 42, 8, 99, 0, 5, 61, 23, 77, 14, 9]])
 POS = torch.arange(IDS.shape[1])[None]
@@ -121,7 +121,7 @@ def _rank(rank: int, size: int, store: str, paths: dict, out: str, cases: list[s
 
 def _spawn(tmp_path, paths, size: int, cases: list[str]) -> list[dict]:
     out = tmp_path / f"world{size}"
-    mp.spawn(_rank, args=(size, str(tmp_path / f"store{size}"), paths, str(out), cases), nprocs=size, join=True)
+    spawn_ranks(_rank, (size, str(tmp_path / f"store{size}"), paths, str(out), cases), size)
     return [torch.load(f"{out}.{r}") for r in range(size)]
 
 

@@ -11,6 +11,7 @@ the module's start and run while the other tests do (`background_jobs`).
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -109,20 +110,23 @@ def on_nodes(actor: str, engines: str) -> list[str]:
 
 
 def test_preemption_checkpoints_requeues_and_resumes_to_the_end(slurm_cluster, background_jobs) -> None:
-    """A preemption as this cluster sends it (the `--signal` at once, then TERM after GraceTime), then one
-    as clusters without `preempt_send_user_signal` send it (TERM to the batch shell)."""
+    """A preemption as this cluster sends it (the `--signal` at once, then TERM after GraceTime), then a
+    requeue by Slurm itself, as `scontrol requeue` (or a preemption on clusters without
+    `preempt_send_user_signal`) makes one: TERM to every process while Slurm requeues the job."""
     job, run = background_jobs["preempted"]
     wait_training(slurm_cluster, job, run, start=0, steps=5)
     _, engine_node = slurm_cluster.component_nodes(job)
     urgent = slurm_cluster.slurm("sbatch", "--parsable", "-p", "urgent", "-w", engine_node, "-c", "4",
                                  "-o", "/dev/null", "--wrap", "sleep 2").strip()  # fmt: skip
     wait_training(slurm_cluster, job, run, start=1, steps=3)
-    slurm_cluster.slurm("scancel", "--batch", "--signal=TERM", job)
+    slurm_cluster.slurm("scontrol", "requeue", job)
     assert slurm_cluster.wait_end(job, 120) == "COMPLETED"
-    assert slurm_cluster.job_field(job, "Restarts") == "2"
+    assert slurm_cluster.job_field(job, "Restarts") == "2"  # one requeue each: ours, then Slurm's own
     assert slurm_cluster.wait_end(urgent, 30) == "COMPLETED"
     log = (run / "logs" / "driver.log").read_text()
-    assert "SIGUSR1: the actor pool checkpoints" in log and "SIGTERM: the actor pool checkpoints" in log
+    assert "SIGUSR1: the actor pool checkpoints" in log
+    assert "SIGTERM: the actor pool checkpoints at the next step boundary (a requeue by Slurm" in log
+    assert log.count("requeued job") == 1 and "Slurm requeues job" in log
     assert [e["restart"] for e in events(run, "actor", "stopped")] == [0, 1]
     assert_each_step_once(run, 80)
 
@@ -157,10 +161,17 @@ def test_het_job_runs_both_pools_and_ends_when_training_is_done(slurm_cluster, t
     [pool_start], [pool_stop] = events(run, "engine", "start"), events(run, "engine", "stop")
     [done] = events(run, "actor", "done")
     assert pool_start["node"] == engine_node
-    assert pool_start["time"] < done["time"] < pool_stop["time"]  # served throughout, stopped (TERM) after
+    assert pool_start["time"] < done["time"] < pool_stop["time"]  # served throughout, stopped after
+    assert "CANCELLED" not in (run / "logs" / "pool.log").read_text()  # a clean stop reads as one
 
     again = molt("submit", *sets(f"run.root={tmp_path}", "run.name=done"))
     assert again.returncode == 2 and "already exists" in again.stderr and "--resume" in again.stderr
+
+
+def status_of(run: Path) -> list[str]:
+    result = molt("status", str(run))
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
 
 
 def test_a_failed_step_ends_the_job(slurm_cluster, tmp_path, tiny_model_dir) -> None:
@@ -168,11 +179,34 @@ def test_a_failed_step_ends_the_job(slurm_cluster, tmp_path, tiny_model_dir) -> 
                           env={"MOLT_STANDIN_ACTOR_FAIL_AT": "3"})  # fmt: skip
     job_b, run_b = submit(tmp_path, tiny_model_dir, "engines-fail", "run.steps=1000", "slurm.max_engine_restarts=1",
                           env={"MOLT_STANDIN_ENGINE_FAIL_AFTER": "4"})  # fmt: skip
+    wrong = "data.path = 'x.jsonl': line 3: missing 'label' (stand-in)"
+    job_c, run_c = submit(tmp_path, tiny_model_dir, "config-error", "run.steps=1000",
+                          env={"MOLT_STANDIN_ENGINE_CONFIG_ERROR": wrong})  # fmt: skip
     assert slurm_cluster.wait_end(job_a, 90) == "FAILED"
     with pytest.raises(Exception, match="the actor pool step exited with code 1 before training finished"):
         driver_result(run_a, job_a)
     assert [e["step"] for e in events(run_a, "actor", "fail")] == [3]
     assert len(events(run_a, "engine", "stop")) == 1  # the engine pool was stopped, not left serving
+    # The reason is in the driver's log and in `status`, not only in submitit's traceback.
+    assert "job failed: the actor pool step exited with code 1" in (run_a / "logs" / "driver.log").read_text()
+    lines = status_of(run_a)
+    assert f"slurm: job {job_a} FAILED" in lines and any(
+        line.startswith("job: restarts 0, nodes node") for line in lines
+    )
+    assert "job steps: none running" in lines
+    [failed] = [line for line in lines if line.startswith("failed (driver, ")]
+    assert "the actor pool step exited with code 1 before training finished" in failed
+    assert not any(line.startswith("processes:") for line in lines)
+
+    # A config error found at run time fails the job at once: the engine pool is not relaunched for it.
+    assert slurm_cluster.wait_end(job_c, 90) == "FAILED"
+    assert len(events(run_c, "engine", "start")) == 1 and len(events(run_c, "engine", "config error")) == 1
+    [stopped] = events(run_c, "actor", "stopped")  # the actor pool checkpointed before the job ended
+    assert events(run_c, "actor", "checkpoint")[-1]["step"] == stopped["step"]
+    assert "failed (rollout, " in "\n".join(status_of(run_c)) and wrong in "\n".join(status_of(run_c))
+    driver_log = (run_c / "logs" / "driver.log").read_text()
+    assert f"job failed: run stopped: {wrong}" in driver_log and "relaunching" not in driver_log
+    assert "--resume" not in driver_log  # resuming with the same config would fail the same way
 
     assert slurm_cluster.wait_end(job_b, 90) == "FAILED"
     with pytest.raises(Exception, match="the engine pool died 2 times"):
@@ -202,8 +236,29 @@ def test_dead_engine_pool_is_relaunched_while_the_actor_pool_keeps_its_state(
 def test_cancel_checkpoints_first_unless_now(slurm_cluster, tmp_path, tiny_model_dir) -> None:
     job, run = submit(tmp_path, tiny_model_dir, "cancel", "run.steps=100000")
     job_now, run_now = submit(tmp_path, tiny_model_dir, "cancel-now", "run.steps=100000")
-    for r in (run, run_now):
+    job_sc, run_sc = submit(tmp_path, tiny_model_dir, "scancel", "run.steps=100000")
+    for r in (run, run_now, run_sc):
         slurm_cluster.wait_for(lambda r=r: len(trained_steps(r)) >= 3, 90, "the actor pool to train")
+
+    # `status` of a running Slurm job: its state, nodes and job steps.
+    lines = status_of(run)
+    actor_node, engine_node = slurm_cluster.component_nodes(job)
+    assert f"slurm: job {job} RUNNING" in lines
+    assert f"job: restarts 0, nodes {actor_node} + {engine_node} (het groups 0 + 1)" in lines
+    [steps] = [line for line in lines if line.startswith("job steps: ")]
+    assert f"molt-actor-pool on {actor_node}" in steps and f"molt-engine-pool on {engine_node}" in steps
+
+    # A plain `scancel` ends the run: the actor pool checkpoints within KillWait, nothing is requeued.
+    slurm_cluster.slurm("scancel", job_sc)
+    assert slurm_cluster.wait_end(job_sc, 60) == "CANCELLED"
+    assert slurm_cluster.job_field(job_sc, "Restarts") == "0"
+    log = (run_sc / "logs" / "driver.log").read_text()
+    assert "SIGTERM: the actor pool checkpoints at the next step boundary (`scancel`)" in log
+    assert "not requeued" in log and "requeued job" not in log
+    [stopped] = events(run_sc, "actor", "stopped")
+    assert stopped["why"] == "SIGTERM" and events(run_sc, "actor", "checkpoint")[-1]["step"] == stopped["step"]
+    assert trained_steps(run_sc)[-1] == stopped["step"]
+    assert driver_result(run_sc, job_sc) == {"status": "cancelled"}
 
     busy = molt("submit", "--resume", str(run))
     assert busy.returncode == 2 and f"job {job} of {run} is still RUNNING" in busy.stderr
@@ -218,7 +273,11 @@ def test_cancel_checkpoints_first_unless_now(slurm_cluster, tmp_path, tiny_model
     assert trained_steps(run)[-1] == stopped["step"]
 
     assert slurm_cluster.wait_end(job_now, 30) == "CANCELLED"  # --now: Slurm's TERM reached every process
-    assert not (run_now / "logs" / "driver.log").read_text().count("requeued")
+    assert not (run_now / "logs" / "driver.log").read_text().count("requeued job")
+    for r in (run_now, run_sc):  # torchrun left the TERM to its ranks: no SignalException, no exit 1
+        actor_log = (r / "logs" / "actor.log").read_text()
+        assert "Traceback" not in actor_log and "SignalException" not in actor_log, actor_log
+        assert "the actor pool stopped (exit 0) after its checkpoint" in (r / "logs" / "driver.log").read_text()
     again = molt("cancel", str(run))
     assert again.returncode == 2 and f"job {job} of {run} is not active (CANCELLED)" in again.stderr
 
@@ -232,13 +291,45 @@ def test_submission_problems_leave_no_run_directory(slurm_cluster, tmp_path, tin
     assert refused.returncode == 2
     assert "Slurm refused the job" in refused.stderr and "Invalid feature specification" in refused.stderr
     missing = molt("submit", *base, *sets("model.path=/nonexistent/model"))
-    assert missing.returncode == 2 and "model.path /nonexistent/model does not exist" in missing.stderr
+    assert (
+        missing.returncode == 2 and "model.path = '/nonexistent/model': /nonexistent/model does not" in missing.stderr
+    )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_submit_from_another_directory_resolves_paths_before_queueing(slurm_cluster, tmp_path, tiny_model_dir) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    config = str(ROOT / "configs" / "tiny_cpu.toml")
+    args = standin_args(tmp_path, tiny_model_dir, "from-elsewhere", "run.steps=5")
+    queued = slurm_cluster.slurm("squeue", "-h", "-o", "%i")
+    refused = molt("submit", config, *args, cwd=elsewhere)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert (
+        f"data.path = 'data/reverse_train.jsonl': {elsewhere}/data/reverse_train.jsonl does not exist (relative "
+        f"paths are taken from the working directory, {elsewhere})" in refused.stderr
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere"]  # no run directory
+    assert slurm_cluster.slurm("squeue", "-h", "-o", "%i") == queued  # nothing was queued
+
+    shutil.copytree(ROOT / "data", elsewhere / "data")  # the user's own data and env, next to where they work
+    shutil.copytree(ROOT / "envs", elsewhere / "envs")
+    result = molt("submit", config, *args, cwd=elsewhere)
+    assert result.returncode == 0, result.stderr
+    job = re.search(r"submitted job (\d+)", result.stdout).group(1)
+    run = tmp_path / "from-elsewhere"
+    rendered = load_config(run / "config.toml")  # the job reads absolute paths, wherever it starts
+    assert rendered.data.path == str(elsewhere / "data" / "reverse_train.jsonl")
+    assert rendered.rollout.agent == str(elsewhere / "envs" / "reverse.py")
+    assert slurm_cluster.wait_end(job, 90) == "COMPLETED"
+    assert_each_step_once(run, 5)
 
 
 def test_hand_submitted_script_runs_the_same_driver(slurm_cluster, tmp_path, tiny_model_dir) -> None:
     script = tmp_path / "job.sh"
-    args = sets(f"run.root={tmp_path}", "run.name=by-hand", f"model.path={tiny_model_dir}", "run.steps=10", *STANDINS)
+    files = [f"data.path={ROOT / 'data' / 'reverse_train.jsonl'}", f"rollout.agent={ROOT / 'envs' / 'reverse.py'}"]
+    args = sets(f"run.root={tmp_path}", "run.name=by-hand", f"model.path={tiny_model_dir}", "run.steps=10", *STANDINS,
+                *files)  # fmt: skip
     assert molt("sbatch", *args, "-o", str(script), cwd=tmp_path).returncode == 0  # Slurm's log lands there
     run = tmp_path / "by-hand"
     assert not run.exists()  # rendering creates nothing; the driver writes the run directory
@@ -321,6 +412,10 @@ def real_run(slurm_cluster, background_jobs) -> tuple[str, Path]:
 @pytest.mark.slow
 def test_real_pools_run_the_tiny_config_to_completion_and_learn(real_run) -> None:
     _, run = real_run
+    # Quiet, truthful logs: the requeue's stop is a clean stop of every process, not a crash.
+    actor_log, pool_log = ((run / "logs" / f"{n}.log").read_text() for n in ("actor", "pool"))
+    assert "SignalException" not in actor_log and "Traceback" not in actor_log
+    assert "died (exit 0)" not in pool_log and "restarting" not in pool_log and "CANCELLED" not in pool_log
     records = actor_metrics(run)
     assert [r["step"] for r in records] == list(range(1, REAL_STEPS + 1))  # each step once, across the requeue
     rewards = [r["reward"] for r in records]

@@ -20,6 +20,7 @@ from molt_hpc.config import load_config, to_toml
 from molt_hpc.config.infra import slurm_time_seconds
 from molt_hpc.config.load import validate
 from molt_hpc.launch import slurm
+from molt_hpc.launch.preflight import preflight
 from molt_hpc.launch.slurm_checks import check_partitions, gpus_in_gres, parse_sinfo
 from molt_hpc.launch.slurm_render import HEREDOC_END
 from molt_hpc.launch.slurm_steps import actor_command, engine_command, procs_per_node
@@ -104,19 +105,35 @@ def test_sbatch_lines_follow_the_slurm_section(config: Path, in_root) -> None:
         assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 
-def test_dry_run_prints_the_script_and_creates_nothing(tmp_path: Path, in_root) -> None:
-    result = molt("submit", "configs/405b_moe.toml", "--set", f"run.root={tmp_path}/runs", "--dry-run")
+def test_dry_run_prints_the_script_and_creates_nothing(tmp_path: Path, in_root, tiny_model_dir) -> None:
+    model = f"model.path={tiny_model_dir}"
+    # --no-plan: the plan reads the 405B shape from model.architecture, which the tiny model is not
+    result = molt("submit", "configs/405b_moe.toml", "--set", f"run.root={tmp_path}/runs", "--set", model,
+                  "--dry-run", "--no-plan")  # fmt: skip
     assert result.returncode == 0, result.stderr
-    cfg = load_config(ROOT / "configs" / "405b_moe.toml", [f"run.root={tmp_path}/runs"])
+    cfg = load_config(ROOT / "configs" / "405b_moe.toml", [f"run.root={tmp_path}/runs", model])
     assert result.stdout == slurm.dry_run_script(cfg)
+    assert list(tmp_path.iterdir()) == []
+    # The shipped placeholder model path: the same script, and the pre-flight's refusal that submit would give.
+    placeholder = molt(
+        "submit", "configs/405b_moe.toml", "--set", f"run.root={tmp_path}/runs", "--dry-run", "--no-plan"
+    )
+    assert placeholder.returncode == 2 and placeholder.stdout == result.stdout
+    assert placeholder.stderr.startswith("error: model.path = '/path/to/your/405b-moe-hf-checkpoint'")
     assert list(tmp_path.iterdir()) == []
 
 
-def test_sbatch_command_writes_the_standalone_script(tmp_path: Path, in_root) -> None:
+def test_sbatch_command_writes_the_standalone_script(tmp_path: Path, in_root, tiny_model_dir) -> None:
     out = tmp_path / "job.sh"
-    result = molt("sbatch", "configs/8b_dense.toml", "-o", str(out))
+    result = molt("sbatch", "configs/8b_dense.toml", "--set", f"model.path={tiny_model_dir}", "-o", str(out))
     assert result.returncode == 0, result.stderr
-    assert out.read_text() == slurm.standalone_script(load_config(ROOT / "configs" / "8b_dense.toml"))
+    cfg = load_config(ROOT / "configs" / "8b_dense.toml", [f"model.path={tiny_model_dir}"])
+    assert out.read_text() == slurm.standalone_script(preflight(cfg))
+    inline = load_config(None).model_validate(tomllib.loads(embedded_config(out.read_text())))
+    # Relative paths were resolved where the command ran: the job finds the same files from anywhere.
+    assert inline.data.path == str(ROOT / "data" / "math_train.jsonl")
+    assert inline.rollout.agent == str(ROOT / "envs" / "math.py")
+    assert inline.run.root == str(ROOT / "runs") and inline.slurm.actor_script == str(ROOT / "jobs" / "actor.py")
 
 
 @pytest.mark.parametrize(

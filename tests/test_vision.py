@@ -14,6 +14,7 @@ import torch
 
 from molt_hpc.actor.attention import DocumentAttention, use_document_attention
 from molt_hpc.actor.batch import policy_logprobs
+from molt_hpc.actor.head import FUSED_OK
 from molt_hpc.actor.vision import ImageInputs
 from molt_hpc.algorithm import make_experience
 from molt_hpc.buffer.codec import decode_group, encode_group
@@ -68,7 +69,7 @@ def test_builtin_and_cli_build_tiny_vl(tmp_path) -> None:
     cfg = MoltConfig().model.model_copy(update={"path": "builtin:tiny-vl"})
     first = resolve_model(cfg, tmp_path / "cache")
     assert resolve_model(cfg, tmp_path / "cache") == first, "built once, then found"
-    result = molt("model", "build-tiny", str(tmp_path / "cli"), "--kind", "vl")
+    result = molt("model", "build-tiny", str(tmp_path / "cli"), "--vl")
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "cli" / "model.safetensors").read_bytes() == (first / "model.safetensors").read_bytes()
     with pytest.raises(ValueError, match="64 or 128"):
@@ -256,16 +257,20 @@ def test_trainer_logprobs_match_the_model_alone(tiny_vl_dir, vision, model) -> N
 
     packed_model = load_causal_lm(tiny_vl_dir)
     use_document_attention(packed_model, DocumentAttention("sdpa", torch.device("cpu")))
-    for m, pack in ((model, False), (packed_model, True)):
+    full_logits = load_causal_lm(tiny_vl_dir)
+    setattr(full_logits, FUSED_OK, False)  # the fallback: log-probs from the model's full logits
+    for m, pack in ((model, False), (packed_model, True), (full_logits, False)):
         exp = make_experience(trajs, max_len=64, pack=pack, vision=vision.spec)
         with torch.no_grad():
-            logp, _ = policy_logprobs(m, exp, 1.0, 8, inputs)
+            logp, _ = policy_logprobs(m, exp, 1.0, 8, images=inputs)
         for n, t in enumerate(trajs):
             got = logp[exp.seq_index == n][exp.action_mask[exp.seq_index == n]]
             assert torch.allclose(got, alone(t), atol=1e-5), (pack, n, (got - alone(t)).abs().max())
+    # Qwen2-VL's head is a plain tied linear layer: the fused log-probs (hidden states x head weight) serve it
+    assert getattr(model, FUSED_OK) is True and getattr(packed_model, FUSED_OK) is True
     text_only = make_experience(trajs[2:], max_len=64, vision=vision.spec)
     with torch.no_grad():
-        logp, _ = policy_logprobs(model, text_only, 1.0, 8, inputs)
+        logp, _ = policy_logprobs(model, text_only, 1.0, 8, images=inputs)
     assert logp.shape == text_only.sequences.shape, "the dummy-image row is not in the output"
     got = logp[text_only.action_mask]
     assert torch.allclose(got, alone(trajs[2]), atol=1e-5)

@@ -6,6 +6,7 @@ for `vllm serve`. The engine-process path is run for real up to the point where 
 """
 
 import asyncio
+import importlib
 import importlib.metadata
 import importlib.util
 import json
@@ -32,6 +33,7 @@ from molt_hpc.engine.vllm_main import (
     vllm_env,
 )
 from molt_hpc.net import free_port
+from tests.conftest import ROOT
 from tests.test_engine_procs import arun, make_run, spawn, start_engines, wait_registered
 
 PROMPT = [5, 6, 7, 8]
@@ -88,8 +90,13 @@ def test_vllm_command_follows_the_config(monkeypatch) -> None:
         "--skip-tokenizer-init": None,
         "--generation-config": "vllm",
         "--weight-transfer-config": json.dumps({"backend": "nccl"}),
+        "--worker-extension-cls": "molt_hpc.engine.vllm_ipc.MoltWorkerExtension",
+        "--disable-uvicorn-access-log": None,
     }
     assert got == want
+    module, _, name = got["--worker-extension-cls"].rpartition(".")
+    extension = getattr(importlib.import_module(module), name)  # what vLLM's workers import by this name
+    assert {m for m in vars(extension) if not m.startswith("__")} == {"molt_place", "molt_ipc_init", "molt_ipc_update"}
     assert json.loads(got["--weight-transfer-config"]) == {"backend": "nccl"}
 
     defaults = flags(vllm_command(load_config(None, ["engines.kind=vllm"]), "/m", 1, index=0))
@@ -104,6 +111,7 @@ def test_vllm_command_follows_the_config(monkeypatch) -> None:
     assert "--api-key" not in cmd and not any("s3cret" in a for a in cmd)
     assert env["VLLM_API_KEY"] == "s3cret" and env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["MOLT_TEST_KEPT"] == "yes"
+    assert env["PYTHONPATH"].split(os.pathsep)[-1] == str(ROOT), "vLLM's workers import the extension from here"
 
 
 def test_vllm_command_for_a_vision_language_model(tiny_vl_dir) -> None:
@@ -311,6 +319,33 @@ def test_refit_routes_and_versions_through_the_front(stack) -> None:
     assert file_version == 7 and h["weight_version"] == 7
     assert len(res.token_ids) == 400 and res.weight_version == 7
     assert res.weight_versions == [0] * 400, "tokens of a request that straddled the update carry its start version"
+
+
+def test_front_calls_only_the_extension_and_closes_only_native_sessions(stack) -> None:
+    """`/collective_rpc` reaches our worker extension's `molt_*` methods only. A shared-memory refit
+    opens no vLLM session (no `/start_weight_update`), so its finish stamps the version without
+    calling vLLM's `/finish_weight_update` (which would refuse: nothing to finish)."""
+    run, direct, record = stack
+    url, hdr = record["url"], run.auth_headers()
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            before = (await health(s, direct, token=run.token()))["weight_version"]
+            async with s.post(url + "/collective_rpc", headers=hdr, json={"method": "load_model"}) as r:
+                refused = (r.status, await r.json())
+            async with s.post(url + "/collective_rpc", headers=hdr, json={"method": "molt_place"}) as r:
+                forwarded = r.status  # the stand-in has no /collective_rpc: its 404 comes back
+            async with s.post(url + "/finish_weight_update", headers=hdr, json={"version": before + 5}) as r:
+                finished = (r.status, await r.json())
+            after = (await health(s, direct, token=run.token()))["weight_version"]
+            return before, refused, forwarded, finished, after, await health(s, url, token=run.token())
+
+    before, refused, forwarded, finished, after, front = arun(go())
+    assert refused[0] == 403 and "molt_" in refused[1]["error"]
+    assert forwarded == 404
+    assert finished == (200, {"weight_version": before + 5})
+    assert after == before, "no native session was open: vLLM's finish was not called"
+    assert front["weight_version"] == before + 5
 
 
 def test_front_with_vllm_down_and_vllm_dying(tmp_path, tiny_model_dir) -> None:

@@ -1,8 +1,9 @@
 """vLLM engines on GPUs (`make test-gpu`): `vllm serve` behind our front, refit by `VllmRefitSender`.
 
-The engine process (jobs/engine.py, `engines.kind = "vllm"`) runs on GPU 1; the trainer side (this
-test process, or the actor pool of a local run) on GPU 0. The model is the tiny one with 2 heads, so
-its head size is 64 (FlashAttention's kernels start there). Skipped without two GPUs or without vLLM.
+The engine process (jobs/engine.py, `engines.kind = "vllm"`) runs on GPU 1 and the trainer side (this
+test process, or the actor pool of a local run) on GPU 0: a refit over NCCL (two GPUs). With both on
+GPU 0 the refit goes through CUDA IPC into our worker extension (one GPU). The model is the tiny one
+with 2 heads, so its head size is 64 (FlashAttention's kernels start there). Skipped without vLLM.
 """
 
 import importlib.util
@@ -41,8 +42,9 @@ def _gpus() -> int:
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install 'molt-hpc[gpu]')"),
-    pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs"),
+    pytest.mark.skipif(_gpus() < 1, reason="needs a GPU"),
 ]
+needs_two = pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs (NCCL between the trainer's and vLLM's)")
 
 
 def _sample(run_dir) -> dict:
@@ -70,9 +72,19 @@ def _wait_registered(run_dir, proc, timeout: float = 900) -> dict:
         time.sleep(1.0)
 
 
+@needs_two
 def test_refit_changes_what_vllm_serves(tmp_path) -> None:
     """Zeroing the (tied) embeddings makes every next-token log-prob exactly -ln V; restoring them gives back
     the log-probs served before any refit; each answer carries the version of the refit before it."""
+    zero_and_restore(tmp_path, engine_gpu="1", transport="nccl")
+
+
+def test_refit_through_cuda_ipc_into_vllm_on_the_trainers_gpu(tmp_path) -> None:
+    """The same with vLLM on the sender's GPU: NCCL cannot join them, the refit goes through CUDA IPC."""
+    zero_and_restore(tmp_path, engine_gpu="0", transport="ipc")
+
+
+def zero_and_restore(tmp_path, engine_gpu: str, transport: str) -> None:
     import torch
 
     from molt_hpc.models import load_causal_lm, resolve_model
@@ -81,7 +93,7 @@ def test_refit_changes_what_vllm_serves(tmp_path) -> None:
 
     cfg = load_config(None, [f"run.root='{tmp_path}'", "run.name='v'", *VLLM_SETS])
     run = create_run_dir(tmp_path, "v", to_toml(cfg))
-    engine = _engine(run.path, env={"CUDA_VISIBLE_DEVICES": "1"})
+    engine = _engine(run.path, env={"CUDA_VISIBLE_DEVICES": engine_gpu})
     sender = None
     try:
         rec = _wait_registered(run.path, engine)
@@ -96,6 +108,7 @@ def test_refit_changes_what_vllm_serves(tmp_path) -> None:
         metas = [TensorMeta(n, "bfloat16", tuple(p.shape)) for n, p in model.named_parameters()]
         sender = VllmRefitSender(cfg.refit, run.token(), device="cuda:0")
         sender.connect([rec["url"]])
+        assert sender.transports == {rec["url"]: transport}
         saved = model.model.embed_tokens.weight.detach().clone()
         with torch.no_grad():
             model.model.embed_tokens.weight.zero_()
@@ -121,6 +134,7 @@ def test_refit_changes_what_vllm_serves(tmp_path) -> None:
     assert not (run.path / "rendezvous" / "engine-0.json").exists()  # a clean stop unregisters
 
 
+@needs_two
 def test_local_run_with_vllm_engine_learns(tmp_path) -> None:
     """`molt-hpc run` with `engines.kind = "vllm"`: the trainer on GPU 0 refits vLLM on GPU 1 every step, the
     reward rises (the CPU end-to-end test's recipe) and the engine ends on the trainer's last version."""

@@ -5,6 +5,8 @@ the replay buffer, sends refits to the engines and coordinates checkpoints. Modu
 `world` (process group, device, meshes), `parallelize` (FSDP2 over a plain transformers model),
 `packing` (micro-batches, samples packed into rows), `attention` (attention confined to each sample),
 `context_parallel` (Ulysses: each rank of a CP group runs a slice of every row),
+`expert_parallel` (MoE experts sharded over EP ranks, all-to-all dispatch; `deepep` the DeepEP one,
+`ep_check` the torch-free checks),
 `build` (models, optimizers, LR schedule), `weights` (full weights gathered bucket by bucket),
 `state` (checkpoint save and restore), `feed` (groups from the buffer to every rank),
 `step` (one training step), `sync` (refits), `control` (signals and control files), `trainer` (the loop),

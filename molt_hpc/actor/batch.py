@@ -11,13 +11,21 @@ exactly zero). A model on document attention (packing, context parallelism) is f
 import itertools
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from molt_hpc.actor.attention import attention_setup
+from molt_hpc.actor.head import hidden_and_head
 from molt_hpc.actor.packing import rank_micro_batches
 from molt_hpc.actor.vision import ImageInputs
-from molt_hpc.actor.world import World, gather_all
-from molt_hpc.algorithm import Experience, logprobs_from_logits, target_logprobs
+from molt_hpc.actor.world import World
+from molt_hpc.algorithm import (
+    Experience,
+    logprobs_from_logits,
+    target_logprobs,
+    target_token_logprobs,
+    token_logprobs,
+)
 
 
 def mini_batch_rows(exp: Experience, mini_batches: int) -> list[Tensor]:
@@ -35,14 +43,24 @@ def my_rows(rows: Tensor, world: World) -> Tensor:
 
 
 def policy_logprobs(
-    model: nn.Module, mb: Experience, temperature: float, chunk: int, images: ImageInputs | None = None
+    model: nn.Module,
+    mb: Experience,
+    temperature: float,
+    chunk: int,
+    kernel: str = "torch",
+    *,
+    images: ImageInputs | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(log-prob, entropy) `[B, T]` of each action token under `model` at the sampling temperature.
 
-    Position ids restart per sample; no attention mask and no KV cache (with either, transformers
-    would not confine attention to each sample of a packed row; see `molt_hpc.algorithm.experience`).
-    A vision-language model also gets the micro-batch's pixel values and multimodal positions (`images`).
+    From the last hidden states and the LM head weight (`molt_hpc.actor.head`), chunk by chunk: no
+    `[B, T, V]` logits in forward or backward; models whose head does more than a matmul go through
+    their full logits. Position ids restart per sample; no attention mask and no KV cache (with either,
+    transformers would not confine attention to each sample of a packed row; see
+    `molt_hpc.algorithm.experience`). A vision-language model also gets the micro-batch's pixel values
+    and multimodal positions (`images`); a dummy-image row it may add is cut off the outputs.
     """
+    how = {"temperature": temperature, "chunk": chunk, "kernel": kernel}
     rows_in = mb.sequences.shape[0]
     extra: dict[str, Tensor] = {}
     if images is not None:
@@ -50,14 +68,19 @@ def policy_logprobs(
     setup = attention_setup(model)
     if setup is None:
         inputs = {"input_ids": mb.sequences, "position_ids": mb.position_ids, "use_cache": False, **extra}
-        logits = model(**inputs).logits
-        logp, ent = logprobs_from_logits(
-            logits, mb.sequences, temperature=temperature, chunk=chunk, action_mask=mb.action_mask
-        )
+        fused = hidden_and_head(model, inputs)
+        if fused is not None:
+            logp, ent = token_logprobs(fused.hidden, fused.weight, mb.sequences, action_mask=mb.action_mask, **how)
+        else:
+            logp, ent = logprobs_from_logits(model(**inputs).logits, mb.sequences, action_mask=mb.action_mask, **how)
         return logp[:rows_in], ent[:rows_in]
     rows = setup.rows(mb)
-    logits = model(**{**rows.inputs, **extra}).logits
-    logp, ent = target_logprobs(logits, rows.next_tokens, temperature=temperature, chunk=chunk, mask=rows.next_action)
+    inputs = {**rows.inputs, **extra}
+    fused = hidden_and_head(model, inputs)
+    if fused is not None:
+        logp, ent = target_token_logprobs(fused.hidden, fused.weight, rows.next_tokens, mask=rows.next_action, **how)
+    else:
+        logp, ent = target_logprobs(model(**inputs).logits, rows.next_tokens, mask=rows.next_action, **how)
     return rows.own_index(logp)[:rows_in], rows.own_index(ent)[:rows_in]
 
 
@@ -73,14 +96,16 @@ def critic_values(critic: nn.Module, mb: Experience) -> Tensor:
 
 @torch.no_grad()
 def rows_forward(fn, exp: Experience, rows: Tensor, size: int, budget: int | None, world: World) -> Tensor:
-    """`fn(micro_batch) -> [b, t]` over this rank's share of `rows`, gathered into the whole batch's `[B, T]`."""
+    """`fn(micro_batch) -> [b, t]` over this rank's share of `rows`, gathered into the whole batch's `[B, T]`.
+
+    Every row is computed by one data-parallel rank (the ranks of a CP group compute the same rows:
+    only the first of them contributes), so one all-reduce of `[B, T]` sums the shares into the whole,
+    exactly (each value is added to zeros)."""
     mine = torch.zeros(exp.sequences.shape, dtype=torch.float32)
-    done: set[int] = set()
     for mb in rank_micro_batches(exp, rows, size, budget, world):
         mb.put(mine, fn(mb.batch.to(world.device)).float().cpu())  # an empty micro-batch puts nothing
-        done.update(mb.src_row[mb.src_row >= 0].unique().tolist())
-    full = torch.zeros_like(mine)
-    for part in gather_all({r: mine[r] for r in done}):  # the ranks of a CP group send the same rows
-        for r, values in part.items():
-            full[r] = values
-    return full
+    if world.cp_rank != 0:
+        mine.zero_()
+    if world.size > 1:
+        dist.all_reduce(mine)  # on the CPU group (gloo)
+    return mine

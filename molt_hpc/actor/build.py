@@ -13,7 +13,6 @@ the default `float32` keeps fp32).
 """
 
 import math
-import re
 import time
 from pathlib import Path
 from typing import Literal
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 
 from molt_hpc.actor.attention import DocumentAttention
+from molt_hpc.actor.moe_router import prepare_routers
 from molt_hpc.actor.offload import OptimizerOffload
 from molt_hpc.actor.parallelize import parallelize
 from molt_hpc.actor.world import World
@@ -30,9 +30,9 @@ from molt_hpc.config import MoltConfig
 from molt_hpc.config.train import ActorConfig
 from molt_hpc.log import get_logger
 from molt_hpc.models import check_model_dir, quiet_transformers
+from molt_hpc.models.moe import find_routers
 from molt_hpc.models.sharded import load_sharded
 
-ROUTER_WEIGHT = re.compile(r"\.gate\.weight$")  # MoE routers (`mlp.gate`), not the MLP's `gate_proj`
 Role = Literal["policy", "reference", "critic"]
 
 
@@ -70,6 +70,7 @@ def load_model(
         disable_dropout(model)
         model.train(trainable)
         model.requires_grad_(trainable)
+        prepare_routers(model, cfg, role)  # fp32 (replay) routers, before parallelize gives each its fp32 unit
         if role == "policy" and act.freeze_router:
             freeze_router(model)
         parallelize(model, world.mesh, act, compute_dtype=compute, documents=documents)
@@ -109,11 +110,15 @@ def check_checkpoint_model(model_dir: Path, base: Path, *, critic: bool = False)
 
 
 def freeze_router(model: nn.Module) -> list[str]:
-    """Stop training MoE router weights (a train/inference consistency guard); returns their names."""
-    names = [n for n, p in model.named_parameters() if ROUTER_WEIGHT.search(n)]
-    for n, p in model.named_parameters():
-        if n in names:
+    """Stop training MoE router parameters (a train/inference consistency guard); returns their names.
+
+    Routers are found by class (`molt_hpc.models.moe.router_class`), so GPT-OSS's `mlp.router` (weight
+    and bias) and Llama 4's `feed_forward.router` are frozen too and no dense MLP's `gate_proj` ever is."""
+    names = []
+    for router in find_routers(model):
+        for name, p in router.module.named_parameters():
             p.requires_grad_(False)
+            names.append(f"{router.name}.{name}")
     return names
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from molt_hpc.actor.attention import DocumentAttention, check_model
-from molt_hpc.actor.world import World, gather_all
+from molt_hpc.actor.world import World, max_over_ranks
 from molt_hpc.algorithm.experience import TOKEN_FIELDS, Experience, _pack_rows
 from molt_hpc.config import MoltConfig
 from molt_hpc.config.train import ActorConfig
@@ -127,7 +127,7 @@ def rank_micro_batches(exp: Experience, rows: Tensor, size: int, budget: int | N
         parts = [rows[torch.tensor(b)] for b in bins[world.dp_rank :: world.dp_size]]
         make = packed
     out = [make(exp, p) for p in parts]
-    most = max(gather_all(len(out)))
+    most = max_over_ranks(len(out))
     while len(out) < most:
         out.append(_empty(make(exp, torch.tensor([0]))))
     return out

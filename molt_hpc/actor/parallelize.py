@@ -14,6 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from molt_hpc.actor.attention import DocumentAttention, use_document_attention
+from molt_hpc.actor.expert_parallel import apply_expert_parallel
+from molt_hpc.actor.moe_router import shard_routers
 from molt_hpc.config.train import ActorConfig
 
 
@@ -45,8 +47,6 @@ def parallelize(
     `cp` group), the model attends within each sample of a row and splits rows over the CP group.
     Works on a meta-device model too (sharded loading materialises it afterwards).
     """
-    if cfg.ep > 1:
-        raise ValueError(f"actor.ep = {cfg.ep}: expert parallelism is not implemented in this trainer yet; set it to 1")
     assert cfg.cp == 1 or (documents is not None and documents.cp is not None), "actor.cp > 1 needs its CP group"
     if documents is not None:
         use_document_attention(model, documents)
@@ -67,6 +67,9 @@ def parallelize(
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     offload = offload_policy(cfg, mesh.device_type)
+    shard_routers(model, mesh, offload)  # swapped MoE routers: their own fp32 units, before their blocks
+    if cfg.ep > 1:  # experts first: their own FSDP units, inside their blocks' (expert_parallel.py)
+        apply_expert_parallel(model, cfg.ep, cfg.ep_dispatch, mp, device_type=mesh.device_type, offload=offload)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)

@@ -9,13 +9,17 @@ With context parallelism the ranks of a CP group share rows: the token count run
 ranks only and the scale is the data-parallel size (`molt_hpc.actor.context_parallel`).
 """
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from molt_hpc.actor.batch import critic_values, mini_batch_rows, policy_logprobs, rows_forward
+from molt_hpc.actor.clip import clip_grad_norm
+from molt_hpc.actor.expert_parallel import clip_grad_norm as clip_grad_norm_meshes
+from molt_hpc.actor.expert_parallel import on_several_meshes
+from molt_hpc.actor.moe_router import MoeRouting
 from molt_hpc.actor.packing import rank_micro_batches
 from molt_hpc.actor.state import Trainable
 from molt_hpc.actor.vision import ImageInputs
@@ -46,15 +50,19 @@ class Models:
     critic: Trainable | None = None
     pack_tokens: int | None = None
     """Tokens of one packed micro-batch (`molt_hpc.actor.packing`); None: rows padded `micro_batch_size` at a time."""
+    moe: MoeRouting | None = None
+    """The policy's MoE routers (replay, aux losses, routing metrics); None for a dense policy."""
     images: ImageInputs | None = None
     """A vision-language policy's image inputs (`molt_hpc.actor.vision`); None for a text model."""
 
 
 @dataclass
 class Meter:
-    """Metrics of one step's micro-batches, reduced over micro-batches and ranks."""
+    """Metrics of one step's micro-batches, reduced over micro-batches and ranks. Values stay tensors
+    on the device until `reduce` reads them all at once: one host sync per step, not one per metric
+    and micro-batch (each would stall the host until the GPU had finished the backward)."""
 
-    sums: dict[str, float] = field(default_factory=dict)
+    sums: dict[str, torch.Tensor | float] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
     updates: dict[str, int] = field(default_factory=dict)
 
@@ -62,23 +70,32 @@ class Meter:
         if tokens == 0:  # a padding micro-batch: no data, nothing to report
             return
         for key, value in metrics.items():
-            v = float(value)
+            v = value.detach().double() if isinstance(value, torch.Tensor) else float(value)
+            old = self.sums.get(key)
             if key in SUMMED:
-                self.sums[key] = self.sums.get(key, 0.0) + v
+                self.sums[key] = v if old is None else old + v
             elif key in MAXED:
-                self.sums[key] = max(self.sums.get(key, v), v)
+                self.sums[key] = v if old is None else torch.maximum(torch.as_tensor(old), torch.as_tensor(v))
             elif key in MINNED:
-                self.sums[key] = min(self.sums.get(key, v), v)
+                self.sums[key] = v if old is None else torch.minimum(torch.as_tensor(old), torch.as_tensor(v))
             else:
-                self.sums[key] = self.sums.get(key, 0.0) + v * tokens
+                self.sums[key] = v * tokens if old is None else old + v * tokens
                 self.weights[key] = self.weights.get(key, 0.0) + tokens
 
     def update(self, key: str) -> None:
         self.updates[key] = self.updates.get(key, 0) + 1
 
+    def _host_sums(self) -> dict[str, float]:
+        keys = sorted(self.sums)
+        values = [torch.as_tensor(self.sums[k], dtype=torch.float64).reshape(()) for k in keys]
+        devices = {v.device for v in values}
+        if len(devices) > 1:
+            values = [v.cpu() for v in values]
+        return dict(zip(keys, torch.stack(values).tolist(), strict=True)) if values else {}
+
     def reduce(self) -> dict[str, float]:
         """The step's metrics, the same on every rank (a collective)."""
-        parts = gather_all((self.sums, self.weights))
+        parts = gather_all((self._host_sums(), self.weights))
         out: dict[str, float] = {}
         for key in sorted({k for sums, _ in parts for k in sums}):
             values = [sums[key] for sums, _ in parts if key in sums]
@@ -107,7 +124,11 @@ def build_experience(groups: list[Group], cfg: MoltConfig, models: Models, world
     if models.reference is not None:
         ref = models.reference
         exp.base_log_probs = rows_forward(
-            lambda mb: policy_logprobs(ref, mb, temp, act.logprob_chunk, images)[0], exp, rows, *shape, world
+            lambda mb: policy_logprobs(ref, mb, temp, act.logprob_chunk, act.logprob_kernel, images=images)[0],
+            exp,
+            rows,
+            *shape,
+            world,
         )
     if models.critic is not None:
         critic = models.critic.model
@@ -118,12 +139,13 @@ def build_experience(groups: list[Group], cfg: MoltConfig, models: Models, world
 def optimizer_step(part: Trainable, max_norm: float) -> float:
     """Clip the global gradient norm, step, zero the gradients; returns the norm before clipping."""
     params = [p for p in part.model.parameters() if p.requires_grad]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    if on_several_meshes(params):  # expert parallelism: experts and the rest are on two meshes
+        norm = float(clip_grad_norm_meshes(params, max_norm))
+    else:
+        norm = clip_grad_norm(params, max_norm)
     part.optimizer.step()
     part.optimizer.zero_grad(set_to_none=True)
-    return float(norm)
+    return norm
 
 
 def _updates(exp: Experience, cfg: MoltConfig, world: World, epochs: int, pack_tokens: int | None):
@@ -142,15 +164,21 @@ def update_policy(exp: Experience, cfg: MoltConfig, models: Models, world: World
     part, alg, act = models.policy, cfg.algorithm, cfg.actor
     norms = []
     for mbs, count in _updates(exp, cfg, world, act.ppo_epochs, models.pack_tokens):
-        for mb in mbs:
-            mb = mb.to(world.device)
-            logp, ent = policy_logprobs(part.model, mb, cfg.rollout.temperature, act.logprob_chunk, models.images)
-            loss, metrics = policy_loss(
-                logp, mb.action_log_probs, mb.advantages, mb.action_mask, alg, count,
-                seq_index=mb.seq_index, n_samples=exp.num_samples, base_log_probs=mb.base_log_probs, entropy=ent,
-            )  # fmt: skip
-            (loss * world.dp_size).backward()
-            meter.add({**metrics, "loss": loss.detach()}, _reported_tokens(mb, world))
+        for host_mb in mbs:
+            mb = host_mb.to(world.device)
+            with models.moe.micro_batch(mb) if models.moe else contextlib.nullcontext():
+                logp, ent = policy_logprobs(
+                    part.model, mb, cfg.rollout.temperature, act.logprob_chunk, act.logprob_kernel,
+                    images=models.images,
+                )  # fmt: skip
+                loss, metrics = policy_loss(
+                    logp, mb.action_log_probs, mb.advantages, mb.action_mask, alg, count,
+                    seq_index=mb.seq_index, n_samples=exp.num_samples, base_log_probs=mb.base_log_probs, entropy=ent,
+                )  # fmt: skip
+                if models.moe:  # MoE aux losses, weighted like the policy loss (a share of the global tokens)
+                    loss = loss + models.moe.aux_loss(int(mb.action_mask.sum()) / count)
+                (loss * world.dp_size).backward()
+            meter.add({**metrics, "loss": loss.detach()}, _reported_tokens(host_mb, world))
         norms.append(optimizer_step(part, act.grad_clip))
         meter.update("policy")
     return norms
@@ -162,20 +190,20 @@ def update_critic(exp: Experience, cfg: MoltConfig, models: Models, world: World
     assert part is not None and exp.values is not None and exp.returns is not None
     norms = []
     for mbs, count in _updates(exp, cfg, world, cfg.actor.critic_epochs, models.pack_tokens):
-        for mb in mbs:
-            mb = mb.to(world.device)
+        for host_mb in mbs:
+            mb = host_mb.to(world.device)
             values = critic_values(part.model, mb)
             loss, metrics = value_loss(values, mb.values, mb.returns, mb.action_mask, count, alg.value_clip)
             (loss * alg.value_coef * world.dp_size).backward()
-            meter.add({**metrics, "value_loss": loss.detach()}, _reported_tokens(mb, world))
+            meter.add({**metrics, "value_loss": loss.detach()}, _reported_tokens(host_mb, world))
         norms.append(optimizer_step(part, cfg.actor.grad_clip))
         meter.update("value")
     return norms
 
 
 def _reported_tokens(mb: Experience, world: World) -> int:
-    """Action tokens a micro-batch's metrics weigh; 0 (not reported) on all but one rank of a CP group,
-    whose ranks computed the same loss."""
+    """Action tokens a micro-batch's metrics weigh (read from its host copy: no device sync); 0 (not
+    reported) on all but one rank of a CP group, whose ranks computed the same loss."""
     return int(mb.action_mask.sum()) if world.cp_rank == 0 else 0
 
 
@@ -196,6 +224,8 @@ def train_step(groups: list[Group], cfg: MoltConfig, models: Models, world: Worl
             out["lr" if part is models.policy else "critic_lr"] = part.optimizer.param_groups[0]["lr"]
             part.scheduler.step()
     out.update(batch_metrics(exp))
+    if models.moe:
+        out.update(models.moe.step_metrics(exp))
     if "kl" not in out and exp.base_log_probs is not None:  # the KL went into the reward: report the rollout's
         kl = kl_estimate(exp.action_log_probs, exp.base_log_probs, cfg.algorithm.kl_estimator)
         out["kl"] = float(kl[exp.action_mask].mean()) if exp.num_action_tokens else 0.0

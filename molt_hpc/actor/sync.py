@@ -5,11 +5,14 @@ registrations (by url and pid: a restarted engine is a new member); when they ch
 once, so a new engine never serves stale weights. A refit forms the group with the registered
 engines that answer `/health` (a killed engine's file stays behind, and a group waits for every
 member), re-forming it whenever that set changed; a failed push is retried after `RETRY_S`, since
-the engines stay paused until a complete one. Every rank takes part in each gather; only rank 0
-sends, through `RefitSender`.
+the engines stay paused until a complete one. A refit that cannot work as configured (NCCL between
+two ranks of one GPU, ...) stops the run at once, and refits that keep failing stop it once they
+have failed for `refit.timeout_s`: one line with the cause and the fix (`RefitFailed`), never an
+endless retry. Every rank takes part in each gather; only rank 0 sends, through `RefitSender`.
 """
 
 import json
+import re
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -18,16 +21,39 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from molt_hpc.actor.expert_gather import refit_metas, refit_tensors
 from molt_hpc.actor.weights import full_tensor
 from molt_hpc.actor.world import World, share
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import get_logger
-from molt_hpc.refit.buckets import TensorMeta, dtype_name
 from molt_hpc.rundir import RunDir
 
 RETRY_S = 5.0
 Engine = tuple[int, str, int]
 """(index, url, pid) of one registered engine."""
+
+
+class RefitFailed(ValueError):
+    """The refit cannot succeed: the run stops (a `ValueError`: one line and exit code 2)."""
+
+
+def refit_fix(error: str, cfg: MoltConfig) -> str:
+    """What to change for a refit failing with `error` (a best guess from its text)."""
+    if "Duplicate GPU" in error:
+        return "trainer rank 0 and an engine share a GPU, which NCCL refuses: set refit.backend = 'auto' (CUDA IPC)"
+    if "does not have" in error or "shape mismatch" in error:
+        return "the engines serve another model than the trainer trains: give both the same model.path"
+    if "init_weight_transfer_engine" in error or "did not form" in error:
+        return (
+            f"the engines could not join the refit group at refit.host = {cfg.refit.host!r}: set it to an address "
+            "of trainer rank 0's node that the engine nodes reach (and check that no firewall blocks its port)"
+        )
+    return "see the engines' logs (logs/engine-*.log) for why they fail"
+
+
+def one_line(text: str, limit: int = 600) -> str:
+    text = re.sub(r"\s+", " ", text).strip()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def registered_engines(run: RunDir) -> list[Engine]:
@@ -63,6 +89,10 @@ class EngineSync:
         self.seen: list[Engine] = []
         self.connected: list[Engine] = []
         self.retry_at: float | None = None
+        self.failing_since: float | None = None
+        """When the first of the refits failing in a row started (rank 0)."""
+        self.timeout_s = cfg.refit.timeout_s
+        self.cfg = cfg
         self.sender = None
         if world.is_main and cfg.engines.kind == "vllm":
             from molt_hpc.refit.vllm_sender import VllmRefitSender
@@ -92,7 +122,8 @@ class EngineSync:
         """Push `model`'s full weights as `version` to every live registered engine (a collective).
 
         Returns the seconds it took, or None when no engine answers or the push failed (then
-        `wants_refit` asks for another try after `RETRY_S`).
+        `wants_refit` asks for another try after `RETRY_S`). Raises `RefitFailed` on every rank when
+        the refit cannot succeed.
         """
         engines = share(self._live_engines() if self.world.is_main else None)
         if not engines:
@@ -102,30 +133,47 @@ class EngineSync:
         # bytes on the link); a world of one hands its fp32 weights over as they are and the sender casts
         # them while packing (one pass instead of two).
         dtype = self.dtype if self.world.size > 1 else None
-        tensors = ((name, full_tensor(p.detach(), dtype)[0]) for name, p in model.named_parameters())
-        ok = True
+        tensors = refit_tensors(model, dtype, lambda p, d: full_tensor(p, d)[0])  # EP experts: per expert
+        ok, fatal = True, None
         if self.sender is not None:
-            ok = self._push(engines, model, tensors, version)
+            try:
+                ok = self._push(engines, model, tensors, version)
+            except RefitFailed as err:
+                ok, fatal = False, str(err)
         for _ in tensors:  # the other ranks (and rank 0 after a failed push) finish every gather
             pass
-        ok = share(ok)
+        ok, fatal = share((ok, fatal))
+        if fatal is not None:
+            raise RefitFailed(fatal)
         return time.perf_counter() - t0 if ok else None
 
     def _push(self, engines: list[Engine], model: nn.Module, tensors, version: int) -> bool:
         assert self.sender is not None
-        metas = [TensorMeta(n, dtype_name(self.dtype), tuple(p.shape)) for n, p in model.named_parameters()]
+        metas = refit_metas(model, self.dtype)
+        started = time.monotonic()
         try:
             if engines != self.connected:
                 self.connected = []
                 self.sender.connect([url for _, url, _ in engines])
                 self.connected = engines
             self.sender.push(tensors, version, metas=metas)
-        except (RuntimeError, OSError, ValueError) as err:  # an engine died or refused: form a new group soon
-            get_logger().warning("refit v%d failed; retrying in %.0f s: %s", version, RETRY_S, err)
+        except ValueError as err:  # cannot work as configured: no retry can help
             self.connected = []
+            raise RefitFailed(f"refit v{version} cannot succeed: {one_line(str(err))}") from None
+        except (RuntimeError, OSError) as err:  # an engine died, restarts or refused: form a new group soon
+            self.connected = []
+            self.failing_since = self.failing_since or started
+            failing = time.monotonic() - self.failing_since
+            if failing >= self.timeout_s:
+                raise RefitFailed(
+                    f"refits have failed for {failing:.0f} s (refit.timeout_s = {self.timeout_s:.0f}); last error: "
+                    f"{one_line(str(err))} -- fix: {refit_fix(str(err), self.cfg)}"
+                ) from None
+            get_logger().warning("refit v%d failed; retrying in %.0f s: %s", version, RETRY_S, err)
             self.retry_at = time.monotonic() + RETRY_S
             return False
         self.retry_at = None
+        self.failing_since = None
         return True
 
     def close(self) -> None:

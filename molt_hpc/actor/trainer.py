@@ -12,23 +12,25 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from molt_hpc import checkpoint as ck
 from molt_hpc.actor import build, state
 from molt_hpc.actor.control import Control, Requests
 from molt_hpc.actor.feed import Feed, staleness_histogram
 from molt_hpc.actor.memory import StepMemory
+from molt_hpc.actor.moe_router import MoeRouting
 from molt_hpc.actor.packing import sequence_layout
 from molt_hpc.actor.step import Models, train_step
 from molt_hpc.actor.sync import EngineSync
 from molt_hpc.actor.vision import ImageInputs
-from molt_hpc.actor.world import World, init_world, share
+from molt_hpc.actor.world import World, close_world, init_world, share
+from molt_hpc.algorithm.logprob_kernels import check_kernel
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import MetricsWriter, get_logger, setup_logging, step_line
 from molt_hpc.models import resolve_model
 from molt_hpc.models.sharded import meta_model
 from molt_hpc.rundir import RunDir
+from molt_hpc.trajectory import finished_reward
 from molt_hpc.vision.processor import Vision, is_vision_model
 
 
@@ -76,6 +78,7 @@ class Trainer:
     def __init__(self, cfg: MoltConfig, run: RunDir, world: World, resume: bool):
         self.cfg, self.rundir, self.world = cfg, run, world
         self.log = get_logger()
+        check_kernel(cfg.actor.logprob_kernel, world.device)  # before minutes of loading
         self.base = _shared(lambda: resolve_model(cfg.model, run.models), world)
         ckpt = _shared(lambda: resume_point(cfg, run, self.base, resume), world)
         random.seed(cfg.run.seed)
@@ -121,7 +124,8 @@ class Trainer:
             f"{cfg.actor.micro_batch_size} padded rows", cfg.actor.cp,
         )  # fmt: skip
         policy = build.load_model(src, cfg, world, "policy", documents=docs)
-        models = Models(policy=self._trainable("policy", policy, cfg.actor.lr), pack_tokens=pack_tokens)
+        moe = MoeRouting.for_policy(policy, cfg)  # replay, aux losses and routing metrics of an MoE policy
+        models = Models(policy=self._trainable("policy", policy, cfg.actor.lr), pack_tokens=pack_tokens, moe=moe)
         if is_vision_model(self.base):  # pixel values from the base directory's image processor
             models.images = ImageInputs(Vision(self.base))
         if cfg.algorithm.uses_reference:
@@ -162,6 +166,12 @@ class Trainer:
         if req.refit and not req.stop:
             self.refit()
 
+    def close(self) -> None:
+        """Close what this rank opened: the refit sender (its engine connections and TCPStore), metrics."""
+        self.sync.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
     def run(self) -> int:
         cfg = self.cfg
         self.refit()
@@ -189,17 +199,26 @@ class Trainer:
         self.memory.start()
         metrics = train_step(groups, cfg, self.models, self.world, self.pad_id)
         step_s = time.perf_counter() - t0
+        # `reward`: every finished sample the batch reports (dynamic sampling's dropped ones included);
+        # `reward_trained`: the samples this step trained on.
+        metrics["reward_trained"] = metrics.pop("reward")
+        metrics["reward"] = finished_reward(groups)
         self.step += 1
         self.feed.record(groups)
         self.feed.heartbeat()
         self.refit_s = None
         if self.step % cfg.refit.interval == 0:
             self.refit()
+        checkpoint_s = None
         if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+            t1 = time.perf_counter()
             self.checkpoint()
+            checkpoint_s = time.perf_counter() - t1
+        # A step's wall time is wait_s (for rollouts) + step_s (training) + refit_s + checkpoint_s.
         record = {
             "step": self.step, "version": self.version, **metrics, "staleness": staleness, "refit_s": self.refit_s,
-            "step_s": step_s, "wait_s": wait_s, "tokens_per_s": metrics["tokens"] / step_s, **self.feed.stats(),
+            "step_s": step_s, "wait_s": wait_s, "checkpoint_s": checkpoint_s,
+            "tokens_per_s": metrics["tokens"] / step_s, **self.feed.stats(),
             **self.memory.peaks(),  # of the whole iteration: update, refit and checkpoint when they ran
         }  # fmt: skip
         if self.metrics is not None:
@@ -208,16 +227,25 @@ class Trainer:
 
 
 def main(cfg: MoltConfig, run_dir: str | Path, *, resume: bool = False) -> int:
-    """Train the run in `run_dir` on this rank (torchrun starts one per rank); returns the exit code."""
+    """Train the run in `run_dir` on this rank (torchrun starts one per rank); returns the exit code.
+
+    The shutdown is ordered: the refit sender's connections and store close, the metrics file closes,
+    every rank meets at a barrier (a clean end only), then the process groups are destroyed. The
+    entry point then leaves through `end_process`, past the interpreter teardown that torch's own
+    threads do not survive.
+    """
     run = RunDir(Path(run_dir).absolute())
     world = init_world(cfg.actor)
     quiet = not world.is_main and not cfg.logging.all_ranks
     setup_logging(f"actor r{world.rank}", cfg.logging.level, quiet=quiet)
+    trainer = None
+    clean = False
     try:
         trainer = Trainer(cfg, run, world, resume)
         code = trainer.run()
-        trainer.sync.close()
-        dist.barrier()
+        clean = True
         return code
     finally:
-        dist.destroy_process_group()
+        if trainer is not None:
+            trainer.close()
+        close_world(barrier=clean)

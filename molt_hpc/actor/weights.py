@@ -2,7 +2,8 @@
 
 Both the refit and the checkpoint walk the same plan: buckets of whole tensors up to a byte budget,
 in parameter order. Every rank takes part in each gather (it is a collective); only rank 0 keeps the
-result, so at most one bucket of full tensors is ever materialised.
+result, so at most one bucket of full tensors is ever materialised (and expert-parallel experts are
+gathered on rank 0 alone).
 """
 
 from collections.abc import Iterator
@@ -10,6 +11,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from molt_hpc.actor.expert_gather import gather_experts, is_expert_sharded
 
 
 def plan_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None) -> list[list[str]]:
@@ -26,9 +29,14 @@ def plan_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None 
     return [b for b in buckets if b]
 
 
-def full_tensor(p: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, bool]:
+def full_tensor(p: torch.Tensor, dtype: torch.dtype | None = None, device=None) -> tuple[torch.Tensor, bool]:
     """The whole of parameter `p` (gathered from its shards, a collective) at `dtype` if that is narrower,
-    and whether the result is a fresh tensor (False: it shares memory with the parameter)."""
+    and whether the result is a fresh tensor (False: it shares memory with the parameter).
+
+    Expert-parallel experts are whole on rank 0 only (others get an empty tensor), assembled slice by
+    slice on `device` (default: the parameter's): see `expert_gather`."""
+    if is_expert_sharded(p):
+        return gather_experts(p, dtype, device or p.to_local().device), True
     fresh = False
     if isinstance(p, DTensor) and p.device_mesh.size() == 1:
         p = p.to_local()  # a world of one holds the whole tensor: nothing to gather, and plain-tensor ops
@@ -59,7 +67,7 @@ def full_buckets(
     for names in plan:
         out = {}
         for name in names:
-            full, fresh = full_tensor(params[name].detach(), dtype)
+            full, fresh = full_tensor(params[name].detach(), dtype, device)
             if keep:
                 out[name] = full.to(device=device, dtype=dtype or full.dtype, copy=not fresh)
             del full

@@ -108,6 +108,18 @@ def actor_meshes(device_type: str, size: int, cp: int) -> tuple[DeviceMesh, Devi
     return mesh, grid
 
 
+def close_world(barrier: bool = True) -> None:
+    """Destroy every process group of this rank, after a barrier when all ranks end together.
+
+    A rank that fails skips the barrier (its peers may never reach it) and only tears down its own side.
+    """
+    if not dist.is_initialized():
+        return
+    if barrier:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def any_rank(flags: list[bool]) -> list[bool]:
     """Each flag OR-ed over every rank, so all ranks take the same decision."""
     t = torch.tensor([int(f) for f in flags], dtype=torch.int64)
@@ -120,6 +132,15 @@ def sum_ranks(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def max_over_ranks(value: int) -> int:
+    """The largest `value` of any rank (one all-reduce of an int64 on the CPU group, no pickling)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def share(obj: Any, src: int = 0) -> Any:

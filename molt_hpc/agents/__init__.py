@@ -5,16 +5,40 @@ step_runner.py   StepEnvRunner: env mode, token in, trace out
 chat_runner.py   ChatAgentRunner: chat mode through the framework's OpenAI-compatible endpoint
 loader.py        load_agent: the one agent class a file or module declares
 calls.py         calling user code safely; EnvError / EngineError
+env_hosts.py     where env calls run (the runner's interface); the orchestrator's threads
+env_workers.py   ... or worker processes (rollout.env_workers); env_worker.py is that process
 observation.py   an observation as the tokens that follow an action (chat-template glue)
 grading.py       the math grader; arith.py the safe arithmetic evaluator of the calculator env
 shapes.py        the synthetic visual task's images and reward (envs/color*.py)
 """
 
+from typing import TYPE_CHECKING, Any
+
 from molt_hpc.agents.base import ChatAgent, ChatContext, Env, Result, State
 from molt_hpc.agents.calls import EngineError, EnvError
-from molt_hpc.agents.chat_runner import ChatAgentRunner, ChatClient
-from molt_hpc.agents.loader import load_agent
-from molt_hpc.agents.step_runner import StepEnvRunner
+
+if TYPE_CHECKING:
+    from molt_hpc.agents.chat_runner import ChatAgentRunner, ChatClient
+    from molt_hpc.agents.loader import load_agent
+    from molt_hpc.agents.step_runner import StepEnvRunner
+
+# An env file's `from molt_hpc.agents import Env, Result` imports only the API (base, calls): an env
+# worker process starts in a fraction of a second. The runners (aiohttp, the config tree) load on use.
+_LAZY = {
+    "ChatAgentRunner": "chat_runner",
+    "ChatClient": "chat_runner",
+    "load_agent": "loader",
+    "StepEnvRunner": "step_runner",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+
 
 __all__ = [
     "ChatAgent",

@@ -1,16 +1,37 @@
 """The user-facing agent API: `Env` (the framework owns the loop), `ChatAgent` (the user owns it).
 
 Env mode: one `Env` instance per episode (it may keep per-episode state on `self`).
-`reset(state)` may return the first observation (text or chat messages) to use instead of the
-dataset's prompt; `step(state)` scores `state.action_text` and returns a `Result`. The runner in
-`molt_hpc.agents.step_runner` drives it, token in, trace out.
+`reset(state)` may return the first observation (text, chat messages, or `{"observation": ...}`)
+to use instead of the dataset's prompt; `step(state)` scores `state.action_text` and returns a
+`Result`. Both may be plain methods or coroutines. `State` reads as attributes or as a mapping
+(`state["action_text"]`, `state.get("label")`, `state["observation_text"]`,
+`state["sampling_params"]`), and `Result.reward` takes a number, a 0-d tensor or a numpy scalar,
+so envs written for Molt run unchanged. The runner in `molt_hpc.agents.step_runner` drives it,
+token in, trace out.
 
 Chat mode: a `ChatAgent` gets a `ChatContext` (an OpenAI-compatible endpoint with its session
 already bound) and returns its reward (a float or a `Result`). See `molt_hpc.agents.chat_runner`.
 """
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from molt_hpc.agents.calls import EnvError
+
+
+def as_reward(value: Any, what: str = "Result.reward") -> float:
+    """A step's reward as a float: a number, a 0-d tensor or a numpy scalar; anything else, or NaN or an
+    infinity, is an `EnvError` that fails only this sample."""
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0 and getattr(value, "shape", ()) == ():
+        value = value.item()  # torch.tensor(1.0), np.float32(1.0), np.array(1.0)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise EnvError(
+            "api", f"{what} must be a number, a 0-d tensor or a numpy scalar, got {type(value).__name__}: {value!r}"
+        )
+    if not math.isfinite(value):
+        raise EnvError("api", f"{what} is {value}: return a finite number")
+    return float(value)
 
 
 @dataclass
@@ -38,9 +59,9 @@ class Result:
     mark in its text); a text observation without any gets them in front of its text."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.reward, int | float) or isinstance(self.reward, bool):
-            raise ValueError(f"Result.reward must be a number, got {type(self.reward).__name__}")
-        self.reward = float(self.reward)
+        self.reward = as_reward(self.reward)
+        if self.score is not None:
+            self.score = as_reward(self.score, "Result.score")
 
 
 @dataclass
@@ -65,13 +86,34 @@ class State:
     """Turns so far as chat messages: `{"role": "assistant", "content": action}` and the observations."""
     sampling_params: dict[str, Any] = field(default_factory=dict)
     """Sampling params the latest action was generated with."""
+    observation_text: str = ""
+    """What the latest action answered, decoded: the first prompt and every turn before the action."""
+
+    # Mapping access, as Molt's envs read their state: `state["action_text"]`, `state.get("label")`.
+    def __getitem__(self, key: str) -> Any:
+        if key not in _STATE_KEYS:
+            raise KeyError(f"State has no {key!r}; its keys are {', '.join(sorted(_STATE_KEYS))}")
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in _STATE_KEYS else default
+
+    def __contains__(self, key: object) -> bool:
+        return key in _STATE_KEYS
+
+    def keys(self) -> list[str]:
+        return [f.name for f in fields(self)]
+
+
+_STATE_KEYS = frozenset(f.name for f in fields(State))
 
 
 class Env:
     """Base class of an environment; subclass it and override `step` (and `reset` if needed)."""
 
-    def reset(self, state: State) -> str | list[dict[str, Any]] | None:
-        """The first observation; None keeps the dataset's prompt (already tokenised)."""
+    def reset(self, state: State) -> str | list[dict[str, Any]] | dict[str, Any] | None:
+        """The first observation (text, chat messages, or `{"observation": ...}`); None keeps the
+        dataset's prompt (already tokenised). May be a coroutine, like `step`."""
         return None
 
     def step(self, state: State) -> Result:

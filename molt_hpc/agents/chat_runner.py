@@ -119,8 +119,8 @@ class ChatAgentRunner:
             calls, failure = self.server.take(session_id)
         if failure is not None:
             raise EngineError(failure)  # the agent saw a failed call: its episode is not what the policy did
-        if isinstance(result, int | float) and not isinstance(result, bool):
-            result = Result(reward=float(result))
+        if not isinstance(result, Result | str | list | dict | type(None)):  # a number, tensor or numpy scalar
+            result = Result(reward=result)
         if not isinstance(result, Result):
             raise EnvError("api", f"ChatAgent.run returned {type(result).__name__}; return a float or a Result")
         if not calls:

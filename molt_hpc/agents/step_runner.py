@@ -11,6 +11,9 @@ generate call sends them all beside the tokens. An action holding a vision token
 model generated) ends the episode at once, flagged `media_token_in_action`: the trainer drops it.
 The trajectory's reward is the sum of the step rewards; its score is the last step's explicit score,
 else that reward.
+
+The env is reached through an env host (`molt_hpc.agents.env_hosts`): the orchestrator's threads by
+default, or worker processes (`rollout.env_workers`) when the caller passes an `EnvWorkerPool`.
 """
 
 import asyncio
@@ -19,8 +22,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from molt_hpc.agents.base import Env, Result, State
-from molt_hpc.agents.calls import EngineError, EnvError, call_user
+from molt_hpc.agents.calls import EngineError, EnvError
+from molt_hpc.agents.env_hosts import EnvHost, Episode, InProcessEnvs
 from molt_hpc.agents.observation import ObservationFormatter
+from molt_hpc.agents.routing import RoutingTrace
 from molt_hpc.config.rollout import RolloutConfig
 from molt_hpc.data import Prompt, render_prompt, render_prompt_images
 from molt_hpc.trajectory import TraceImage, Trajectory
@@ -62,6 +67,8 @@ class StepEnvRunner:
         apply_chat_template: bool = True,
         system_prompt: str | None = None,
         seed: int = 0,
+        routed_experts: bool = False,
+        envs: EnvHost | None = None,
         vision: Any = None,
     ):
         self.env_cls = env_cls
@@ -71,6 +78,11 @@ class StepEnvRunner:
         self.apply_chat_template = apply_chat_template
         self.system_prompt = system_prompt
         self.seed = seed
+        self.routed_experts = routed_experts
+        """Keep the engine's MoE routing of every token (router replay; see `agents/routing.py`)."""
+        self.envs = envs if envs is not None else InProcessEnvs(env_cls, cfg.env_timeout_s)
+        """Where the env's construction, reset and step run."""
+        self.default_reset = getattr(env_cls, "reset", None) is Env.reset
         self.vision = vision
         """The model's `molt_hpc.vision.processor.Vision` (None: a text model; images are refused)."""
         self.observations = ObservationFormatter(tokenizer, apply_chat_template)
@@ -85,16 +97,39 @@ class StepEnvRunner:
         session_id: str | None = None,
         overrides: dict[str, Any] | None = None,
     ) -> Trajectory:
-        """One episode of `prompt`; raises `EnvError` or `EngineError` when the sample fails."""
-        session_id = session_id or rollout_id
-        timeout = self.cfg.env_timeout_s
-        env = await call_user(self.env_cls, timeout=timeout, what=f"{self.env_cls.__name__}()")
+        """One episode of `prompt`; raises `EnvError`, `EngineError` or `EpisodeLost` when the sample fails."""
         state = State(prompt=prompt.prompt, label=prompt.label, row=dict(prompt.extra))
-        first = await call_user(env.reset, state, timeout=timeout, what="Env.reset")
+        episode = await self.envs.open(state)
+        # An env that keeps `Env.reset` gets None from it: the first turn need not wait while the env is
+        # built (in an env worker, a round trip).
+        early = asyncio.ensure_future(episode.reset(state)) if self.default_reset else None
+        try:
+            ids = (rollout_id, group_id, session_id or rollout_id)
+            return await self._play(episode, state, prompt, ids, overrides, early)
+        finally:
+            if early is not None and not early.done():
+                early.cancel()
+            if early is not None:
+                early.add_done_callback(_retrieve)  # its error, if any, was raised by _play or is moot
+            episode.close()
+
+    async def _play(
+        self,
+        episode: Episode,
+        state: State,
+        prompt: Prompt,
+        ids: tuple[str, str, str],
+        overrides: dict[str, Any] | None,
+        early: "asyncio.Future | None",
+    ) -> Trajectory:
+        rollout_id, group_id, session_id = ids
+        first = await episode.reset(state) if early is None else None
+        first, reset_params = _unpack_reset(first)
         trace = _Trace(list(prompt.token_ids), list(prompt.images))
         if first is not None:
             trace = _Trace(*self._render_first(first, prompt))
-        params = {**self.base_params, **(overrides or {})}
+        routing = RoutingTrace() if self.routed_experts else None
+        params = {**self.base_params, **(overrides or {}), **reset_params}
         reward, score, info, finish = 0.0, None, {}, "stop"
         for turn in range(self.cfg.max_turns):
             budget = self.cfg.max_total_tokens - len(trace.tokens)
@@ -103,17 +138,25 @@ class StepEnvRunner:
                 break
             sp = {**params, "max_tokens": max(1, min(int(params["max_tokens"]), self.cfg.max_new_tokens, budget))}
             sp.setdefault("seed", turn_seed(rollout_id, turn, self.seed))
+            asked = sp if routing is None else {**sp, "routed_experts_prompt_start": routing.have}
             images = {"images": list(trace.images)} if trace.images else {}
-            out = await self.generate(trace.tokens, sp, session_id, **images)
+            out = await self.generate(trace.tokens, asked, session_id, **images)
             if out.finish_reason == "abort":
                 raise EngineError("the engine aborted the request")
+            if routing is not None:
+                routing.add(getattr(out, "routed_experts", None), len(trace.tokens), len(out.token_ids))
+            context = len(trace.tokens)
             trace.add_action(out)
             finish = out.finish_reason
             if self.vision is not None and not self.vision.spec.media_token_ids.isdisjoint(out.token_ids):
                 info["media_token_in_action"] = 1.0  # its features do not exist: the trainer drops the sample
                 break
             _update_state(state, self.tokenizer, out, turn, sp)
-            result = await call_user(env.step, state, timeout=timeout, what="Env.step")
+            state.observation_text = self.tokenizer.decode(trace.tokens[:context], skip_special_tokens=True)
+            if early is not None:  # the env must exist (and its construction have worked) before its first step
+                await early
+                early = None
+            result = await episode.step(state)
             if not isinstance(result, Result):
                 raise EnvError("api", f"Env.step returned {type(result).__name__}, not a Result")
             reward += result.reward
@@ -150,6 +193,7 @@ class StepEnvRunner:
             info=info,
             group_id=group_id,
             rollout_id=rollout_id,
+            routed_experts=None if routing is None else routing.rows(len(trace.tokens)),
             images=trace.images,
         )
 
@@ -215,6 +259,11 @@ class _Trace:
         self.versions += [int(v) for v in out.weight_versions]
 
 
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 def _update_state(state: State, tokenizer: Any, out: Any, turn: int, params: dict[str, Any]) -> None:
     state.action_ids = list(out.token_ids)
     state.action_text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
@@ -222,6 +271,23 @@ def _update_state(state: State, tokenizer: Any, out: Any, turn: int, params: dic
     state.turn = turn
     state.sampling_params = dict(params)
     state.history.append({"role": "assistant", "content": state.action_text})
+
+
+RESET_KEYS = ("observation", "sampling_params")
+
+
+def _unpack_reset(first: Any) -> tuple[Any, dict[str, Any]]:
+    """`Env.reset`'s answer as (first observation or None, sampling-param overrides): text, chat
+    messages and None as they are; a dict (Molt's style) as `{"observation": ..., "sampling_params": ...}`."""
+    if not isinstance(first, dict):
+        return first, {}
+    unknown = sorted(set(first) - set(RESET_KEYS))
+    if unknown:
+        raise EnvError("api", f"Env.reset returned a dict with {unknown}; its keys are {', '.join(RESET_KEYS)}")
+    params = first.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise EnvError("api", f"Env.reset's sampling_params is {type(params).__name__}, not a dict")
+    return first.get("observation"), dict(params)
 
 
 def _as_message(observation: str | dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -88,15 +89,17 @@ class Experience:
     returns: Tensor | None = None
     """`[B, T]`: per-token returns (critic targets for GAE)."""
     routed_experts: Tensor | None = None
-    """`[B, T, layers, top_k]` int64 (MoE router replay), -1 on padding."""
+    """`[B, T, layers, top_k]` int16 (MoE router replay): the engine's experts of each token, -1 where
+    unknown (padding, a sample without routing, the last token of each sample)."""
     rope_position_ids: Tensor | None = None
     """`[B, T, 3]` int64 (vision-language models): multimodal (time, height, width) positions, restarting
     per sample like `position_ids`, which they equal on every axis outside images."""
     images: list[list[TraceImage]] | None = None
     """`[N]` (vision-language models): each sample's images, in the order of their tokens."""
     stats: dict[str, int] = field(default_factory=dict)
-    """Assembly counts: samples, rows, truncated_samples, dropped_action_tokens, empty_samples; with images
-    also vlm_truncation and media_token (samples dropped for each reason)."""
+    """Assembly counts: samples, rows, truncated_samples, dropped_action_tokens, empty_samples, and
+    unrouted_samples (samples without routing in a batch that has some); with images also vlm_truncation
+    and media_token (samples dropped for each reason)."""
 
     @property
     def num_samples(self) -> int:
@@ -135,7 +138,7 @@ class _Kept:
     ranges: list[tuple[int, int]]
     logprobs: list[float]
     versions: list[int]
-    routed: list | None
+    routed: np.ndarray | None
     dropped: int
     images: list[TraceImage] = field(default_factory=list)
     why_dropped: str | None = None
@@ -197,15 +200,12 @@ def _check_inputs(trajectories: Sequence[Trajectory], max_len: int, group_index:
                 f"trajectory {n} ({t.rollout_id!r}) starts with an action at token 0: nothing predicts it; "
                 "every trajectory needs a prompt of at least one token"
             )
-    with_routes = {t.routed_experts is not None for t in trajectories}
-    if len(with_routes) > 1:
-        raise ValueError("some trajectories carry routed_experts and some do not; router replay needs all or none")
-    for n, t in enumerate(trajectories):
-        if t.routed_experts is not None and len(t.routed_experts) != len(t.tokens):
-            raise ValueError(
-                f"trajectory {n}: routed_experts has {len(t.routed_experts)} entries, tokens has "
-                f"{len(t.tokens)}; the engine must return one routing per token"
-            )
+    shapes = {t.routed_experts.shape[1:] for t in trajectories if t.routed_experts is not None}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"the trajectories' routed experts differ in [layers, top_k]: {sorted(shapes)}; every engine must "
+            "serve the trained model"
+        )
 
 
 def _group_indices(trajectories: Sequence[Trajectory]) -> list[int]:
@@ -272,14 +272,15 @@ def make_experience(
             "dropped_action_tokens": sum(k.dropped for k in kept),
             "empty_samples": sum(1 for k in kept if not k.ranges),
             **vlm,
+            "unrouted_samples": 0 if buf.routed_experts is None else sum(1 for k in kept if k.routed is None),
         },
     )
 
 
 def _routed_shape(kept: list[_Kept]) -> tuple[int, int] | None:
     """(layers, top_k) of the routed experts, or None without router replay."""
-    first = next((k.routed for k in kept if k.routed), None)
-    return None if first is None else (len(first[0]), len(first[0][0]))
+    first = next((k.routed for k in kept if k.routed is not None), None)
+    return None if first is None else tuple(first.shape[1:])
 
 
 @dataclass
@@ -303,7 +304,7 @@ class _Rows:
             action_mask=torch.zeros((b, t), dtype=torch.bool),
             action_log_probs=torch.zeros((b, t), dtype=torch.float32),
             versions=torch.full((b, t), -1, dtype=torch.long),
-            routed_experts=None if routed is None else torch.full((b, t, *routed), -1, dtype=torch.long),
+            routed_experts=None if routed is None else torch.full((b, t, *routed), -1, dtype=torch.int16),
         )
 
     def place(self, r: int, off: int, i: int, k: _Kept) -> None:
@@ -312,8 +313,8 @@ class _Rows:
         self.sequences[r, off : off + n] = _longs(k.tokens)
         self.position_ids[r, off : off + n] = torch.arange(n)
         self.seq_index[r, off : off + n] = i
-        if self.routed_experts is not None:
-            self.routed_experts[r, off : off + n] = torch.tensor(k.routed, dtype=torch.long)
+        if self.routed_experts is not None and k.routed is not None:
+            self.routed_experts[r, off : off + n] = torch.from_numpy(k.routed)
         a = 0
         for start, end in k.ranges:
             span = slice(off + start, off + end)

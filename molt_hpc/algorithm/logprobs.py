@@ -2,10 +2,13 @@
 
 `token_logprobs(hidden, lm_head_weight, sequences)` takes the model's last hidden states and the LM
 head weight; `logprobs_from_logits(logits, sequences)` takes logits the model already produced (bf16,
-say). Both work `chunk` token positions at a time: the fp32 logits of one chunk (`[chunk, V]`) are
-the only vocabulary-sized temporary, in the forward *and* the backward pass (a custom autograd
-function recomputes each chunk's logits in backward instead of saving them). The distribution is
-the sampling one, `softmax(logits / temperature)`, as the engines report it.
+say); `target_logprobs` / `target_token_logprobs` take the targets instead of shifting (a CP slice or
+packed rows). All work `chunk` token positions at a time: the logits of one chunk (`[chunk, V]`, and
+its fp32 temporaries under the `torch` kernel) are the only vocabulary-sized tensors, in the forward
+*and* the backward pass (a custom autograd function recomputes each chunk's logits in backward instead
+of saving them, and accumulates the LM head's gradient chunk by chunk in fp32). Entropy comes from the
+same pass. The per-chunk math has three implementations (`logprob_kernels.py`: torch, compile,
+triton). The distribution is the sampling one, `softmax(logits / temperature)`, as the engines report it.
 
 Alignment (see `experience.py`): the output is `[B, T]` at the token's own index — `logp[b, t]` is
 log p(sequences[b, t] | hidden[b, t-1]) — and column 0, which nothing predicts, is 0. With
@@ -17,55 +20,24 @@ next: that token is a prompt token, never an action, so it is never used.
 import torch
 from torch import Tensor
 
-
-def _chunk_forward(z: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(log p(target), logsumexp, E_p[z]) of fp32 logits `z [n, V]`, which it may overwrite.
-
-    One fused softmax gives p; lse = max - log p(argmax) + log sum(p) (p(argmax) >= 1/V never
-    underflows), so no separate logsumexp pass is needed. Entropy is lse - E_p[z]."""
-    top, arg = z.max(-1, keepdim=True)
-    p = torch.softmax(z, -1)
-    # softmax's own normaliser is summed less accurately than torch.sum on CPU: divide it out
-    total = p.sum(-1)
-    lse = (top - p.gather(1, arg).log_()).squeeze(1) + total.log()
-    logp = z.gather(1, targets[:, None]).squeeze(1) - lse
-    mean_z = p.mul_(z).sum(-1).div_(total)
-    return logp, lse, mean_z
-
-
-def _chunk_grad(
-    z: Tensor, lse: Tensor, mean_z: Tensor, targets: Tensor, gl: Tensor | None, ge: Tensor | None, temp: float, out
-) -> Tensor:
-    """d/dx of `gl · log p_y + ge · H` for logits `z = x / temp`, written into `out` (any float dtype).
-
-    d log p_y / dz = onehot(y) - p and dH / dz = -p (z - E_p[z]), so with per-row scalars
-    a = -ge / temp and b = (ge E_p[z] - gl) / temp: dx = p (a z + b) + onehot(y) gl / temp.
-    `z` is overwritten with p; the target column is fixed up in fp32 so `out` is rounded once."""
-    gl = torch.zeros_like(lse) if gl is None else gl.to(z.dtype)
-    b = (-gl if ge is None else ge.to(z.dtype) * mean_z - gl).div_(temp)[:, None]
-    t = b if ge is None else torch.addcmul(b, z, ge.to(z.dtype)[:, None], value=-1.0 / temp)
-    p = z.sub_(lse[:, None]).exp_()
-    torch.mul(p, t, out=out)
-    col = targets[:, None]
-    t_y = t if ge is None else t.gather(1, col)
-    at_y = p.gather(1, col).mul_(t_y).add_(gl[:, None], alpha=1.0 / temp)
-    return out.scatter_(1, col, at_y.to(out.dtype))
+from molt_hpc.algorithm.logprob_kernels import check_kernel, compute_dtype, kernel_fns
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     """(log p(target), entropy) for rows `source[idx]`: hidden states (with `weight`) or logits."""
 
     @staticmethod
-    def forward(ctx, source, weight, idx, targets, temperature, chunk):
-        n, dtype = idx.shape[0], _compute_dtype(source, weight)
+    def forward(ctx, source, weight, idx, targets, temperature, chunk, kernel):
+        n, dtype = idx.shape[0], compute_dtype((source if weight is None else weight).dtype)
+        stats, _ = kernel_fns(kernel, dtype)
         logp, lse, mean_z = (torch.empty(n, dtype=dtype, device=source.device) for _ in range(3))
         spans = _spans(idx, chunk)
         for s, rows in spans:
-            z = _chunk_logits(source, weight, rows, temperature)
-            part = slice(s, s + z.shape[0])
-            logp[part], lse[part], mean_z[part] = _chunk_forward(z, targets[part])
+            raw = _chunk_raw(source, weight, rows)
+            part = slice(s, s + raw.shape[0])
+            logp[part], lse[part], mean_z[part] = stats(raw, targets[part], temperature)
         ctx.save_for_backward(source, weight, targets, lse, mean_z)
-        ctx.temperature, ctx.spans = temperature, spans
+        ctx.temperature, ctx.spans, ctx.kernel = temperature, spans, kernel
         ctx.set_materialize_grads(False)
         return logp, lse - mean_z
 
@@ -73,35 +45,37 @@ class _ChunkedLogProbs(torch.autograd.Function):
     def backward(ctx, g_logp, g_ent):
         source, weight, targets, lse, mean_z = ctx.saved_tensors
         temperature = ctx.temperature
+        _, grad_fn = kernel_fns(ctx.kernel, lse.dtype)
         grad_src = torch.zeros_like(source) if ctx.needs_input_grad[0] else None
         grad_w = None
         if weight is not None and ctx.needs_input_grad[1]:
             grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)  # accumulated in fp32
-        for s, rows in ctx.spans if g_logp is not None or g_ent is not None else []:
-            z = _chunk_logits(source, weight, rows, temperature)
-            part = slice(s, s + z.shape[0])
+        if (g_logp is None and g_ent is None) or (weight is None and grad_src is None):
+            return grad_src, _cast(grad_w, weight), None, None, None, None, None
+        for s, rows in ctx.spans:
+            raw = _chunk_raw(source, weight, rows)  # recomputed: no chunk of logits outlives its pass
+            part = slice(s, s + raw.shape[0])
             gl = None if g_logp is None else g_logp[part]
             ge = None if g_ent is None else g_ent[part]
-            if weight is None and grad_src is None:
-                continue
-            # logits: straight into the gradient when the rows are one slice of it
-            direct = weight is None and isinstance(rows, slice)
-            out = (
-                grad_src[rows]
-                if direct
-                else torch.empty_like(z, dtype=source.dtype if weight is None else weight.dtype)
-            )
-            dz = _chunk_grad(z, lse[part], mean_z[part], targets[part], gl, ge, temperature, out)
             if weight is None:
+                # logits: straight into the gradient when the rows are one slice of it
+                direct = isinstance(rows, slice)
+                out = grad_src[rows] if direct else torch.empty_like(raw)
+                dz = grad_fn(raw, lse[part], mean_z[part], targets[part], gl, ge, temperature, out)
                 if not direct:
                     grad_src[rows] = dz
                 continue
+            # hidden states: the recomputed logits are a scratch chunk the gradient may overwrite
+            dz = grad_fn(raw, lse[part], mean_z[part], targets[part], gl, ge, temperature, raw)
             if grad_src is not None:
                 grad_src[rows] = (dz @ weight).to(source.dtype)
             if grad_w is not None:
                 grad_w += (dz.t() @ source[rows].to(dz.dtype)).to(grad_w.dtype)
-        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
-        return grad_src, grad_w, None, None, None, None
+        return grad_src, _cast(grad_w, weight), None, None, None, None, None
+
+
+def _cast(grad_w: Tensor | None, weight: Tensor | None) -> Tensor | None:
+    return None if grad_w is None else grad_w.to(weight.dtype)
 
 
 def _spans(idx: Tensor, chunk: int) -> list[tuple[int, slice | Tensor]]:
@@ -121,18 +95,11 @@ def _spans(idx: Tensor, chunk: int) -> list[tuple[int, slice | Tensor]]:
     return spans
 
 
-def _compute_dtype(source: Tensor, weight: Tensor | None) -> torch.dtype:
-    """fp32 for bf16/fp16/fp32 models; fp64 stays fp64."""
-    return torch.promote_types((source if weight is None else weight).dtype, torch.float32)
-
-
-def _chunk_logits(source: Tensor, weight: Tensor | None, rows: Tensor, temperature: float) -> Tensor:
-    """fp32 `[len(rows), V]` logits / temperature; the matmul runs in the model's dtype, as its LM head does."""
+def _chunk_raw(source: Tensor, weight: Tensor | None, rows) -> Tensor:
+    """`[len(rows), V]` logits in the model's dtype: the LM head's matmul (as the model's own head runs
+    it) of the rows' hidden states, or the rows of the given logits (a view where `rows` is a slice)."""
     x = source[rows]
-    if weight is not None:
-        x = x.to(weight.dtype) @ weight.t()
-    z = x.to(_compute_dtype(source, weight), copy=True)  # a copy: callers overwrite it
-    return z.div_(temperature) if temperature != 1.0 else z
+    return x if weight is None else x.to(weight.dtype) @ weight.t()
 
 
 def _positions(sequences: Tensor, action_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -145,19 +112,25 @@ def _positions(sequences: Tensor, action_mask: Tensor | None) -> tuple[Tensor, T
     return bi * t + ti, sequences[:, 1:][sel], sel
 
 
-def _check(sequences: Tensor, temperature: float, chunk: int) -> None:
+def _check(sequences: Tensor, temperature: float, chunk: int, kernel: str) -> None:
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk < 1:
         raise ValueError(f"chunk (actor.logprob_chunk) must be >= 1, got {chunk}")
     if sequences.dim() != 2:
         raise ValueError(f"sequences must be [B, T], got shape {tuple(sequences.shape)}")
+    check_kernel(kernel, sequences.device)
 
 
 def _scatter_back(flat: Tensor, sel: Tensor) -> Tensor:
     """`[n]` values of the selected targets -> `[B, T]`, 0 in column 0 and off the selection."""
     out = torch.zeros(sel.shape, dtype=flat.dtype, device=flat.device).masked_scatter(sel, flat)
     return torch.nn.functional.pad(out, (1, 0))
+
+
+def _check_head(hidden: Tensor, weight: Tensor) -> None:
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"lm_head_weight is {tuple(weight.shape)}, hidden size is {hidden.shape[-1]}")
 
 
 def token_logprobs(
@@ -168,19 +141,20 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk: int = 1024,
     action_mask: Tensor | None = None,
+    kernel: str = "torch",
 ) -> tuple[Tensor, Tensor]:
     """(log-prob of each token, entropy of the distribution that predicted it), both `[B, T]` float32.
 
     `hidden [B, T, H]` are the last hidden states (after the final norm), `lm_head_weight [V, H]`;
-    gradients flow to both. An LM head with a bias is not supported (no current model has one).
+    gradients flow to both (the head's accumulated over chunks in fp32). An LM head with a bias is not
+    supported (no current model has one). `kernel`: see `logprob_kernels`.
     """
-    _check(sequences, temperature, chunk)
+    _check(sequences, temperature, chunk, kernel)
     b, t, h = hidden.shape
-    if lm_head_weight.shape[1] != h:
-        raise ValueError(f"lm_head_weight is {tuple(lm_head_weight.shape)}, hidden size is {h}")
+    _check_head(hidden, lm_head_weight)
     idx, targets, sel = _positions(sequences, action_mask)
     flat = hidden.reshape(b * t, h)
-    logp, ent = _ChunkedLogProbs.apply(flat, lm_head_weight, idx, targets, temperature, chunk)
+    logp, ent = _ChunkedLogProbs.apply(flat, lm_head_weight, idx, targets, temperature, chunk, kernel)
     return _scatter_back(logp, sel), _scatter_back(ent, sel)
 
 
@@ -191,13 +165,28 @@ def logprobs_from_logits(
     temperature: float = 1.0,
     chunk: int = 1024,
     action_mask: Tensor | None = None,
+    kernel: str = "torch",
 ) -> tuple[Tensor, Tensor]:
     """As `token_logprobs`, from logits `[B, T, V]` (any dtype; only `chunk` rows at a time go to fp32)."""
-    _check(sequences, temperature, chunk)
+    _check(sequences, temperature, chunk, kernel)
     b, t, v = logits.shape
     idx, targets, sel = _positions(sequences, action_mask)
-    logp, ent = _ChunkedLogProbs.apply(logits.reshape(b * t, v), None, idx, targets, temperature, chunk)
+    logp, ent = _ChunkedLogProbs.apply(logits.reshape(b * t, v), None, idx, targets, temperature, chunk, kernel)
     return _scatter_back(logp, sel), _scatter_back(ent, sel)
+
+
+def _target_rows(targets: Tensor, mask: Tensor | None, shape: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
+    b, s = shape
+    if targets.shape != (b, s):
+        raise ValueError(f"targets are {tuple(targets.shape)}, the model's positions {(b, s)}")
+    sel = torch.ones(b, s, dtype=torch.bool, device=targets.device) if mask is None else mask.to(torch.bool)
+    bi, si = sel.nonzero(as_tuple=True)
+    return bi * s + si, targets[sel], sel
+
+
+def _at_index(sel: Tensor, logp: Tensor, ent: Tensor) -> tuple[Tensor, Tensor]:
+    zeros = torch.zeros(sel.shape, dtype=logp.dtype, device=logp.device)
+    return zeros.masked_scatter(sel, logp), zeros.masked_scatter(sel, ent)
 
 
 def target_logprobs(
@@ -207,16 +196,33 @@ def target_logprobs(
     temperature: float = 1.0,
     chunk: int = 1024,
     mask: Tensor | None = None,
+    kernel: str = "torch",
 ) -> tuple[Tensor, Tensor]:
     """As `logprobs_from_logits`, with the targets given instead of shifted: `[B, S]` log p(targets[b, j]
     | logits[b, j]) and the entropy of that distribution, at the logits' index (0 off `mask`). For a
     slice of a row (context parallelism), whose last position predicts a token of the next slice."""
-    _check(targets, temperature, chunk)
+    _check(targets, temperature, chunk, kernel)
     b, s, v = logits.shape
-    if targets.shape != (b, s):
-        raise ValueError(f"targets are {tuple(targets.shape)}, logits {tuple(logits.shape)}")
-    sel = torch.ones(b, s, dtype=torch.bool, device=targets.device) if mask is None else mask.to(torch.bool)
-    bi, si = sel.nonzero(as_tuple=True)
-    logp, ent = _ChunkedLogProbs.apply(logits.reshape(b * s, v), None, bi * s + si, targets[sel], temperature, chunk)
-    zeros = torch.zeros(sel.shape, dtype=logp.dtype, device=logp.device)
-    return zeros.masked_scatter(sel, logp), zeros.masked_scatter(sel, ent)
+    idx, picked, sel = _target_rows(targets, mask, (b, s))
+    logp, ent = _ChunkedLogProbs.apply(logits.reshape(b * s, v), None, idx, picked, temperature, chunk, kernel)
+    return _at_index(sel, logp, ent)
+
+
+def target_token_logprobs(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+    mask: Tensor | None = None,
+    kernel: str = "torch",
+) -> tuple[Tensor, Tensor]:
+    """As `target_logprobs`, from hidden states `[B, S, H]` and the LM head (as `token_logprobs`)."""
+    _check(targets, temperature, chunk, kernel)
+    b, s, h = hidden.shape
+    _check_head(hidden, lm_head_weight)
+    idx, picked, sel = _target_rows(targets, mask, (b, s))
+    logp, ent = _ChunkedLogProbs.apply(hidden.reshape(b * s, h), lm_head_weight, idx, picked, temperature, chunk,
+                                       kernel)  # fmt: skip
+    return _at_index(sel, logp, ent)

@@ -58,6 +58,14 @@ def _masked(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+def _masked_extreme(x: Tensor, mask: Tensor, op) -> Tensor:
+    """`op` (amax / amin) of `x` over `mask`, 1 without a token; no host sync (boolean indexing and
+    `mask.any()` in Python would each wait for the device)."""
+    fill = torch.tensor(float("-inf") if op is torch.amax else float("inf"), dtype=x.dtype, device=x.device)
+    out = op(torch.where(mask, x, fill))
+    return torch.where(mask.any(), out, torch.ones((), dtype=x.dtype, device=x.device))
+
+
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return _masked(x, mask).sum() / mask.sum().clamp(min=1)
 
@@ -121,7 +129,7 @@ def is_weights(
         factor = torch.ones_like(w)
     metrics = {
         "is_weight_mean": _masked_mean(w, mask),
-        "is_weight_max": _masked(w, mask).max() if mask.any() else w.new_zeros(()),
+        "is_weight_max": _masked(w, mask).max(),  # 0 without a token: w > 0 elsewhere
         "is_over_threshold_frac": _masked_mean(over.to(w.dtype), mask),
     }
     return factor, metrics
@@ -167,8 +175,8 @@ def policy_loss(
         "policy_loss": _masked(tok_loss, mask).sum().detach() / token_count,
         "clip_frac": _masked_mean(clipped.to(ratio.dtype), mask),
         "ratio_mean": _masked_mean(ratio, mask),
-        "ratio_max": ratio[mask].max() if mask.any() else ratio.new_ones(()),
-        "ratio_min": ratio[mask].min() if mask.any() else ratio.new_ones(()),
+        "ratio_max": _masked_extreme(ratio, mask, torch.amax),
+        "ratio_min": _masked_extreme(ratio, mask, torch.amin),
         # k3 estimate of KL(current policy || rollout policy): how far training has moved from the sampler.
         "kl_rollout": _masked_mean(torch.expm1(-log_ratio.detach()) + log_ratio.detach(), mask),
     }

@@ -11,7 +11,8 @@ sample its placements, rows of (image, offset, length, t, h, w) in `image_refs` 
 A group without images has none of these tensors.
 
 Precision: token ids and policy versions are stored as int32 (every vocabulary fits), log-probs
-as float32 (what engines compute in), rewards and scores exactly (JSON floats).
+as float32 (what engines compute in), routed experts as int16 (their in-memory dtype: the raw
+bytes, -1 for unknown), rewards and scores exactly (JSON floats).
 Numpy only: producers and consumers never need torch to move groups.
 """
 
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load, save
 
-from molt_hpc.trajectory import Group, TraceImage, Trajectory
+from molt_hpc.trajectory import ROUTING_DTYPE, Group, TraceImage, Trajectory
 
 FORMAT = "molt-hpc/group"
 FORMAT_VERSION = 1
@@ -48,14 +49,17 @@ def _int32(group: Group, what: str, lists: list[list[int]]) -> np.ndarray:
 
 
 def _experts(samples: list[Trajectory]) -> dict[str, np.ndarray]:
-    """Routed experts [rows, layers, top_k] of all samples that have them, with per-sample row offsets."""
-    if all(s.routed_experts is None for s in samples):
+    """Routed experts `[rows, layers, top_k]` int16 of all samples that have them (their raw bytes,
+    concatenated), with per-sample row offsets."""
+    arrays = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if not arrays:
         return {}
-    arrays = [np.asarray(s.routed_experts, dtype=np.int32) for s in samples if s.routed_experts is not None]
-    shape = next((a.shape[1:] for a in arrays if a.ndim == 3), (0, 0))  # all empty: any shape
-    rows = [len(s.routed_experts) if s.routed_experts is not None else 0 for s in samples]
-    parts = [a.reshape(len(a), *shape) for a in arrays]
-    return {"experts": np.concatenate(parts), "expert_offsets": _offsets(rows)}
+    shapes = {a.shape[1:] for a in arrays}
+    if len(shapes) > 1:
+        raise ValueError(f"the samples' routed experts differ in [layers, top_k]: {sorted(shapes)}")
+    rows = [0 if s.routed_experts is None else len(s.routed_experts) for s in samples]
+    flat = np.concatenate(arrays).astype(ROUTING_DTYPE, copy=False)
+    return {"experts": flat, "expert_offsets": _offsets(rows)}
 
 
 def _images(samples: list[Trajectory]) -> dict[str, np.ndarray]:
@@ -180,7 +184,7 @@ def decode_group(data: bytes) -> Group:
         n_action = sum(b - a for a, b in ranges)
         experts = None
         if sm["has_experts"]:
-            experts = _cut(t["experts"], t["expert_offsets"], i).tolist()
+            experts = _cut(t["experts"], t["expert_offsets"], i).astype(ROUTING_DTYPE)  # a copy it owns
         samples.append(
             Trajectory(
                 tokens=_cut(t["tokens"], t["token_offsets"], i).tolist(),

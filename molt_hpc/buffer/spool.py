@@ -164,6 +164,8 @@ def find_spool(run_dir: str | Path) -> Path:
     pointer = buffer_dir / LOCATION_FILE
     if pointer.exists():
         return Path(pointer.read_text().strip())
+    if (buffer_dir / "removed").exists():  # see buffer/cleanup.py
+        raise ValueError(f"the replay buffer of {run_dir} was removed: {(buffer_dir / 'removed').read_text().strip()}")
     if not buffer_dir.is_dir():
         raise ValueError(f"{run_dir} has no replay buffer ({buffer_dir} is missing): pass a run directory")
     return buffer_dir

@@ -3,7 +3,15 @@
 import datetime
 from typing import Literal
 
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import (
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
 
 from molt_hpc.config.base import Section
 
@@ -38,6 +46,9 @@ class RunConfig(Section):
     """Seed of everything random: data order, sampling, initialisation."""
     sync: bool = False
     """Synchronous mode: rollouts wait for each refit (staleness 0); for debugging and comparison."""
+    stall_timeout_s: NonNegativeFloat = 1800.0
+    """A run that records no training step for this long (counted from its start, then from its last
+    step) is stopped after a checkpoint, with the rollout's first failure quoted; 0 never stops it."""
 
 
 class BufferConfig(Section):
@@ -66,10 +77,14 @@ class RefitConfig(Section):
     """Refit the engines every this many training steps."""
     bucket_mb: PositiveInt = 256
     """Size of one flat broadcast bucket, in MiB."""
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Communicator of the refit group: NCCL between GPUs, gloo on CPU; `auto` follows the devices."""
+    backend: Literal["auto", "gloo", "nccl", "ipc"] = "auto"
+    """How weights reach the engines. `auto`: CUDA IPC to an engine on trainer rank 0's own GPU (NCCL
+    refuses two ranks on one GPU), /dev/shm to one on its host when the trainer is on the CPU (if
+    /dev/shm has room), else a broadcast group: NCCL from a GPU, gloo from the CPU. `ipc`: shared
+    memory to every engine (an engine elsewhere is an error); `gloo` / `nccl`: that group for all."""
     timeout_s: PositiveFloat = 600.0
-    """Rendezvous and transfer timeout."""
+    """Rendezvous and transfer timeout; also how long refits may keep failing (an engine restarting,
+    unreachable, refusing the weights) before the run stops with the cause."""
     host: str = "auto"
     """Address the engines use to reach trainer rank 0's TCPStore; `auto`: this node's hostname
     (127.0.0.1 when the hostname does not resolve)."""
@@ -159,6 +174,20 @@ class SlurmConfig(Section):
         if self.stop_timeout_s is not None:
             return self.stop_timeout_s
         return max(self.signal_lead_s - 30, self.signal_lead_s // 2)
+
+
+class PlanConfig(Section):
+    """The hardware `molt-hpc plan` (and the plan before `run` and `submit`) checks a config against."""
+
+    gpu_memory_gib: PositiveFloat = 139.8
+    """Memory of one GPU as torch reports it (`torch.cuda.get_device_properties(0).total_memory`):
+    H200 139.8 GiB, H100 79.6 GiB, A100-80GB 79.2 GiB."""
+    host_memory_gib: PositiveFloat = 1800.0
+    """Host memory per node that the job may use (a DGX H100/H200 node has 2 TB: leave room for the
+    OS and the page cache)."""
+    network_gb_per_s: PositiveFloat = 45.0
+    """Bandwidth between nodes, per GPU's NIC, in GB/s (400 Gb/s InfiniBand NDR reaches ~45): the refit
+    sends from trainer rank 0 through one NIC."""
 
 
 class WandbConfig(Section):

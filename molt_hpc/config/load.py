@@ -1,7 +1,9 @@
 """Loading a config: TOML file + dotted `--set` overrides → a validated `MoltConfig`.
 
 Every way a config can be wrong ends in one `ConfigError` whose lines each name the key path,
-what was wrong and what is allowed, so the CLI can print them and exit 2 without a traceback.
+what was wrong and what is allowed (`key: what is wrong (got value)`; a rule across keys names the
+keys itself; a section's raw contents are never printed), so the CLI can print them and exit 2
+without a traceback.
 """
 
 import datetime
@@ -90,9 +92,14 @@ def describe(error: dict[str, Any]) -> str:
     if kind == "missing":
         return f"{path}: required key is missing; add it"
     message = error["msg"].removeprefix("Value error, ")
-    if not loc:
+    if kind == "model_type":  # a value where a section belongs
+        message = f"is a section: write it as a [{path}] table of keys (see `molt-hpc config --docs`)"
+    if not loc or message.startswith(path):  # a rule across keys names them itself
         return message
-    return f"{path}: {message} (got {error.get('input')!r})"
+    value = error.get("input")
+    if isinstance(value, dict) or (isinstance(value, str) and repr(value) in message):  # no raw sections, nor twice
+        return f"{path}: {message}"
+    return f"{path}: {message} (got {value!r})"
 
 
 def _field_names(loc: list[str]) -> list[str]:

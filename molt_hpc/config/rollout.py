@@ -34,19 +34,44 @@ class RolloutConfig(Section):
     A row with more is a bad row; an observation that would pass it ends the episode (`budget_exhausted`);
     vLLM engines accept this many per request (`--limit-mm-per-prompt`)."""
     env_timeout_s: PositiveFloat = 30.0
-    """A single `Env.step` (or `reset`) that takes longer fails its sample. A chat-mode episode gets
+    """A single `Env.step` (or `reset`, or the env's construction) that takes longer fails its sample; with
+    `env_workers`, the worker running it is killed and a fresh one takes its place (there, construction
+    and `reset` run as one call allowed twice this). A chat-mode episode gets
     `env_timeout_s + max_turns × request_timeout_s` in all."""
+    env_workers: NonNegativeInt | Literal["auto"] = "auto"
+    """Processes that run the env's construction, `reset` and `step` (env mode), so that an env holding the
+    GIL (a runaway regular expression, a long C call) cannot freeze the orchestrator: a call past
+    `env_timeout_s` kills its worker and fails only its sample. An episode stays in one worker. `auto`:
+    one per 8 usable cores, at least 2 and at most 8. 0 runs envs in the orchestrator's own threads (no
+    process boundary; a GIL-holding env freezes the rollout). Chat-mode agents run in the orchestrator."""
     on_env_error: Literal["drop_group", "retry"] = "drop_group"
     """A failed sample (env raised or timed out) drops its group, or is retried from its start.
     Engine failures (lost connection, 5xx, an aborted request) are always retried from the start."""
     max_retries: NonNegativeInt = 2
     """Retries of a sample whose env failed (with `on_env_error = "retry"`) before its group is dropped."""
+    max_consecutive_failures: PositiveInt = 20
+    """This many groups failing in a row (env errors, or engines failing every retry) stop the run after a
+    checkpoint, quoting the first failure: a broken env fails every group, a flaky one rarely twice in a row."""
     request_timeout_s: PositiveFloat = 120.0
     """HTTP timeout of one generate call."""
     stall_report_s: PositiveFloat = 300.0
     """When the orchestrator's event loop has not turned for this long (an env holding the GIL: a runaway
     regular expression, a long C call), every thread's stack goes to `logs/rollout.log`, again each period
     while it lasts, so the stall can be traced; the run itself is not stopped."""
+
+
+All2AllBackend = Literal[
+    "allgather_reducescatter",
+    "deepep_high_throughput",
+    "deepep_low_latency",
+    "deepep_v2",
+    "mori_high_throughput",
+    "mori_low_latency",
+    "nixl_ep",
+    "flashinfer_nvlink_two_sided",
+    "flashinfer_nvlink_one_sided",
+]
+"""vLLM 0.26's `--all2all-backend` choices (less the removed `naive` and `pplx`)."""
 
 
 class EnginesConfig(Section):
@@ -65,12 +90,38 @@ class EnginesConfig(Section):
     """Longest sequence (prompt + completion) an engine accepts."""
     tensor_parallel: PositiveInt = 1
     """GPUs per engine (vLLM tensor parallelism)."""
+    data_parallel: PositiveInt = 1
+    """vLLM: data-parallel replicas inside one engine (`--data-parallel-size`), each of
+    `tensor_parallel` GPUs, behind the engine's one address; an engine takes
+    `tensor_parallel × data_parallel` GPUs. With `expert_parallel`, the MoE layers' experts spread over
+    all of them and tokens move between replicas by `all2all_backend`."""
+    expert_parallel: bool = False
+    """vLLM: expert parallelism for MoE layers (`--enable-expert-parallel`): each of the engine's
+    `tensor_parallel × data_parallel` GPUs holds whole experts (E / that many) instead of a slice of
+    every expert. Needs at least two GPUs per engine."""
+    all2all_backend: All2AllBackend = "allgather_reducescatter"
+    """vLLM: how tokens reach their experts' GPUs under `expert_parallel` (`--all2all-backend`); vLLM
+    runs these kernels only with `data_parallel > 1`. `deepep_*` need the `deep_ep` package (built for
+    vLLM's torch) next to vLLM; `deepep_low_latency` also needs NVSHMEM with IBGDA."""
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
-    """Fraction of GPU memory a vLLM engine may take."""
+    """Fraction of its GPU's memory one engine may take, whatever its kind: vLLM reserves it at start
+    (weights, activations, KV cache); the built-in engine's allocator is capped at it, and its weights
+    plus its preallocated KV cache (`max_batch` × `max_model_len`) must fit under it. Where the pools
+    share a GPU, the trainer keeps the rest."""
     enforce_eager: bool = False
     """Disable CUDA graphs (a train/inference consistency guard; slower decode)."""
+    sample_in_graph: bool = True
+    """Builtin engine on a GPU: record the sampling of plain requests (temperature only, no top-k/top-p/
+    min-p, no seed, no top log-probs) inside the decode step's CUDA graph; other requests sample eagerly."""
+    fuse_projections: bool = True
+    """Builtin engine on a GPU: one matmul per layer for q/k/v and one for gate/up (same parameters and
+    names; refits write the fused weights)."""
     prefix_caching: bool = True
     """Reuse the KV cache of shared prefixes (vLLM)."""
+    max_num_batched_tokens: PositiveInt | None = None
+    """Tokens one vLLM scheduler step may batch (prefill chunks and decodes together,
+    `--max-num-batched-tokens`); unset: vLLM's default. Larger budgets prefill a step's many prompts
+    in fewer steps (`bench/gpu_vllm_one.py --sweep` measures it)."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments for `vllm serve`."""
     threads: NonNegativeInt = 0
@@ -93,7 +144,36 @@ class EnginesConfig(Section):
                 "engines.kind = 'vllm' runs on GPUs but engines.device = 'cpu': set engines.device = 'cuda' "
                 "(or 'auto'), or use engines.kind = 'builtin' on a CPU"
             )
+        self._check_vllm_parallel()
         return self
+
+    def _check_vllm_parallel(self) -> None:
+        default = type(self).model_fields["all2all_backend"].default
+        used = [
+            name
+            for name, on in (
+                ("engines.data_parallel", self.data_parallel > 1),
+                ("engines.expert_parallel", self.expert_parallel),
+                ("engines.all2all_backend", self.all2all_backend != default),
+            )
+            if on
+        ]
+        if used and self.kind != "vllm":
+            raise ValueError(f"{', '.join(used)} configure vLLM engines: set engines.kind = 'vllm' or leave them unset")
+        if self.expert_parallel and self.gpus_per_engine == 1:
+            raise ValueError(
+                "engines.expert_parallel spreads experts over an engine's GPUs but it has one: raise "
+                "engines.tensor_parallel or engines.data_parallel"
+            )
+        if self.all2all_backend != default and not (self.expert_parallel and self.data_parallel > 1):
+            raise ValueError(
+                f"engines.all2all_backend = {self.all2all_backend!r} is used by vLLM only with "
+                "engines.expert_parallel = true and engines.data_parallel > 1: set both, or leave the backend unset"
+            )
+
+    @property
+    def gpus_per_engine(self) -> int:
+        return self.tensor_parallel * self.data_parallel
 
 
 class RouterConfig(Section):

@@ -9,6 +9,7 @@ from molt_hpc.config.base import Section
 from molt_hpc.config.infra import (
     BufferConfig,
     LoggingConfig,
+    PlanConfig,
     RefitConfig,
     RunConfig,
     SlurmConfig,
@@ -50,6 +51,8 @@ class MoltConfig(Section):
     """The heterogeneous Slurm job."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Logs and metrics."""
+    plan: PlanConfig = Field(default_factory=PlanConfig)
+    """The hardware the memory plan checks against (`molt-hpc plan`)."""
 
     @model_validator(mode="after")
     def _cross_section_rules(self) -> "MoltConfig":
@@ -85,6 +88,7 @@ class MoltConfig(Section):
             )
         self._check_sequences()
         self._check_tiny_model()
+        self._check_router_replay()
         self._check_slurm()
         return self
 
@@ -109,6 +113,18 @@ class MoltConfig(Section):
                     f"actor.cp = {act.cp} does not divide model.tiny.num_heads ({tiny.num_heads}): each CP rank "
                     "runs heads / cp of them"
                 )
+
+    def _check_router_replay(self) -> None:
+        if not self.actor.router_replay or self.engines.kind != "vllm":
+            return
+        refused = ("--speculative-config", "--pipeline-parallel-size", "-pp", "--kv-transfer-config")
+        bad = [a for a in self.engines.extra_args if a.split("=", 1)[0] in refused]
+        if bad:
+            raise ValueError(
+                f"actor.router_replay = true with engines.extra_args {bad}: vLLM 0.26 returns no (or misaligned) "
+                "routed experts with speculative decoding, pipeline parallelism or a KV connector; drop them or set "
+                "actor.router_replay = false"
+            )
 
     def _check_tiny_model(self) -> None:
         tiny = self.model.tiny
@@ -138,11 +154,16 @@ class MoltConfig(Section):
                 f"actor.cp × actor.ep = {inner} exceeds slurm.actor.gpus_per_node = "
                 f"{sl.actor.gpus_per_node}: context and expert parallelism stay inside a node"
             )
-        engine_gpus = sl.engines.gpus_per_node
-        if engine_gpus and engine_gpus % self.engines.tensor_parallel:
+        if sl.actor.gpus_per_node and sl.actor.gpus_per_node % act.ep:
             raise ValueError(
-                f"slurm.engines.gpus_per_node ({engine_gpus}) is not a multiple of "
-                f"engines.tensor_parallel ({self.engines.tensor_parallel})"
+                f"actor.ep = {act.ep} does not divide slurm.actor.gpus_per_node = {sl.actor.gpus_per_node}: an "
+                "expert-parallel group stays inside a node, so pick an ep that divides the GPUs per node"
+            )
+        engine_gpus = sl.engines.gpus_per_node
+        if engine_gpus and engine_gpus % self.engines.gpus_per_engine:
+            raise ValueError(
+                f"slurm.engines.gpus_per_node ({engine_gpus}) is not a multiple of engines.tensor_parallel × "
+                f"engines.data_parallel ({self.engines.gpus_per_engine})"
             )
         if sl.signal_lead_s >= slurm_time_seconds(sl.time):
             raise ValueError(

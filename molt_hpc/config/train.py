@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from molt_hpc.config.base import Section
 
@@ -65,9 +65,10 @@ class AlgorithmConfig(Section):
     overlong_penalty: NonNegativeFloat = 1.0
     """Largest over-long penalty subtracted from the reward."""
     moe_aux_coef: NonNegativeFloat = 0.0
-    """Weight of the MoE load-balancing loss (MoE models only)."""
+    """Weight of the MoE load-balancing loss (Switch: `E · Σ f_i · P_i` over the experts actually
+    used, replayed ones included), from the trainer's fp32 router logits; MoE models only."""
     moe_z_coef: NonNegativeFloat = 0.0
-    """Weight of the MoE router z-loss (MoE models only)."""
+    """Weight of the MoE router z-loss (mean `logsumexp(router logits)^2`); MoE models only."""
 
     @property
     def uses_critic(self) -> bool:
@@ -123,13 +124,32 @@ class ActorConfig(Section):
     """Recompute each decoder block's activations in the backward pass."""
     logprob_chunk: PositiveInt = 1024
     """Tokens per chunk when computing log-probs and entropy, so fp32 [B, T, V] is never materialised."""
+    logprob_kernel: Literal["torch", "compile", "triton"] = "torch"
+    """How each chunk's log-probs, entropy and gradient are computed: `torch` (eager ops, any device),
+    `compile` (the same math fused by `torch.compile`; compiles once per run), `triton` (hand-written
+    kernels, CUDA GPUs with the triton package). All compute the same function (`bench/gpu_train.py`
+    times them side by side)."""
     freeze_router: bool = True
-    """Do not train MoE router (gate) weights (a train/inference consistency guard)."""
+    """Do not train MoE router (gate) weights (a train/inference consistency guard). Routers are
+    found by their class (the one the model records `router_logits` from), whatever their names."""
+    router_replay: bool = False
+    """MoE router replay (a train/inference consistency guard): engines return the experts every
+    token went to (vLLM's `--enable-return-routed-experts`; the builtin engine records the same) and
+    each MoE layer of the trainer sends those tokens to the engine's experts, with gate weights from
+    its own fp32 softmax, so the router still gets gradients. Tokens without routing (the last of a
+    sample, a sample whose routing did not line up) keep the live choice. Needs an MoE model whose
+    router is softmax then top-k (Qwen2/3-MoE, OLMoE, Mixtral, ...). The builtin engine records
+    routing from Python hooks, so on a GPU it then decodes without CUDA graphs."""
     cp: PositiveInt = 1
     """Context-parallel degree (inside a node): Ulysses all-to-all over `cp` adjacent ranks, each running
     1/cp of every row; needs cp to divide the attention heads and attention `sdpa` or `flash_attention_2`."""
     ep: PositiveInt = 1
-    """Expert-parallel degree (inside a node, MoE only)."""
+    """Expert-parallel degree (MoE only): each MoE layer's experts are split over groups of `ep` ranks
+    inside a node (it must divide the experts per layer and the ranks per node); the other weights stay
+    FSDP over all ranks."""
+    ep_dispatch: Literal["all_to_all", "deep_ep"] = "all_to_all"
+    """How tokens reach their experts' ranks under `ep > 1`: `all_to_all` (torch.distributed, any
+    backend) or `deep_ep` (DeepEP's NVLink kernels; GPUs only, needs the `deep_ep` package)."""
     offload: Literal["none", "optimizer", "full"] = "none"
     """Host memory for trainer state on GPUs. `optimizer`: AdamW's moments live in pinned host memory
     between steps (copied to the GPU for the update and back: GPU memory for 8 bytes per parameter,
@@ -137,6 +157,17 @@ class ActorConfig(Section):
     the update computed by the CPU (the most GPU memory saved, the slowest step). On a CPU trainer
     everything already lives in host memory: `optimizer` changes nothing there, `full` runs the same
     offload code path with no memory effect."""
+
+    @model_validator(mode="after")
+    def _check_ep_dispatch(self) -> "ActorConfig":
+        if self.ep_dispatch == "deep_ep" and self.ep == 1:
+            raise ValueError("actor.ep_dispatch = 'deep_ep' moves tokens between EP ranks: set actor.ep > 1 with it")
+        if self.ep_dispatch == "deep_ep" and self.device == "cpu":
+            raise ValueError(
+                "actor.ep_dispatch = 'deep_ep' runs on GPUs only: set actor.device = 'cuda' (or 'auto'), "
+                "or actor.ep_dispatch = 'all_to_all'"
+            )
+        return self
 
 
 class CheckpointConfig(Section):

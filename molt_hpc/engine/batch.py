@@ -34,6 +34,8 @@ class Row:
     """The prompt's images (an `engine.vision.RowImages`), vision-language models only."""
     rope_delta: int = 0
     """Added to a decode step's position: multimodal positions run behind the token count after an image."""
+    routing: Any = None
+    """The experts of every forwarded position (an `engine.routing.RowRouting`) when routing is captured."""
 
     @property
     def context(self) -> list[int]:
@@ -94,6 +96,11 @@ class ModelRunner:
         batch.merge(part)
         return batch
 
+    def decode_sampled(self, batch, rows: list[Row], last: list[int], positions: list[int], generator):
+        """(tokens, log-probs) of a decode step that also sampled, when this runner can (`SlotRunner`
+        with sampling graphs), else None: the caller samples `decode`'s logits."""
+        return None
+
     @torch.inference_mode()
     def decode(self, batch: BatchCache, last: list[int], positions: list[int]) -> torch.Tensor:
         """Feed each row's pending token; returns next-token logits [B, V]."""
@@ -106,6 +113,21 @@ class ModelRunner:
             **{self._cache_kw: batch.cache},
         )
         return out.logits[:, -1]
+
+
+def plain_rows(rows: list[Row]) -> bool:
+    """Whether every row samples plainly: temperature only (no top-k/top-p/min-p), the shared
+    generator, no top log-probs (what `graphs.plain_sample` computes)."""
+    return all(
+        p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 and not p.logprobs and r.generator is None
+        for r, p in ((r, r.params) for r in rows)
+    )
+
+
+def append_samples(rows: list[Row], tokens: list[int], logprobs: list[float]) -> None:
+    for row, tok, lp in zip(rows, tokens, logprobs, strict=True):
+        row.tokens.append(tok)
+        row.logprobs.append(lp)
 
 
 def sample_rows(rows: list[Row], logits: torch.Tensor, default: torch.Generator) -> None:
@@ -124,9 +146,8 @@ def sample_rows(rows: list[Row], logits: torch.Tensor, default: torch.Generator)
     drawn = sample(logp, greedy, [r.generator for r in rows], default)
     chosen = logp.gather(-1, drawn[:, None]).view(-1)
     tokens, lps = drawn.tolist(), chosen.tolist()  # the step's one read-back of tokens and log-probs
-    for i, (row, tok, lp) in enumerate(zip(rows, tokens, lps, strict=True)):
-        row.tokens.append(tok)
-        row.logprobs.append(lp)
+    append_samples(rows, tokens, lps)
+    for i, row in enumerate(rows):
         want = row.params.logprobs
         if want:
             k = logp.shape[-1] if want < 0 else min(want, logp.shape[-1])

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import numpy as np
+
+from molt_hpc.engine.routing import decode_routing
 
 GENERATE_PATH = "/inference/v1/generate"
 SESSION_HEADER = "X-Session-ID"
@@ -41,6 +44,9 @@ class GenerateResult:
     """Weight version that produced each token (differs within a request that straddled a refit)."""
     weight_version: int
     """The engine's weight version when the request ended."""
+    routed_experts: np.ndarray | None = None
+    """MoE routing capture (vLLM's `routed_experts`, decoded): `[prompt + generated - 1 - prompt_start,
+    layers, top_k]` expert ids of every forwarded position; None when the engine does not capture."""
 
 
 def auth_headers(token: str) -> dict[str, str]:
@@ -116,12 +122,14 @@ def parse_generate_response(data: dict[str, Any]) -> GenerateResult:
     token_ids = list(choice["token_ids"])
     version = int(data.get("weight_version", 0))
     versions = choice.get("weight_versions")
+    routed = choice.get("routed_experts")
     return GenerateResult(
         token_ids=token_ids,
         logprobs=[float(entry["logprob"]) for entry in content],
         finish_reason=choice["finish_reason"],
         weight_versions=[int(v) for v in versions] if versions is not None else [version] * len(token_ids),
         weight_version=version,
+        routed_experts=None if routed is None else decode_routing(routed),
     )
 
 

@@ -52,12 +52,14 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
     import torch
 
     from molt_hpc.engine.batch import ModelRunner
+    from molt_hpc.engine.routing import RoutingRecorder
     from molt_hpc.engine.scheduler import Scheduler
     from molt_hpc.engine.server import EngineState, build_app
-    from molt_hpc.engine.slots import ATTENTION, SlotRunner
+    from molt_hpc.engine.slots import ATTENTION, SlotRunner, bound_gpu_memory, check_slot_cache_fits
     from molt_hpc.engine.vision import VisionRunner
     from molt_hpc.engine.weights import WeightSync
     from molt_hpc.models import load_causal_lm, resolve_model
+    from molt_hpc.refit.handles import place
     from molt_hpc.vision.processor import Vision
 
     if cfg.engines.kind != "builtin":
@@ -65,36 +67,44 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
     if cfg.engines.threads:
         torch.set_num_threads(cfg.engines.threads)
     device = pick_device(cfg.engines.device)
+    eng, dev = cfg.engines, torch.device(device)
+    if device == "cuda":  # before the weights arrive: they count against the bound too
+        bound_gpu_memory(dev, eng.gpu_memory_utilization)
     if model is None:
         path = resolve_model(cfg.model, run.models)
         model = load_causal_lm(path, dtype=cfg.model.dtype, device=device, attn=cfg.model.attn_implementation)
     vision = Vision(resolve_model(cfg.model, run.models)) if hasattr(model.config, "vision_config") else None
     eos = model.generation_config.eos_token_id if model.generation_config else model.config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    eng = cfg.engines
+    routing = RoutingRecorder(model) if cfg.actor.router_replay else None
     if vision is not None:  # multimodal positions: the growing cache (the slot cache's columns are positions)
-        runner = VisionRunner(model, torch.device(device), vision.spec.merge)
+        runner = VisionRunner(model, dev, vision.spec.merge)
     elif device == "cuda" and getattr(model.config, "_attn_implementation", "sdpa") in ATTENTION:
         # On a GPU: a preallocated KV cache, and decode steps replayed as CUDA graphs unless enforce_eager.
         # On a CPU the step costs what its ops cost either way; the growing cache stays.
+        fraction = eng.gpu_memory_utilization
+        check_slot_cache_fits(model.config, dev, eng.max_batch, eng.max_model_len, model.dtype, fraction)
         runner = SlotRunner(
             model,
-            torch.device(device),
+            dev,
             max_batch=eng.max_batch,
             max_model_len=eng.max_model_len,
-            graphs=not eng.enforce_eager,
+            graphs=not eng.enforce_eager and routing is None,  # the router hooks record from Python
+            sampling=eng.sample_in_graph,
+            fuse=eng.fuse_projections,
         )
     else:
-        runner = ModelRunner(model, torch.device(device))
+        runner = ModelRunner(model, dev)
     sched = Scheduler(
         runner,
         eos_ids=eos_ids,
         max_batch=eng.max_batch,
         max_model_len=eng.max_model_len,
         seed=cfg.run.seed * 1000 + index,
+        routing=routing,
     )
     vocab = model.config.get_text_config().vocab_size
-    state = EngineState(sched, vocab, eng.max_model_len, str(cfg.model.path), index, vision=vision)
+    state = EngineState(sched, vocab, eng.max_model_len, str(cfg.model.path), index, place=place(dev), vision=vision)
     app = build_app(state, run.token(), open_health=cfg.router.kind == "vllm-router")
     sync = WeightSync(state, model)
     sync.add_routes(app)

@@ -39,6 +39,8 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = 1.0
     detokenize: bool = False
     skip_special_tokens: bool = True
+    routed_experts_prompt_start: int = Field(0, ge=0)
+    """With routing capture: leave out the routing of the first this many prompt tokens (known already)."""
 
 
 class GenerateRequest(BaseModel):
@@ -74,6 +76,11 @@ def parse_generate(body: object, vocab_size: int, max_model_len: int) -> Generat
     bad = [t for t in (*req.token_ids, *sp.stop_token_ids) if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if sp.routed_experts_prompt_start >= len(req.token_ids):
+        raise ValueError(
+            f"sampling_params.routed_experts_prompt_start ({sp.routed_experts_prompt_start}) must be below the "
+            f"prompt length ({len(req.token_ids)})"
+        )
     total = len(req.token_ids) + (sp.max_tokens or 1)
     if total > max_model_len:
         raise ValueError(

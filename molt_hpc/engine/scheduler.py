@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from molt_hpc.engine.batch import ModelRunner, Row, sample_rows
+from molt_hpc.engine.batch import ModelRunner, Row, append_samples, sample_rows
 from molt_hpc.engine.kvcache import BatchCache
+from molt_hpc.engine.routing import RoutingRecorder
 from molt_hpc.engine.slots import SlotCache
 from molt_hpc.log import get_logger
 
@@ -29,8 +30,19 @@ from molt_hpc.log import get_logger
 class Scheduler:
     """Continuous batching over one model: rows join and leave between decode steps."""
 
-    def __init__(self, runner: ModelRunner, *, eos_ids: set[int], max_batch: int, max_model_len: int, seed: int):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        eos_ids: set[int],
+        max_batch: int,
+        max_model_len: int,
+        seed: int,
+        routing: RoutingRecorder | None = None,
+    ):
         self.runner = runner
+        self.routing = routing
+        """Records the experts of every forwarded token (router replay); None: not captured."""
         self.eos_ids = eos_ids
         self.max_batch = max_batch
         self.max_model_len = max_model_len
@@ -64,6 +76,8 @@ class Scheduler:
     # -- commands (run on the scheduler thread) --------------------------------------------------
 
     def submit(self, row: Row) -> None:
+        if self.routing is not None:
+            row.routing = self.routing.new_row()
         (self.held if self._paused_for_new() else self.waiting).append(row)
 
     def cancel(self, row: Row) -> None:
@@ -161,6 +175,7 @@ class Scheduler:
         if room > 0 and self.waiting:
             newcomers, self.waiting = self.waiting[:room], self.waiting[room:]
             logits, cache = self.runner.prefill([r.context for r in newcomers], [r.images for r in newcomers])
+            self._route_prefill(newcomers)
             self._append(newcomers, logits)
             self._batch = self.runner.join(self._batch, cache)
             self.rows.extend(newcomers)
@@ -170,12 +185,37 @@ class Scheduler:
             last = [r.tokens[-1] for r in self.rows]  # every running row has sampled at least once
             positions = [r.length - 1 for r in self.rows]
             rope = [p + r.rope_delta for p, r in zip(positions, self.rows, strict=True)]  # multimodal positions lag
-            self._append(self.rows, self.runner.decode(self._batch, last, rope))
+            # Sampled inside the decode graph where it can be (no routing to record from Python hooks).
+            sampled = (
+                None
+                if self.routing is not None
+                else self.runner.decode_sampled(self._batch, self.rows, last, rope, self._generator)
+            )
+            if sampled is None:
+                logits = self.runner.decode(self._batch, last, rope)
+                if self.routing is not None:
+                    for row, pos, experts in zip(
+                        self.rows, positions, self.routing.take(len(self.rows), 1), strict=True
+                    ):
+                        row.routing.write(pos, experts)
+                self._append(self.rows, logits)
+            else:
+                append_samples(self.rows, *sampled)
+                for row in self.rows:
+                    row.versions.append(self.version)
             self._retire()
         self.steps += 1
         if self.pause_mode == "wait" and not (self.rows or self.waiting):
             self.pause_mode = "paused"
             self._resolve_drained()
+
+    def _route_prefill(self, rows: list[Row]) -> None:
+        """Hand each prefilled row the routing of its context (left-padded to the longest)."""
+        if self.routing is None:
+            return
+        width = max(r.length for r in rows)
+        for row, experts in zip(rows, self.routing.take(len(rows), width), strict=True):
+            row.routing.write(0, experts[width - row.length :])
 
     def _append(self, rows: list[Row], logits: torch.Tensor) -> None:
         sample_rows(rows, logits, self._generator)

@@ -8,7 +8,7 @@ that disconnects cancels its request (the row leaves the batch at the next step 
 import asyncio
 import itertools
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +34,8 @@ class EngineState:
     index: int = 0
     vision: Any = None
     """The model's `molt_hpc.vision.processor.Vision` (a vision-language model), else None."""
+    place: dict[str, Any] = field(default_factory=dict)
+    """Where the weights live (`refit.handles.place`): `/health` tells the trainer, which picks the refit transport."""
 
 
 def logprob_content(row: Row) -> list[dict[str, Any]]:
@@ -74,24 +76,21 @@ def build_app(state: EngineState, token: str, open_health: bool = False) -> web.
         except asyncio.CancelledError:  # the client left: free the row's slot, then let aiohttp finish
             sched.call(lambda: sched.cancel(row))
             raise
+        choice = {
+            "index": 0,
+            "token_ids": row.tokens,
+            "logprobs": {"content": logprob_content(row)},
+            "finish_reason": reason,
+            "weight_versions": row.versions,
+        }
+        if row.routing is not None:  # vLLM's --enable-return-routed-experts field
+            choice["routed_experts"] = row.routing.encode(sp.routed_experts_prompt_start) if row.tokens else None
         return web.json_response(
-            {
-                "id": req.request_id or f"gen-{state.index}-{next(ids)}",
-                "choices": [
-                    {
-                        "index": 0,
-                        "token_ids": row.tokens,
-                        "logprobs": {"content": logprob_content(row)},
-                        "finish_reason": reason,
-                        "weight_versions": row.versions,
-                    }
-                ],
-                "weight_version": version,
-            }
+            {"id": req.request_id or f"gen-{state.index}-{next(ids)}", "choices": [choice], "weight_version": version}
         )
 
     async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "index": state.index, **sched.status()})
+        return web.json_response({"status": "ok", "index": state.index, **state.place, **sched.status()})
 
     async def pause(request: web.Request) -> web.Response:
         body = await read_json(request)

@@ -20,7 +20,7 @@ query length instead of copying K/V once per query head (what transformers' SDPA
 import torch
 import torch.nn.functional as F
 
-from molt_hpc.engine.batch import ModelRunner
+from molt_hpc.engine.batch import ModelRunner, plain_rows
 from molt_hpc.engine.kvcache import BatchCache
 
 ATTENTION = ("sdpa", "eager")
@@ -42,14 +42,48 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return out.reshape(b, heads, 1, d).transpose(1, 2), None
 
 
+def kv_shape(config, slots: int, capacity: int) -> tuple[int, int, int]:
+    """Shape of one layer's K (or V) in a slot cache of `slots` rows of `capacity` tokens."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return slots * capacity, kv_heads, head_dim
+
+
+def slot_cache_bytes(config, slots: int, capacity: int, dtype: torch.dtype) -> int:
+    """Bytes a `SlotCache` of this shape allocates (K and V of every layer)."""
+    rows, kv_heads, head_dim = kv_shape(config, slots, capacity)
+    return 2 * config.num_hidden_layers * rows * kv_heads * head_dim * dtype.itemsize
+
+
+def bound_gpu_memory(device: torch.device, fraction: float) -> None:
+    """Cap what this process's allocator may take of the GPU (`engines.gpu_memory_utilization`), so an
+    engine sharing the trainer's GPU leaves it the rest: beyond the cap an allocation fails here."""
+    index = device.index if device.index is not None else torch.cuda.current_device()  # it needs an index
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+
+
+def check_slot_cache_fits(config, device: torch.device, slots: int, capacity: int, dtype, fraction: float) -> None:
+    """A `ValueError` naming the knobs when the weights already loaded plus a slot cache of `slots` ×
+    `capacity` tokens would pass `fraction` of the GPU."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    weights = torch.cuda.memory_allocated(device)
+    cache = slot_cache_bytes(config, slots, capacity, dtype)
+    if weights + cache > fraction * total:
+        gib = 2**30
+        raise ValueError(
+            f"the engine needs {(weights + cache) / gib:.1f} GiB of GPU memory (weights {weights / gib:.1f} GiB, KV "
+            f"cache for engines.max_batch = {slots} x engines.max_model_len = {capacity}: {cache / gib:.1f} GiB) but "
+            f"engines.gpu_memory_utilization = {fraction} allows {fraction * total / gib:.1f} GiB of "
+            f"{total / gib:.0f} GiB: lower max_batch or max_model_len, or raise gpu_memory_utilization"
+        )
+
+
 class SlotCache:
     """K/V of every running row in fixed slots, plus the write indices of the step in flight."""
 
     def __init__(self, config, slots: int, capacity: int, dtype: torch.dtype, device: torch.device):
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        shape = (slots * capacity, kv_heads, head_dim)
+        shape = kv_shape(config, slots, capacity)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.slots, self.capacity, self.dtype = slots, capacity, dtype
@@ -131,10 +165,25 @@ class SlotCache:
 
 class SlotRunner(ModelRunner):
     """A `ModelRunner` whose running batch lives in a `SlotCache`; on a GPU its decode steps may replay
-    CUDA graphs (`graphs=True`). Prefill is the plain runner's."""
+    CUDA graphs (`graphs=True`), with plain sampling inside them (`sampling=True`); `fuse=True` fuses
+    each layer's q/k/v and gate/up projections (`fuse.py`). Prefill is the plain runner's."""
 
-    def __init__(self, model, device: torch.device, *, max_batch: int, max_model_len: int, graphs: bool = False):
+    def __init__(
+        self,
+        model,
+        device: torch.device,
+        *,
+        max_batch: int,
+        max_model_len: int,
+        graphs: bool = False,
+        sampling: bool = False,
+        fuse: bool = False,
+    ):
         super().__init__(model, device)
+        if fuse:  # before anything reads the parameters: the fused weights are what refits write
+            from molt_hpc.engine.fuse import fuse_projections
+
+            fuse_projections(model)
         attn = getattr(model.config, "_attn_implementation", "sdpa")
         if attn not in ATTENTION:
             raise ValueError(f"the slot cache needs attention {' or '.join(ATTENTION)}, not {attn!r}")
@@ -146,13 +195,20 @@ class SlotRunner(ModelRunner):
         if graphs:
             from molt_hpc.engine.graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self)
+            self.graphs = DecodeGraphs(self, sampling=sampling)
 
     def join(self, batch: SlotCache | None, part: BatchCache) -> SlotCache:
         if batch is None:  # a new batch (the last one ended or went stale): start from slot 0
             self.slots.clear()
         self.slots.join(part)
         return self.slots
+
+    @torch.inference_mode()
+    def decode_sampled(self, batch: SlotCache, rows, last: list[int], positions: list[int], generator):
+        if self.graphs is None or not self.graphs.sampling or not plain_rows(rows):
+            return None
+        assert batch is self.slots and batch.rows == len(last)
+        return self.graphs.run_sampled(last, positions, [r.params.temperature for r in rows], generator)
 
     @torch.inference_mode()
     def decode(self, batch: SlotCache, last: list[int], positions: list[int]) -> torch.Tensor:

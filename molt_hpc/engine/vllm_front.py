@@ -4,13 +4,18 @@ vLLM's dev routes (/pause, the weight-transfer routes) are not token-guarded, so
 on 127.0.0.1 only and every outside call comes through here. Generate requests get vLLM's sampling
 settings for our protocol (the sampled token's log-prob, no detokenizing) and their answers the
 weight version(s) that produced them, which vLLM does not report; `/finish_weight_update` sets that
-version. A request with images (our `mm` field) becomes vLLM's render + `features` (`vllm_mm.py`).
-Everything else is forwarded as it is. No torch here: this process only relays.
+version. `/health` also says where vLLM's workers run (`place`, from our worker extension), so the
+trainer can pick CUDA IPC for an engine on its own GPU; `/collective_rpc` is forwarded for our
+extension's `molt_*` methods only. `/finish_weight_update` closes vLLM's native weight-transfer
+session when `/start_weight_update` opened one (the NCCL refit); a shared-memory refit loads through
+the extension and has none, so then only the version is stamped. A request with images (our `mm`
+field) becomes vLLM's render + `features` (`vllm_mm.py`). Everything else is forwarded as it is. No
+torch here: this process only relays.
 """
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -26,7 +31,6 @@ FORWARDED = (
     "/resume",
     "/is_paused",
     "/init_weight_transfer_engine",
-    "/start_weight_update",
     "/update_weights",
     "/reset_prefix_cache",
     "/get_world_size",
@@ -34,6 +38,8 @@ FORWARDED = (
 # The builtin engine's default (engine/sampling.py); vLLM's server would default to the rest of max_model_len.
 DEFAULT_MAX_TOKENS = 16
 HEALTH_TIMEOUT_S = 10.0
+RPC_PREFIX = "molt_"
+"""`/collective_rpc` reaches only our worker extension's methods, never the worker's own."""
 
 
 @dataclass
@@ -46,6 +52,10 @@ class Front:
     version: int = 0
     on_version: Callable[[int], None] | None = None
     session: aiohttp.ClientSession | None = None
+    place: dict[str, Any] = field(default_factory=dict)
+    """Where vLLM's workers run (`host_id`, `device_uuids`), for the trainer's transport choice."""
+    native_session: bool = False
+    """A `/start_weight_update` went through to vLLM and its `/finish_weight_update` is due."""
     open_health: bool = False
     """Answer a tokenless `GET /health` with liveness only (vLLM's router checks engines that way)."""
 
@@ -86,6 +96,17 @@ def stamp_versions(data: dict[str, Any], start: int, now: int) -> dict[str, Any]
     for choice in data.get("choices") or []:
         choice["weight_versions"] = [start] * len(choice.get("token_ids") or [])
     return data
+
+
+def stamped_body(raw: bytes, start: int, now: int) -> bytes:
+    """vLLM's generate answer with our version stamps, as bytes. When no refit finished while the request
+    ran (start == now, nearly always) every token has version `now`, which the protocol's readers assume
+    where `weight_versions` is absent: `weight_version` goes in front of vLLM's own bytes, with no decoding
+    and re-encoding of its (per-token log-prob) JSON. Otherwise the answer is decoded and stamped."""
+    head = raw.lstrip()
+    if start == now and head.startswith(b"{") and not head[1:].lstrip().startswith(b"}"):
+        return b'{"weight_version": %d, ' % now + head[1:]
+    return json.dumps(stamp_versions(json.loads(raw), start, now)).encode()
 
 
 def upstream_message(raw: bytes) -> str:
@@ -152,7 +173,7 @@ def build_front(front: Front) -> web.Application:
         status, raw, _ = await call_upstream(front, "POST", GENERATE_PATH, json=body)
         if status >= 300:
             return error(status, upstream_message(raw))
-        return web.json_response(stamp_versions(json.loads(raw), start, front.version))
+        return web.Response(body=stamped_body(raw, start, front.version), content_type="application/json")
 
     async def health(request: web.Request) -> web.Response:
         status, raw, _ = await call_upstream(
@@ -161,8 +182,13 @@ def build_front(front: Front) -> web.Application:
         if status != 200:
             return error(503, f"vLLM at {front.upstream} is not healthy (HTTP {status}): {upstream_message(raw)}")
         return web.json_response(
-            {"status": "ok", "index": front.index, "kind": "vllm", "weight_version": front.version}
+            {"status": "ok", "index": front.index, "kind": "vllm", "weight_version": front.version, **front.place}
         )
+
+    async def start(request: web.Request) -> web.Response:
+        status, raw, ctype = await call_upstream(front, "POST", "/start_weight_update")
+        front.native_session = front.native_session or status < 300
+        return relay(status, raw, ctype)
 
     async def finish(request: web.Request) -> web.Response:
         body = await read_json(request)
@@ -170,14 +196,24 @@ def build_front(front: Front) -> web.Application:
         version = body.get("version", front.version + 1)
         if not isinstance(version, int) or isinstance(version, bool):
             raise ValueError(f"'version' must be an integer, got {version!r}")
-        status, raw, ctype = await call_upstream(front, "POST", "/finish_weight_update", json=body)
-        if status >= 300:
-            return relay(status, raw, ctype)
+        raw = b""
+        if front.native_session:
+            status, raw, ctype = await call_upstream(front, "POST", "/finish_weight_update", json=body)
+            if status >= 300:
+                return relay(status, raw, ctype)
+            front.native_session = False
         front.version = version
         if front.on_version is not None:
             front.on_version(version)
         answer = json.loads(raw) if raw else {}
         return web.json_response({**(answer if isinstance(answer, dict) else {}), "weight_version": version})
+
+    async def rpc(request: web.Request) -> web.Response:
+        body = await read_json(request)
+        method = body.get("method") if isinstance(body, dict) else None
+        if not isinstance(method, str) or not method.startswith(RPC_PREFIX):
+            return error(403, f"only the refit extension's {RPC_PREFIX}* methods may be called, not {method!r}")
+        return relay(*await call_upstream(front, "POST", "/collective_rpc", json=body))
 
     async def forward(request: web.Request) -> web.Response:
         raw = await request.read()
@@ -188,7 +224,9 @@ def build_front(front: Front) -> web.Application:
     app.on_cleanup.append(close_session)
     app.router.add_post(GENERATE_PATH, generate)
     app.router.add_get("/health", health)
+    app.router.add_post("/start_weight_update", start)
     app.router.add_post("/finish_weight_update", finish)
+    app.router.add_post("/collective_rpc", rpc)
     for path in FORWARDED:
         app.router.add_route("*", path, forward)
     app.router.add_route("*", "/v1/{tail:.*}", forward)

@@ -37,7 +37,11 @@ from molt_hpc.vision.spec import is_vision_model
 TESTED_VLLM = "0.26.0"
 FIX = "pip install 'molt-hpc[gpu]' (vllm==0.26.0, which pins torch 2.11), or set engines.kind = 'builtin'"
 STOP_GRACE_S = 20.0
+WORKER_EXTENSION = "molt_hpc.engine.vllm_ipc.MoltWorkerExtension"
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+"""Where `molt_hpc` is imported from here: vLLM's workers import the extension from there too."""
 PR_SET_PDEATHSIG = 1
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
 
 
 def check_vllm_torch(vllm_version: str, required_torch: str | None, torch_version: str) -> None:
@@ -77,6 +81,16 @@ def check_vllm() -> str:
     return version
 
 
+def check_all2all(eng) -> None:
+    """A DeepEP all-to-all backend needs `deep_ep` importable next to vLLM; else a `ValueError` naming the fix."""
+    if eng.expert_parallel and eng.all2all_backend.startswith("deepep") and importlib.util.find_spec("deep_ep") is None:
+        raise ValueError(
+            f"engines.all2all_backend = {eng.all2all_backend!r} but the deep_ep package is not installed in "
+            f"{sys.prefix}: build DeepEP for vLLM's torch and CUDA there (no PyPI wheel), or use "
+            "engines.all2all_backend = 'allgather_reducescatter'"
+        )
+
+
 def vllm_command(cfg: MoltConfig, model_dir: str | Path, port: int, index: int) -> list[str]:
     """`vllm serve` for engine `index` on 127.0.0.1:`port`. The token goes in the environment
     (`vllm_env`), not here: a command line is readable by every user of the node."""
@@ -86,6 +100,10 @@ def vllm_command(cfg: MoltConfig, model_dir: str | Path, port: int, index: int) 
     cmd += ["--tensor-parallel-size", str(eng.tensor_parallel), "--max-model-len", str(eng.max_model_len)]
     cmd += ["--gpu-memory-utilization", str(eng.gpu_memory_utilization), "--max-num-seqs", str(eng.max_batch)]
     cmd += ["--seed", str(cfg.run.seed * 1000 + index)]
+    if eng.data_parallel > 1:
+        cmd += ["--data-parallel-size", str(eng.data_parallel)]
+    if eng.expert_parallel:
+        cmd += ["--enable-expert-parallel", "--all2all-backend", eng.all2all_backend]
     if eng.enforce_eager:
         cmd.append("--enforce-eager")
     cmd.append("--enable-prefix-caching" if eng.prefix_caching else "--no-enable-prefix-caching")
@@ -99,6 +117,14 @@ def vllm_command(cfg: MoltConfig, model_dir: str | Path, port: int, index: int) 
     else:
         cmd.append("--skip-tokenizer-init")
     cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    # The shared-memory refit to an engine on the trainer's GPU, reached through /collective_rpc.
+    cmd += ["--worker-extension-cls", WORKER_EXTENSION]
+    if cfg.actor.router_replay and ROUTED_EXPERTS_FLAG not in eng.extra_args:
+        cmd.append(ROUTED_EXPERTS_FLAG)  # every answer carries the experts of each token (router replay)
+    # an access-log line per request costs the API server's event loop on every one of a step's thousands
+    cmd.append("--disable-uvicorn-access-log")
+    if eng.max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
     return cmd + list(eng.extra_args)
 
 
@@ -106,6 +132,9 @@ def vllm_env(token: str) -> dict[str, str]:
     """vLLM's environment: ours, plus the API key, the dev routes (pause, weight transfer), no NVLink multicast."""
     env = {**os.environ, "VLLM_API_KEY": token, "VLLM_SERVER_DEV_MODE": "1", "NCCL_NVLS_ENABLE": "0"}
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # its sampler needs flashinfer, not a vLLM dependency
+    # Last: what is already on the path (vLLM installed with --target, say) keeps precedence.
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != PACKAGE_ROOT]
+    env["PYTHONPATH"] = os.pathsep.join([*path, PACKAGE_ROOT])
     return env
 
 
@@ -160,6 +189,22 @@ async def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: f
     return False
 
 
+async def worker_place(front) -> dict:
+    """Where vLLM's workers run (our extension's `molt_place`, one answer per worker); {} when it cannot
+    say, and then the trainer refits this engine over NCCL."""
+    from molt_hpc.engine.vllm_front import call_upstream, upstream_message
+
+    status, raw, _ = await call_upstream(front, "POST", "/collective_rpc", "application/json",
+                                         data=json.dumps({"method": "molt_place", "timeout": 60}).encode())  # fmt: skip
+    try:
+        places = json.loads(raw)["results"] if status == 200 else None
+        uuids = [u for p in places for u in p["device_uuids"]]
+        return {"host_id": places[0]["host_id"], "shm_id": places[0].get("shm_id"), "device_uuids": uuids}
+    except (ValueError, KeyError, IndexError, TypeError):
+        get_logger().warning("vLLM's workers did not say where they run (HTTP %s: %s)", status, upstream_message(raw))
+        return {}
+
+
 async def serve_front(
     cfg: MoltConfig, run: RunDir, index: int, proc: subprocess.Popen, upstream: str, stop: asyncio.Event
 ) -> int:
@@ -172,6 +217,7 @@ async def serve_front(
     front = Front(upstream, run.token(), index, open_health=cfg.router.kind == "vllm-router")
     runner = web.AppRunner(build_front(front), handler_cancellation=True, access_log=None)
     await runner.setup()
+    front.place = await worker_place(front)
     sock = socket.create_server((cfg.engines.host, 0))  # port 0: the kernel picks a free one
     await web.SockSite(runner, sock).start()
     url = public_url(cfg.engines.host, sock.getsockname()[1])
@@ -204,6 +250,7 @@ async def serve(cfg: MoltConfig, run: RunDir, index: int) -> int:
 
     log = get_logger()
     version = check_vllm()  # before anything slow: a missing vLLM fails in seconds
+    check_all2all(cfg.engines)
     if version != TESTED_VLLM:
         log.warning("vLLM %s: the engine protocol and the refit were verified with vLLM %s", version, TESTED_VLLM)
     model_dir = resolve_model(cfg.model, run.models)

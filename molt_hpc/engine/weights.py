@@ -16,6 +16,7 @@ from aiohttp import web
 from molt_hpc.engine.http import error, read_json
 from molt_hpc.engine.server import EngineState, run_on_scheduler
 from molt_hpc.log import get_logger
+from molt_hpc.refit.experts import expert_views
 from molt_hpc.refit.receiver import RefitReceiver
 
 
@@ -25,8 +26,9 @@ class WeightSync:
     def __init__(self, state: EngineState, model: torch.nn.Module, on_version: Callable[[int], None] | None = None):
         self.state = state
         self.receiver = RefitReceiver()
-        # keep_vars: the live Parameters, tied weights under both of their names
-        self.params = model.state_dict(keep_vars=True)
+        # keep_vars: the live Parameters, tied weights under both of their names; fused MoE experts also
+        # under their per-expert HF names (views), as expert-parallel trainers send them
+        self.params = {**model.state_dict(keep_vars=True), **expert_views(model)}
         self.phase = "idle"
         self.on_version = on_version
 

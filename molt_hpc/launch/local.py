@@ -2,9 +2,16 @@
 
 Two children, the same entry points a Slurm job runs: the actor pool (`torchrun … jobs/actor.py`)
 and the engine pool (`jobs/engine.py --role pool`: engines, router, orchestrator). The launcher
-supervises them: training done → stop the pool, exit 0; any child dies → stop the other, say which
-died with the tail of its log, exit 1; Ctrl-C / SIGTERM → ask the trainer to checkpoint at the next
-step boundary (`control/stop`), wait for it, stop the pool. A second Ctrl-C stops at once.
+supervises them: training done → stop the pool, exit 0; a circuit breaker trips (a cause recorded
+in `control/failed`, or no step for `run.stall_timeout_s`) → the trainer checkpoints, everything
+stops, one line says why, exit 1; a child dies → stop the other, say which died (its `error:` line
+when it refused its input, else the tail of its log), exit 1; Ctrl-C / SIGTERM → ask the trainer to
+checkpoint at the next step boundary (`control/stop`), wait for it, stop the pool. A second Ctrl-C
+stops at once. The resume command is offered only when a checkpoint exists to resume from.
+
+With fewer GPUs than the pools ask for, both pools share them (one GPU: the trainer and the engine on
+it; the refit then goes through CUDA IPC). vLLM sizes its KV cache from the memory it finds free at
+start, so when vLLM engines share the trainer's GPU the trainer starts only once they registered.
 """
 
 import contextlib
@@ -15,10 +22,14 @@ import sys
 import time
 from pathlib import Path
 
+from molt_hpc import fault
+from molt_hpc.actor.ep_check import check_ep, model_experts
+from molt_hpc.buffer.cleanup import release_finished
 from molt_hpc.config import MoltConfig, to_toml
-from molt_hpc.launch.procs import REPO, Child, job_command, stop_all
+from molt_hpc.launch.procs import REPO, Child, exit_report, job_command, stop_all
 from molt_hpc.launch.progress import Progress
-from molt_hpc.log import MetricsWriter, get_logger
+from molt_hpc.launch.watchdog import Watchdog
+from molt_hpc.log import MetricsWriter, get_logger, log_tail
 from molt_hpc.models import resolve_model
 from molt_hpc.rundir import RunDir, atomic_write, create_run_dir
 from molt_hpc.trackers import Trackers, check_optional_packages
@@ -32,7 +43,9 @@ def prepare_run(cfg: MoltConfig) -> RunDir:
     (run.path / "control").mkdir(exist_ok=True)
     for stale in ("done", "stop", "checkpoint"):  # leftovers of an earlier, finished or stopped launch
         (run.path / "control" / stale).unlink(missing_ok=True)
-    resolve_model(cfg.model, run.models)
+    fault.clear(run.path)
+    base = resolve_model(cfg.model, run.models)
+    check_ep(cfg.actor.ep, cfg.actor.ranks, cfg.actor.ranks, model_experts(base))  # one node: all ranks
     return run
 
 
@@ -49,7 +62,7 @@ def visible_gpus() -> list[str]:
 def split_gpus(cfg: MoltConfig, gpus: list[str]) -> tuple[list[str], list[str]]:
     """(actor pool GPUs, engine pool GPUs): disjoint when there are enough, else both share them all."""
     actor_n = 0 if cfg.actor.device == "cpu" else cfg.actor.ranks
-    engine_n = 0 if cfg.engines.device == "cpu" else cfg.engines.count * cfg.engines.tensor_parallel
+    engine_n = 0 if cfg.engines.device == "cpu" else cfg.engines.count * cfg.engines.gpus_per_engine
     if not gpus or actor_n + engine_n == 0:
         return [], []
     if len(gpus) >= actor_n + engine_n:
@@ -67,7 +80,7 @@ def _gpu_env(gpus: list[str]) -> dict[str, str]:
 
 def actor_child(cfg: MoltConfig, run: RunDir) -> Child:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        sys.executable, "-m", "molt_hpc.launch.torchrun", "--standalone",
         "--nproc-per-node", str(cfg.actor.ranks), str(REPO / "jobs" / "actor.py"), str(run.path),
     ]  # fmt: skip
     return Child("actor pool", cmd, run.logs / "actor.log", {"OMP_NUM_THREADS": "1"})
@@ -84,18 +97,23 @@ def run_local(cfg: MoltConfig) -> int:
         )
     run = prepare_run(cfg)
     log.info("run directory %s", run.path)
+    resumed = _latest(run)
+    if resumed is not None:
+        log.info("resuming from checkpoint %s (step %d of %d)", resumed[0].name, resumed[1], cfg.run.steps)
     pool = Child("engine pool", job_command("engine.py", str(run.path), "--role", "pool"), run.logs / "pool.log")
     actor = actor_child(cfg, run)
     gpus = visible_gpus()
+    vllm_first = False
     if gpus:
         actor_gpus, pool_gpus = split_gpus(cfg, gpus)
         actor.env.update(_gpu_env(actor_gpus))
         pool.env.update(_gpu_env(pool_gpus))
         log.info("GPUs: actor pool %s, engine pool %s", actor_gpus or "none", pool_gpus or "none")
+        vllm_first = cfg.engines.kind == "vllm" and bool(set(actor_gpus) & set(pool_gpus))
     trackers = Trackers(cfg.logging, run, cfg.run.name)
-    children = [pool.start(), actor.start()]
-    atomic_write(run.path / "processes.json", json.dumps({c.name: c.pid for c in children}))
-    progress = Progress(cfg, run, trackers)
+    progress = Progress(cfg, run, trackers, start_step=resumed[1] if resumed else 0)  # before a child writes
+    watchdog = Watchdog(cfg, run.path)
+    children = [pool.start()]
     interrupts = 0
 
     def on_signal(signum, _frame):
@@ -109,45 +127,113 @@ def run_local(cfg: MoltConfig) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _supervise(run, actor, pool, progress, lambda: interrupts > 0)
+        if vllm_first:
+            log.info(
+                "vLLM shares the trainer's GPU and reserves engines.gpu_memory_utilization = %s of it: the trainer "
+                "starts once the engines are up", cfg.engines.gpu_memory_utilization,
+            )  # fmt: skip
+            code = _wait_for_engines(cfg, run, pool, lambda: interrupts > 0)
+            if code is not None:
+                return code
+        children.append(actor.start())
+        record = {"launcher": os.getpid(), **{c.name: c.pid for c in children}}
+        atomic_write(run.path / "processes.json", json.dumps(record))
+        code = _supervise(run, actor, pool, progress, watchdog, lambda: interrupts > 0)
     except KeyboardInterrupt:
-        log.warning("stopped at once; resume from the last checkpoint with: molt-hpc run --resume %s", run.path)
-        return 130
+        log.warning("stopped at once%s", _resume_hint(run, "; continue from checkpoint {name} with: "))
+        code = 130
     finally:
-        stop_all(children)
+        codes = stop_all(children)
+        log.info("stopped: %s", exit_report(codes))
         progress.close()
         trackers.close()
         for s, handler in old.items():
             signal.signal(s, handler)
+    removed = release_finished(run.path) if code == 0 else None  # a stopped run keeps its spool to resume from
+    if removed is not None:
+        log.info("removed the finished run's replay buffer %s", removed)
+    return code
 
 
-def _supervise(run: RunDir, actor: Child, pool: Child, progress: Progress, stopping) -> int:
+def _wait_for_engines(cfg: MoltConfig, run: RunDir, pool: Child, stopping) -> int | None:
+    """Wait until every engine registered (None), or return the run's exit code: the pool died, a stop
+    was asked, or the engines took longer than `engines.startup_timeout_s`."""
+    deadline = time.monotonic() + cfg.engines.startup_timeout_s + 60
+    while _live_registrations(run) < cfg.engines.count:
+        code = pool.poll()
+        if code is not None:
+            return _died(pool, code, run)
+        if stopping():
+            return 0
+        if time.monotonic() > deadline:
+            get_logger().error("the engines did not register within engines.startup_timeout_s; see %s", pool.log)
+            return 1
+        time.sleep(0.5)
+    return None
+
+
+def _live_registrations(run: RunDir) -> int:
+    """Engines registered by a process that still runs (a crashed launch leaves its files behind)."""
+    live = 0
+    for path in run.rendezvous.glob("engine-*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError):  # being replaced, or its process is gone
+            os.kill(int(json.loads(path.read_text())["pid"]), 0)
+            live += 1
+    return live
+
+
+def _supervise(run: RunDir, actor: Child, pool: Child, progress: Progress, watchdog: Watchdog, interrupted) -> int:
     log = get_logger()
     stop_deadline = None
     while True:
         time.sleep(0.5)
         progress.update()
-        if stopping() and stop_deadline is None:
+        failure = watchdog.check()
+        stopping = interrupted() or failure is not None
+        if stopping and stop_deadline is None:
             stop_deadline = time.monotonic() + STOP_WAIT_S
+        done = (run.path / "control" / "done").exists()
         code = actor.poll()
         if code is not None:
             progress.update()
-            if code == 0 and (run.path / "control" / "done").exists():
+            if code == 0 and done:
                 record_engine_versions(run)
                 progress.summary()
                 return 0
-            if code == 0 and stopping():
-                log.info("stopped after a checkpoint; continue with: molt-hpc run --resume %s", run.path)
+            failure = watchdog.check()  # the trainer may have stopped for a cause another process recorded
+            if failure is not None:
+                return _failed(run, failure, clean=code == 0)
+            if code == 0 and interrupted():
+                log.info("stopped after a checkpoint%s", _resume_hint(run, "; continue with: "))
                 return 0
             return _died(actor, code, run)
         code = pool.poll()
         # The orchestrator ends on its own once training is done or a stop was asked: wait for the trainer.
-        finishing = stopping() or (run.path / "control" / "done").exists()
-        if code is not None and not (code == 0 and finishing):
+        if code is not None and not (code == 0 and (stopping or done)) and watchdog.check() is None:
             return _died(pool, code, run)
         if stop_deadline is not None and time.monotonic() > stop_deadline:
             log.error("the trainer did not stop within %.0f s; stopping everything", STOP_WAIT_S)
             return 1
+
+
+def _latest(run: RunDir) -> tuple[Path, int] | None:
+    """(the newest whole checkpoint, its step), or None."""
+    from molt_hpc import checkpoint as ck
+
+    with contextlib.suppress(ValueError, OSError, KeyError):
+        latest = ck.latest_checkpoint(run.checkpoints)
+        if latest is not None:
+            return latest, int(ck.read_run_state(latest)["step"])
+    return None
+
+
+def _resume_hint(run: RunDir, lead: str) -> str:
+    """`lead` + the resume command when there is a checkpoint to continue from, else nothing: a resume
+    with nothing to resume from starts over, which is not what the hint would promise."""
+    latest = _latest(run)
+    if latest is None:
+        return ""
+    return lead.format(name=latest[0].name) + f"molt-hpc run --resume {run.path}"
 
 
 def record_engine_versions(run: RunDir) -> dict[str, int]:
@@ -161,13 +247,34 @@ def record_engine_versions(run: RunDir) -> dict[str, int]:
     return versions
 
 
+def _failed(run: RunDir, failure: dict, clean: bool) -> int:
+    """One line: why the run stopped; the resume command only when a checkpoint holds and a fix can help."""
+    hint = ""
+    if clean and not failure.get("config_error"):
+        hint = _resume_hint(run, "; checkpoint {name} holds the run: once fixed, continue with: ")
+    get_logger().error("run stopped: %s%s", failure["reason"], hint)
+    return 1
+
+
 def _died(child: Child, code: int, run: RunDir) -> int:
-    get_logger().error(
-        "%s exited with code %s; stopping the run. Last lines of %s:\n%s\nContinue from the last checkpoint with: "
-        "molt-hpc run --resume %s",
-        child.name, code, child.log, child.tail(), run.path,
+    log = get_logger()
+    user_error = user_error_line(child.log) if code == 2 else None
+    if user_error is not None:  # the child refused its input: that line is the whole story
+        log.error("%s stopped: %s", child.name, user_error)
+        return 1
+    log.error(
+        "%s exited with code %s; stopping the run. Last lines of %s:\n%s%s",
+        child.name, code, child.log, child.tail(), _resume_hint(run, "\nContinue from checkpoint {name} with: "),
     )  # fmt: skip
     return 1
+
+
+def user_error_line(log_path: Path) -> str | None:
+    """The last `error: ...` line a process printed for its user (exit code 2), without the prefix."""
+    for line in reversed(log_tail(log_path, 40).splitlines()):
+        if line.startswith("error: "):
+            return line.removeprefix("error: ")
+    return None
 
 
 def resume_config(run_dir: str | Path, overrides: tuple[str, ...]) -> MoltConfig:
@@ -181,4 +288,7 @@ def resume_config(run_dir: str | Path, overrides: tuple[str, ...]) -> MoltConfig
     cfg = load_config(path / "config.toml", [*where, *overrides])
     if cfg.checkpoint.resume == "never":
         raise ValueError("checkpoint.resume = 'never' in this run's config; --resume needs 'auto' or 'required'")
+    from molt_hpc.launch.preflight import check_resume
+
+    check_resume(path, cfg)
     return cfg

@@ -2,8 +2,10 @@
 
 Run as `jobs/engine.py RUN_DIR --role pool` by both launchers (a local subprocess, or one
 `srun --het-group=1` task per node). A dead engine is restarted in place (the router takes it
-out of the ring meanwhile, the trainer re-forms the refit group when it re-registers); a router
-or orchestrator that fails ends the pool with an error, which ends the run. The pool itself ends
+out of the ring meanwhile, the trainer re-forms the refit group when it re-registers), and so is a
+dead router (it holds no state; the orchestrator retries the requests it lost at the new address);
+one that keeps dying past `engines.max_restarts` ends the pool with the cause recorded for the run,
+and an orchestrator that fails ends the pool with an error, which ends the run. The pool itself ends
 only when its launcher stops it (SIGTERM), so engines still answer after training is done.
 """
 
@@ -12,7 +14,8 @@ import signal
 import time
 
 from molt_hpc.config import MoltConfig
-from molt_hpc.launch.procs import Child, job_command, stop_all
+from molt_hpc.fault import fail
+from molt_hpc.launch.procs import Child, exit_report, job_command, stop_all
 from molt_hpc.log import get_logger
 from molt_hpc.rundir import RunDir
 
@@ -23,12 +26,12 @@ def engine_env(cfg: MoltConfig, local_index: int) -> dict[str, str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible:
         gpus = visible.split(",")
-        tp = cfg.engines.tensor_parallel
-        mine = gpus[local_index * tp : (local_index + 1) * tp]
-        if len(mine) < tp:
+        n = cfg.engines.gpus_per_engine
+        mine = gpus[local_index * n : (local_index + 1) * n]
+        if len(mine) < n:
             raise ValueError(
-                f"engine {local_index} needs {tp} GPUs but the node has {len(gpus)} for {cfg.engines.count} "
-                "engines: lower engines.count or engines.tensor_parallel"
+                f"engine {local_index} needs {n} GPUs but the node has {len(gpus)} for {cfg.engines.count} "
+                "engines: lower engines.count, engines.tensor_parallel or engines.data_parallel"
             )
         env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
     return env
@@ -60,6 +63,9 @@ def run_pool(cfg: MoltConfig, run: RunDir, node_rank: int, max_restarts: int) ->
     log = get_logger()
     engines, services = pool_children(cfg, run, node_rank)
     children = engines + services
+    # The router holds no state: restarted like an engine (the orchestrator follows it to its new port).
+    restartable = engines + [c for c in services if c.name == "router"]
+    finishing = [c for c in services if c.name != "router"]
     stopping = False
 
     def on_term(signum, _frame):
@@ -72,25 +78,17 @@ def run_pool(cfg: MoltConfig, run: RunDir, node_rank: int, max_restarts: int) ->
         child.start()
         log.info("started %s (pid %d, log %s)", child.name, child.pid, child.log)
     try:
-        while not stopping:
+        while True:
             time.sleep(0.5)
-            for child in engines:
+            if stopping:  # children that exit now are answering the same stop, not dying
+                return 0
+            for child in restartable:
                 code = child.poll()
-                if code is None:
+                if code is None or stopping:  # (a stop that came with this exit is still a stop)
                     continue
-                if child.restarts >= max_restarts:
-                    log.error(
-                        "%s died (exit %s) after %d restarts; giving up\n%s",
-                        child.name,
-                        code,
-                        child.restarts,
-                        child.tail(),
-                    )
+                if not restart(child, code, max_restarts, run):
                     return 1
-                child.restarts += 1
-                log.warning("%s died (exit %s); restarting it (%d/%d)", child.name, code, child.restarts, max_restarts)
-                child.start()
-            for child in list(services):
+            for child in list(finishing):
                 code = child.poll()
                 if code is None:
                     continue
@@ -99,7 +97,26 @@ def run_pool(cfg: MoltConfig, run: RunDir, node_rank: int, max_restarts: int) ->
                     return 1
                 # A clean end (training done or a stop asked): engines keep serving until the launcher stops us.
                 log.info("%s finished", child.name)
-                services.remove(child)
-        return 0
+                finishing.remove(child)
     finally:
-        stop_all(children)
+        codes = stop_all(children)
+        failed = {n: c for n, c in codes.items() if c not in (0, None)}
+        (log.warning if failed else log.info)("pool stopped: %s", exit_report(codes))
+
+
+def restart(child: Child, code: int, max_restarts: int, run: RunDir) -> bool:
+    """Start `child` again after it died; False (the cause recorded for the run) once it used its restarts."""
+    log = get_logger()
+    if child.restarts >= max_restarts:
+        last = next((ln for ln in reversed(child.tail(5).splitlines()) if ln.strip()), "(no output)")
+        reason = (
+            f"{child.name} died {child.restarts + 1} times (engines.max_restarts = {max_restarts}); "
+            f"last line of {child.log.name}: {last.strip()}"
+        )
+        log.error("%s; giving up\n%s", reason, child.tail())
+        fail(run.path, reason, "engine pool")
+        return False
+    child.restarts += 1
+    log.warning("%s died (exit %s); restarting it (%d/%d)", child.name, code, child.restarts, max_restarts)
+    child.start()
+    return True

@@ -77,16 +77,28 @@ class Child:
         return log_tail(self.log, lines)
 
 
-def stop_all(children: list["Child"], grace_s: float = 10.0) -> None:
-    """Stop children in reverse start order, all within about `grace_s` in total."""
+def stop_all(children: list["Child"], grace_s: float = 10.0) -> dict[str, int | None]:
+    """Stop children in reverse start order, all within about `grace_s` in total; each one's exit code.
+
+    A child stopped by SIGTERM exits 0 after its own ordered shutdown; one still running after the
+    grace period is killed (exit -9); one never started has no code.
+    """
     for child in reversed(children):
         child.signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
+    codes: dict[str, int | None] = {}
     for child in reversed(children):
         if child.proc is None:
+            codes[child.name] = None
             continue
         try:
-            child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            codes[child.name] = child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             child.signal(signal.SIGKILL)
-            child.proc.wait()
+            codes[child.name] = child.proc.wait()
+    return codes
+
+
+def exit_report(codes: dict[str, int | None]) -> str:
+    """`engine 0 exit 0, router exit 0, ...` for a log line (children that never started are left out)."""
+    return ", ".join(f"{name} exit {code}" for name, code in codes.items() if code is not None)

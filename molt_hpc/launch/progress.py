@@ -1,9 +1,11 @@
 """What an interactive or logged local run shows: a progress bar or one line per step, then a summary.
 
 It follows the trainer's records in `metrics.jsonl` (source `actor`), so it shows exactly what the
-machine-readable record holds. Where no step comes for a while, it says what the run is doing
-instead (`activity`): engines starting (a vLLM engine loads for minutes) or a checkpoint being
-written, with the bytes so far.
+machine-readable record holds; only records written after it started count, so a resumed run shows
+its new steps, not the old ones again. The rollout's records add the env and engine error counts so
+far to each step line, and a line of their own when groups fail while no step comes. Where no step
+comes for a while, it says what the run is doing instead (`activity`): engines starting (a vLLM
+engine loads for minutes) or a checkpoint being written, with the bytes so far.
 """
 
 import contextlib
@@ -19,35 +21,51 @@ from molt_hpc.rundir import RunDir
 class Progress:
     """Follows `metrics.jsonl` and renders new trainer steps."""
 
-    def __init__(self, cfg: MoltConfig, run: RunDir, trackers: Any = None):
+    def __init__(self, cfg: MoltConfig, run: RunDir, trackers: Any = None, start_step: int = 0):
         self.run = run
         self.trackers = trackers
         """`molt_hpc.trackers.Trackers` fed on every update (W&B, TensorBoard), or None."""
-        self.records: list[dict] = []
-        self._offset = 0
         self._last_shown = time.monotonic()
         self.engines = cfg.engines.count  # a local run has one node
+        self.records: list[dict] = []
+        self._offset = run.metrics.stat().st_size if run.metrics.exists() else 0  # earlier starts' records
+        self.errors = {"env_errors": 0, "engine_errors": 0}
+        """Env errors and engine failures the rollout reported since this start."""
+        self._reported = dict(self.errors)
+        self.first_failure: str | None = None
         mode = cfg.logging.progress
         self.bar = None
         if mode == "bar" or (mode == "auto" and interactive()):
             from tqdm import tqdm
 
-            self.bar = tqdm(total=cfg.run.steps, desc="steps", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=cfg.run.steps, initial=start_step, desc="steps", unit="step", dynamic_ncols=True)
 
     def update(self) -> None:
         if self.trackers is not None:
             self.trackers.update()
         self._show_activity()
+        stepped = False
         for rec in self._new_records():
+            if rec.get("source") == "rollout":
+                self._count_errors(rec)
             if rec.get("source") != "actor" or "step" not in rec:
                 continue
+            stepped = True
             self.records.append(rec)
             self._last_shown = time.monotonic()
+            shown = {**rec, **{k: v for k, v in self.errors.items() if v}}
+            self._reported = dict(self.errors)
             if self.bar is not None:
                 self.bar.n = rec["step"]
-                self.bar.set_postfix_str(_postfix(rec), refresh=True)
+                self.bar.set_postfix_str(_postfix(shown), refresh=True)
             else:
-                print(step_line(rec["step"], rec), flush=True)
+                print(step_line(rec["step"], shown), flush=True)
+        if not stepped and self.errors != self._reported:  # failures while no step comes: say so now
+            self._reported = dict(self.errors)
+            first = f"; first: {self.first_failure}" if self.first_failure else ""
+            self._write(
+                f"rollout: {self.errors['env_errors']} env errors, {self.errors['engine_errors']} engine errors{first}"
+            )
 
     def _show_activity(self) -> None:
         """Every `ACTIVITY_S` without a new step: one line (or the bar's postfix) saying what happens."""
@@ -62,6 +80,18 @@ class Progress:
             self.bar.set_postfix_str(what, refresh=True)
         else:
             print(what, flush=True)
+
+    def _count_errors(self, rec: dict) -> None:
+        self.errors["env_errors"] += sum(v for k, v in rec.items() if k.startswith("env_errors_"))
+        self.errors["engine_errors"] += rec.get("samples_engine_retries", 0)
+        if self.first_failure is None and rec.get("first_failure"):
+            self.first_failure = rec["first_failure"]
+
+    def _write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
 
     def _new_records(self) -> list[dict]:
         path = self.run.metrics
@@ -81,9 +111,10 @@ class Progress:
         return out
 
     def summary(self) -> None:
+        from molt_hpc.log import read_metrics, training_steps
         from molt_hpc.plot import plot_run, reward_summary
 
-        print(reward_summary(self.records), flush=True)
+        print(reward_summary(training_steps(read_metrics(self.run.metrics, source="actor"))), flush=True)
         png = plot_run(self.run.path)
         print(f"plot: {png}", flush=True)
 
@@ -96,10 +127,13 @@ def _postfix(rec: dict) -> str:
     parts = []
     for key, label, fmt in (
         ("reward", "reward", ".3f"),
+        ("reward_trained", "trained", ".3f"),
         ("kl", "kl", ".4f"),
         ("kl_rollout", "kl(rollout)", ".4f"),
         ("tokens_per_s", "tok/s", ".0f"),
         ("buffer_pending", "buffer", "d"),
+        ("env_errors", "env errors", "d"),
+        ("engine_errors", "engine errors", "d"),
     ):
         if rec.get(key) is not None:
             parts.append(f"{label} {format(rec[key], fmt)}")

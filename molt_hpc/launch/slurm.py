@@ -14,6 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from molt_hpc import fault
 from molt_hpc.config import MoltConfig, to_toml
 from molt_hpc.launch.slurm_checks import preflight
 from molt_hpc.launch.slurm_render import standalone_script as _standalone
@@ -85,6 +86,7 @@ def submit(cfg: MoltConfig, *, resume: bool = False) -> tuple[str, Path]:
     create_run_dir(run.parent, run.name, to_toml(cfg))
     for name in ("cancel", "stop"):  # requests meant for an earlier job of this run
         control_file(run, name).unlink(missing_ok=True)
+    fault.clear(run)  # and why that job stopped: this one starts clean
     try:
         executor = HetSlurmExecutor(run / "submitit", cfg, workdir=Path.cwd())
         job = executor.submit(SlurmDriver(run))

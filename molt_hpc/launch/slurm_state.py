@@ -69,6 +69,48 @@ def job_state(job_id: str) -> str | None:
     return None
 
 
+def job_components(job_id: str) -> list[dict[str, str]]:
+    """`scontrol show job` of every component of job `job_id` (het offset order); [] when Slurm does not know it."""
+    lines = _query("scontrol", "-o", "show", "job", job_id).splitlines()
+    comps = [dict(token.partition("=")[::2] for token in line.split()) for line in lines if line.strip()]
+    return sorted(comps, key=lambda f: int(f.get("HetJobOffset", 0) or 0))
+
+
+STOP_CAUSES = ("requeued", "preempted", "time limit", "cancelled", "signal")
+
+
+def stop_cause(job_id: str, restarts_seen: int) -> str:
+    """Why the job's processes got SIGTERM, from the job's own record at that moment (measured on slurm 22.05):
+
+    - `requeued`: Slurm is requeueing it (a preemption in REQUEUE mode, `scontrol requeue`): Restarts has
+      already gone past this start's SLURM_RESTART_COUNT;
+    - `preempted`: a preemption is under way (PreemptTime is set; the TERM comes after the GraceTime);
+    - `time limit`: the time limit is reached (Reason=TimeLimit);
+    - `cancelled`: `scancel` (the job is CANCELLED or COMPLETING, none of the above);
+    - `signal`: the job still RUNNING, none of the above: a SIGTERM sent by hand (`scancel --signal`, kill).
+    """
+    comps = job_components(job_id)
+    if not comps:
+        return "signal"
+    if max(int(c.get("Restarts", 0) or 0) for c in comps) > restarts_seen:
+        return "requeued"
+    if any(c.get("PreemptTime") not in (None, "", "None") for c in comps):
+        return "preempted"
+    if any(c.get("Reason") == "TimeLimit" or c.get("JobState") == "TIMEOUT" for c in comps):
+        return "time limit"
+    if comps[0].get("JobState") in ("CANCELLED", "COMPLETING"):
+        return "cancelled"
+    return "signal"
+
+
+def job_step_lines(job_id: str) -> list[str]:
+    """`<step id> <name> on <nodes>, <time>` for each running step of the job (every het component)."""
+    ids = ",".join(c["JobId"] for c in job_components(job_id) if c.get("JobId")) or job_id
+    out = _query("squeue", "-h", "-s", "-j", ids, "-o", "%i|%j|%N|%M")
+    steps = [line.split("|") for line in out.splitlines() if line.count("|") == 3]
+    return [f"{sid} {name} on {nodes}, {used}" for sid, name, nodes, used in steps if not sid.endswith(".batch")]
+
+
 def slurm_job_state(run_dir: str | Path) -> str | None:
     """`job <id> <STATE>` for the run's latest Slurm job; None when the run never went to Slurm."""
     job_id = read_job_id(run_dir)

@@ -53,9 +53,12 @@ def script_path(path: str) -> str:
 @dataclass
 class SrunStep(Child):
     """A job step run by srun. srun answers SIGTERM by killing its tasks, so a graceful stop sends
-    SIGTERM to the step's tasks through `scancel --signal` and kills srun only after `grace_s`."""
+    `stop_signal` to the step's tasks through `scancel --signal` and kills srun only after `grace_s`."""
 
     step_name: str = ""
+    stop_signal: str = "TERM"
+    """The engine pool takes SIGINT: every process of it answers INT as a stop, as TERM, and slurmstepd
+    logs a step sent TERM as CANCELLED even when it exits 0 after a clean stop."""
 
     def step_ids(self) -> list[str]:
         jobs = ",".join(v for k, v in os.environ.items() if k.startswith("SLURM_JOB_ID_HET_GROUP_"))
@@ -66,7 +69,7 @@ class SrunStep(Child):
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.poll()
         for step_id in self.step_ids():
-            subprocess.run(["scancel", "--signal=TERM", step_id], capture_output=True)
+            subprocess.run(["scancel", f"--signal={self.stop_signal}", step_id], capture_output=True)
         try:
             return self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
@@ -90,7 +93,7 @@ def procs_per_node(cfg: MoltConfig) -> int:
 
 def actor_command(cfg: MoltConfig, run_dir: Path, nodes: list[str], endpoint: str, job_id: str) -> list[str]:
     torchrun = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "molt_hpc.launch.torchrun",
         f"--nnodes={len(nodes)}", f"--nproc-per-node={procs_per_node(cfg)}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id=molt-{job_id}", "--max-restarts=0",
         script_path(cfg.slurm.actor_script), str(run_dir),
@@ -110,5 +113,6 @@ def job_steps(cfg: MoltConfig, run_dir: Path, job_id: str) -> tuple[SrunStep, Sr
     logs = run_dir / "logs"
     actor_cmd = actor_command(cfg, run_dir, actor_nodes, endpoint, job_id)
     actor = SrunStep("actor pool", actor_cmd, logs / "actor.log", step_name=ACTOR_STEP)
-    pool = SrunStep("engine pool", engine_command(cfg, run_dir, engine_nodes), logs / "pool.log", step_name=POOL_STEP)
+    pool_cmd = engine_command(cfg, run_dir, engine_nodes)
+    pool = SrunStep("engine pool", pool_cmd, logs / "pool.log", step_name=POOL_STEP, stop_signal="INT")
     return actor, pool

@@ -4,6 +4,7 @@
 - `resolve`: `model.path` to a directory; the `builtin:` registry, each built once into the model cache.
 - `tiny_char`: `builtin:tiny-char`, the offline character-level Qwen3 the CPU demo and tests train.
 - `tiny_vl`: `builtin:tiny-vl`, the offline tiny Qwen2-VL (tiny-char's tokenizer plus the vision tokens).
+- `tiny_moe`: `builtin:tiny-moe`, the offline tiny Qwen3-MoE over the same tokenizer (router replay, EP).
 - `gguf`: GGUF checkpoints from installed packages (`builtin:smollm2`), converted once to safetensors.
 - `sharded`: the trainer's loading: a model built on the meta device, sharded, each rank reading only its
   slices of the safetensors files (`slices`: names, fused MoE experts, region reads).
@@ -12,12 +13,14 @@
 from molt_hpc.models.load import check_model_dir, load_causal_lm, load_tokenizer, quiet_transformers
 from molt_hpc.models.resolve import BUILTINS, build_once, resolve_model
 from molt_hpc.models.tiny_char import SPECIALS, build_tiny, build_tiny_tokenizer
+from molt_hpc.models.tiny_moe import build_tiny_moe
 
 __all__ = [
     "BUILTINS",
     "SPECIALS",
     "build_once",
     "build_tiny",
+    "build_tiny_moe",
     "build_tiny_tokenizer",
     "check_model_dir",
     "load_causal_lm",

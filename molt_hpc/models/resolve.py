@@ -23,6 +23,13 @@ def _tiny_char(cfg: ModelConfig, cache_dir: Path) -> Path:
     return build_once(cache_dir, "tiny-char", cfg.tiny.model_dump(), lambda out: build_tiny(out, cfg.tiny))
 
 
+def _tiny_moe(cfg: ModelConfig, cache_dir: Path) -> Path:
+    from molt_hpc.models.tiny_moe import build_tiny_moe
+
+    spec = cfg.tiny_moe
+    return build_once(cache_dir, "tiny-moe", spec.model_dump(), lambda out: build_tiny_moe(out, spec))
+
+
 def _tiny_vl(cfg: ModelConfig, cache_dir: Path) -> Path:
     from molt_hpc.models.tiny_vl import build_tiny_vl
 
@@ -39,6 +46,7 @@ def _smollm2(cfg: ModelConfig, cache_dir: Path) -> Path:
 BUILTINS: dict[str, Callable[[ModelConfig, Path], Path]] = {
     "builtin:tiny-char": _tiny_char,
     "builtin:smollm2": _smollm2,
+    "builtin:tiny-moe": _tiny_moe,
     "builtin:tiny-vl": _tiny_vl,
 }
 """Every `builtin:` model: name -> function(model config, cache dir) -> its HF directory."""
@@ -78,3 +86,22 @@ def build_once(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def builtin_config(cfg: ModelConfig):
+    """The transformers config a builtin model is built from (no weights, nothing written), for
+    `molt-hpc plan`; None for a builtin converted from an installed file (read its directory)."""
+    if cfg.path == "builtin:tiny-char":
+        from molt_hpc.models.tiny_char import tiny_config
+
+        return tiny_config(cfg.tiny)
+    if cfg.path == "builtin:tiny-moe":
+        from molt_hpc.models.tiny_char import build_tiny_tokenizer
+        from molt_hpc.models.tiny_moe import tiny_moe_config
+
+        return tiny_moe_config(cfg.tiny_moe, build_tiny_tokenizer())
+    if cfg.path == "builtin:tiny-vl":
+        from molt_hpc.models.tiny_vl import build_tiny_vl_tokenizer, tiny_vl_config
+
+        return tiny_vl_config(cfg.tiny_vl, build_tiny_vl_tokenizer())
+    return None

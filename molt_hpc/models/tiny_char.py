@@ -43,16 +43,14 @@ def build_tiny_tokenizer():
     )
 
 
-def build_tiny(out_dir: str | Path, tiny: TinyModelConfig) -> Path:
-    """Write the tiny model (weights from `tiny.init_seed`) and its tokenizer to `out_dir`."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
+def tiny_config(tiny: TinyModelConfig, vocab_size: int | None = None):
+    """The transformers config of `builtin:tiny-char` for `tiny` (the vocabulary is the tokenizer's)."""
+    from transformers import Qwen3Config
 
-    quiet_transformers()
-    out = Path(out_dir)
-    tokenizer = build_tiny_tokenizer()
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
+    if vocab_size is None:
+        vocab_size = len(build_tiny_tokenizer())
+    return Qwen3Config(
+        vocab_size=vocab_size,
         hidden_size=tiny.hidden_size,
         intermediate_size=tiny.intermediate_size,
         num_hidden_layers=tiny.num_layers,
@@ -61,11 +59,23 @@ def build_tiny(out_dir: str | Path, tiny: TinyModelConfig) -> Path:
         head_dim=tiny.hidden_size // tiny.num_heads,
         max_position_embeddings=tiny.max_position_embeddings,
         tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=SPECIALS.index("<pad>"),
+        eos_token_id=SPECIALS.index("<|im_end|>"),
         bos_token_id=None,
         dtype="float32",
     )
+
+
+def build_tiny(out_dir: str | Path, tiny: TinyModelConfig) -> Path:
+    """Write the tiny model (weights from `tiny.init_seed`) and its tokenizer to `out_dir`."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    quiet_transformers()
+    out = Path(out_dir)
+    tokenizer = build_tiny_tokenizer()
+    config = tiny_config(tiny, len(tokenizer))
+    assert (config.pad_token_id, config.eos_token_id) == (tokenizer.pad_token_id, tokenizer.eos_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(tiny.init_seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -45,18 +45,14 @@ def build_image_processor(tiny: TinyVLModelConfig):
     )
 
 
-def build_tiny_vl(out_dir: str | Path, tiny: TinyVLModelConfig) -> Path:
-    """Write the tiny VLM (weights from `tiny.init_seed`), its tokenizer and image processor to `out_dir`."""
-    import torch
-    from transformers import AutoModelForImageTextToText, GenerationConfig, Qwen2VLConfig
+def tiny_vl_config(tiny: TinyVLModelConfig, tokenizer):
+    """The `Qwen2VLConfig` of `builtin:tiny-vl` over `tokenizer` (`build_tiny_vl_tokenizer`): no weights."""
+    from transformers import Qwen2VLConfig
 
-    quiet_transformers()
-    out = Path(out_dir)
-    tokenizer = build_tiny_vl_tokenizer()
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in VISION_TOKENS}
     head_dim = tiny.hidden_size // tiny.num_heads
     unit = head_dim // 16  # mRoPE splits the rotary half of a head over (t, h, w) as 2:3:3 (Qwen2-VL's 16:24:24)
-    config = Qwen2VLConfig(
+    return Qwen2VLConfig(
         text_config={
             "vocab_size": len(tokenizer),
             "hidden_size": tiny.hidden_size,
@@ -94,6 +90,26 @@ def build_tiny_vl(out_dir: str | Path, tiny: TinyVLModelConfig) -> Path:
         bos_token_id=None,
         dtype="float32",
     )
+
+
+def tiny_vl_vision(tiny: TinyVLModelConfig):
+    """The `Vision` of `builtin:tiny-vl` (its spec and image processor) without building the model."""
+    from molt_hpc.vision.processor import Vision
+    from molt_hpc.vision.spec import spec_from_config
+
+    config = tiny_vl_config(tiny, build_tiny_vl_tokenizer()).to_dict()
+    return Vision.from_parts(spec_from_config(config, "builtin:tiny-vl"), build_image_processor(tiny))
+
+
+def build_tiny_vl(out_dir: str | Path, tiny: TinyVLModelConfig) -> Path:
+    """Write the tiny VLM (weights from `tiny.init_seed`), its tokenizer and image processor to `out_dir`."""
+    import torch
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    quiet_transformers()
+    out = Path(out_dir)
+    tokenizer = build_tiny_vl_tokenizer()
+    config = tiny_vl_config(tiny, tokenizer)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(tiny.init_seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)

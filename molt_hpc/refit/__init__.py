@@ -1,9 +1,11 @@
-"""The weight refit: trainer rank 0 pushes full weights to every engine as flat broadcast buckets.
+"""The weight refit: trainer rank 0 pushes full weights to every engine as flat buckets.
 
     buckets.py   tensor metadata and the deterministic bucket plan both ends compute; pack/unpack
     group.py     the dedicated refit communicator (gloo on CPU, NCCL on GPUs) on a prefixed TCPStore
-    sender.py    `RefitSender`: the trainer side (hosts the store, drives the engines' HTTP routes)
-    receiver.py  `RefitReceiver`: the engine side (joins the group, receives buckets, loads by name)
+    handles.py   who shares the trainer's GPU or host; shared buffers as JSON fields (CUDA IPC, /dev/shm)
+    ipc.py       the shared slots and their hand-off, for engines NCCL cannot reach (same GPU) or need not
+    sender.py    `RefitSender`: the trainer side (picks each engine's transport, drives the HTTP routes)
+    receiver.py  `RefitReceiver`: the engine side (joins the group or maps the slots, loads by name)
     vllm_sender.py  `VllmRefitSender`: the trainer side for `vllm serve` engines (vLLM's own helpers)
 
 The protocol follows vLLM's native weight-transfer API (init → start → update → finish, packed

@@ -11,6 +11,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
 
+HTTP_GRACE_S = 30.0
+"""An engine's own waits (joining the group, a bucket) last up to the refit timeout: its HTTP answer,
+which says why it failed, gets this much longer to arrive."""
+
 
 def post_json(url: str, body: dict[str, Any], token: str, timeout_s: float) -> dict[str, Any]:
     """POST `body` to `url` with the run's token; a non-2xx answer raises `RuntimeError` with its message."""
@@ -28,6 +32,16 @@ def post_json(url: str, body: dict[str, Any], token: str, timeout_s: float) -> d
         raise RuntimeError(f"{url}: HTTP {err.code}: {detail}") from None
 
 
+def get_json(url: str, token: str, timeout_s: float) -> dict[str, Any]:
+    """GET `url` with the run's token; a non-2xx answer raises `RuntimeError` with its message."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        raise RuntimeError(f"{url}: HTTP {err.code}: {err.read().decode(errors='replace')}") from None
+
+
 class EngineCalls:
     """Concurrent calls to engines with the run's token."""
 
@@ -37,7 +51,7 @@ class EngineCalls:
         self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="refit-http")
 
     def post(self, url: str, path: str, body: dict[str, Any]) -> Future:
-        return self.pool.submit(post_json, url.rstrip("/") + path, body, self.token, self.timeout_s)
+        return self.pool.submit(post_json, url.rstrip("/") + path, body, self.token, self.timeout_s + HTTP_GRACE_S)
 
     def wait(self, calls: list[Future], urls: Sequence[str], what: str) -> list[dict[str, Any]]:
         """Every call's answer, or one `RuntimeError` listing each engine that failed."""
@@ -50,6 +64,12 @@ class EngineCalls:
         if errors:
             raise RuntimeError(f"{what} failed on {len(errors)} engine(s): " + "; ".join(errors))
         return results
+
+    def places(self, urls: Sequence[str]) -> list[dict[str, Any] | None]:
+        """Where each engine runs, from its `/health` (`host_id`, `device_uuids`); None if it does not say."""
+        calls = [self.pool.submit(get_json, url.rstrip("/") + "/health", self.token, self.timeout_s) for url in urls]
+        answers = self.wait(calls, urls, "health")
+        return [a if "device_uuids" in a else None for a in answers]
 
     def round(self, urls: Sequence[str], path: str, body: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """The same POST to every engine, waited for."""

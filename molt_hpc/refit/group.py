@@ -14,10 +14,11 @@ import torch.distributed as dist
 
 
 def resolve_backend(setting: str, device: str | torch.device) -> str:
-    """`refit.backend` → `gloo` or `nccl`; `auto` follows the device the weights live on."""
-    if setting not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"refit.backend = {setting!r}; use auto, gloo or nccl")
-    if setting != "auto":
+    """`refit.backend` → the group's `gloo` or `nccl`; `auto` (and `ipc`, for the engines it cannot
+    reach through shared memory) follows the device the weights live on."""
+    if setting not in ("auto", "gloo", "nccl", "ipc"):
+        raise ValueError(f"refit.backend = {setting!r}; use auto, gloo, nccl or ipc")
+    if setting in ("gloo", "nccl"):
         return setting
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 

@@ -1,10 +1,14 @@
 """The engine side of the refit: join the trainer's group, receive flat buckets, load them by HF name.
 
-The engine's HTTP routes call these methods from a worker thread while its scheduler is paused, so
-loading into the live parameters cannot race a decode step. A refused update (unknown name, wrong
-shape) still drains every bucket of the broadcast, so the sender and the other engines stay in step.
+Two transports: the broadcast group (gloo/NCCL), or, for an engine on the trainer's own GPU or host,
+the trainer's shared slots (`ipc.py`: `init_info.backend = "ipc"`). The engine's HTTP routes call
+these methods from a worker thread while its scheduler is paused, so loading into the live
+parameters cannot race a decode step. A refused update (unknown name, wrong shape) still drains
+every bucket of a broadcast, so the sender and the other engines stay in step; over shared slots it
+is refused before any bucket is taken, and the sender sees the refusal while it waits.
 """
 
+import threading
 import time
 from typing import Any
 
@@ -13,6 +17,7 @@ import torch
 from molt_hpc.log import get_logger
 from molt_hpc.refit.buckets import Bucket, bucket_views, metas_from_info, plan_buckets
 from molt_hpc.refit.group import RefitGroup, buffer_device, connect_store, new_group
+from molt_hpc.refit.ipc import ChannelClosed, IpcInbox
 
 INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size")
 
@@ -22,21 +27,38 @@ class RefitReceiver:
 
     def __init__(self) -> None:
         self.group: RefitGroup | None = None
+        self.inbox: IpcInbox | None = None
+        self._reading: IpcInbox | None = None
+        """The inbox a receive is reading now: a new init closes it only once that receive has ended."""
+        self._lock = threading.Lock()
         self._buffers: list[torch.Tensor] = []
         self._views: dict[tuple[int, Bucket], list[torch.Tensor]] = {}
         """Typed views of each bucket inside each buffer, kept while the buffers are."""
 
     def init(self, init_info: dict[str, Any]) -> dict[str, Any]:
-        """Join (or re-join under a new prefix) the group described by vLLM-style `init_info`."""
+        """Join (or re-join under a new prefix) the group described by vLLM-style `init_info`, or map
+        the trainer's shared slots (`backend = "ipc"`, the handles in `init_info.ipc`)."""
+        self.leave()
+        timeout = float(init_info.get("timeout_s", 600.0))
+        if init_info.get("backend") == "ipc":
+            spec = init_info.get("ipc")
+            if not isinstance(spec, dict):
+                raise ValueError("init_info.backend = 'ipc' needs the trainer's slot handles in init_info.ipc")
+            t0 = time.perf_counter()
+            self.inbox = IpcInbox(spec, timeout)
+            get_logger().info(
+                "mapped the trainer's %d refit slots of %.0f MiB (%s, %.2fs)", len(self.inbox.buffers),
+                self.inbox.buffers[0].numel() / 2**20, "CUDA IPC" if self.inbox.buffers[0].is_cuda else "shared memory",
+                time.perf_counter() - t0,
+            )  # fmt: skip
+            return {"transport": "ipc", "slots": len(self.inbox.buffers)}
         missing = [k for k in INIT_FIELDS if k not in init_info]
         if missing:
             raise ValueError(f"init_info lacks {', '.join(missing)}")
         rank, world = init_info["rank_offset"], init_info["world_size"]
         if not (isinstance(rank, int) and isinstance(world, int) and 0 < rank < world):
             raise ValueError(f"init_info: need integers 0 < rank_offset < world_size, got {rank} and {world}")
-        timeout = float(init_info.get("timeout_s", 600.0))
         backend = str(init_info.get("backend", "gloo"))
-        self.group = None  # leave the old group (its peers may be gone) before joining the new one
         t0 = time.perf_counter()
         store = connect_store(str(init_info["master_address"]), int(init_info["master_port"]), timeout)
         prefix = str(init_info.get("group_name", "refit/"))
@@ -46,12 +68,23 @@ class RefitReceiver:
         )
         return {"rank": rank, "world_size": world}
 
+    def leave(self) -> None:
+        """Drop the group or the mapped slots (their peers may be gone) before joining anew."""
+        self.group = None
+        self._views = {}  # views of the old buffers or slots
+        with self._lock:
+            old, self.inbox = self.inbox, None
+            if old is not None:
+                old.replaced = True  # a receive still waiting on it stops at its next look
+                if old is not self._reading:
+                    old.close()
+
     def receive(self, update_info: dict[str, Any], params: dict[str, torch.Tensor]) -> int:
         """Receive every bucket of one update and copy each tensor into `params[name]`; returns the count.
 
         `params` maps HF names to the live tensors (tied weights may appear under two names).
         """
-        if self.group is None:
+        if self.group is None and self.inbox is None:
             raise ValueError("no refit group: call /init_weight_transfer_engine before /update_weights")
         if not update_info.get("packed", False):
             raise ValueError("only packed updates are supported: set update_info.packed = true")
@@ -61,6 +94,10 @@ class RefitReceiver:
             raise ValueError("update_info.bucket_bytes must be a positive integer (the sender's bucket size)")
         plan = plan_buckets(metas, bucket_bytes)
         problem = _check_targets(metas, params)
+        if self.inbox is not None:
+            if problem is not None:
+                raise ValueError(problem)
+            return self._receive_shared(plan, update_info.get("ipc_first"), params)
         self._ensure_buffers(max((b.nbytes for b in plan), default=0))
         loaded = 0
         pending = self._post(plan, 0)
@@ -78,6 +115,39 @@ class RefitReceiver:
             torch.cuda.current_stream(self._buffers[0].device).synchronize()
         if problem is not None:
             raise ValueError(problem)
+        return loaded
+
+    def _receive_shared(self, plan: list[Bucket], first: Any, params: dict[str, torch.Tensor]) -> int:
+        """Copy bucket k of `plan` out of slot (first + k) as soon as the trainer posts it."""
+        if not isinstance(first, int) or first < 0:
+            raise ValueError("update_info.ipc_first (the channel's index of the first bucket) must be an integer >= 0")
+        with self._lock:
+            inbox = self._reading = self.inbox
+        if inbox is None:
+            raise ChannelClosed("a new refit channel is being set up; this update was dropped")
+        try:
+            return self._copy_out(inbox, plan, first, params)
+        finally:
+            with self._lock:
+                self._reading = None
+                if inbox.replaced:
+                    inbox.close()
+
+    def _copy_out(self, inbox: IpcInbox, plan: list[Bucket], first: int, params: dict[str, torch.Tensor]) -> int:
+        loaded = 0
+        for k, bucket in enumerate(plan):
+            g = first + k
+            if bucket.nbytes > inbox.slot(g).numel():
+                raise ValueError(f"refit bucket {k} ({bucket.nbytes} bytes) does not fit the shared slots")
+            inbox.wait_posted(g)
+            key = (g % len(inbox.buffers), bucket)
+            views = inbox.views.get(key)
+            if views is None:
+                views = inbox.views[key] = bucket_views(inbox.slot(g), bucket)
+            with torch.no_grad():
+                torch._foreach_copy_([params[m.name] for m in bucket.metas], views)
+            inbox.consumed(g)
+            loaded += len(views)
         return loaded
 
     def _post(self, plan, k: int):

@@ -4,12 +4,15 @@
     sender.connect(engine_urls)                  # (re)form the group with these engines
     sender.push(model.named_parameters(), version=step)
 
-`connect` hosts the TCPStore (once), publishes `rendezvous/refit_store.json`, tells each engine to
-join at rank `1 + i` and joins as rank 0 at the same time (the group forms only when all ranks are
-in). `push` pauses the engines at a step boundary, streams the weights as flat buckets while the
-engines' `/update_weights` calls are in flight, then has them load, bump the version and resume.
-Call `connect` again when the set of engines changes (an engine restarted): it forms a new group
-under a new prefix.
+`connect` asks each engine where it runs (`/health`) and picks its transport (`ipc.choose_transports`:
+shared memory for an engine on this trainer's GPU, where NCCL cannot go, or host; the group
+otherwise; the choice is logged). For the group it hosts the TCPStore (once), publishes
+`rendezvous/refit_store.json`, tells each group engine to join at rank `1 + i` and joins as rank 0 at
+the same time (the group forms only when all ranks are in); the other engines map the slots it
+shares with them. `push` pauses the engines at a step boundary, streams the weights as flat buckets
+(broadcast, or posted in the shared slots) while the engines' `/update_weights` calls are in flight,
+then has them load, bump the version and resume. Call `connect` again when the set of engines
+changes (an engine restarted): it forms a new group under a new prefix, and shares new slots.
 """
 
 import functools
@@ -36,6 +39,8 @@ from molt_hpc.refit.buckets import (
 )
 from molt_hpc.refit.calls import EngineCalls
 from molt_hpc.refit.group import RefitGroup, buffer_device, host_store, new_group, resolve_backend
+from molt_hpc.refit.handles import choose_transports, place
+from molt_hpc.refit.ipc import IpcChannel
 from molt_hpc.rundir import RunDir, atomic_write
 
 STORE_FILE = "refit_store.json"
@@ -76,10 +81,15 @@ class RefitSender:
         self.cfg = cfg
         self.token = token
         self.backend = resolve_backend(cfg.backend, device)
+        self.device = torch.device(device)
         self.host = advertised_host(cfg.host)
         self.urls: list[str] = []
+        self.transports: dict[str, str] = {}
+        """Each connected engine's transport: `ipc` or the group's backend."""
         self._store = None
         self._group: RefitGroup | None = None
+        self._channel: IpcChannel | None = None
+        self._logged: set[tuple[str, ...]] = set()
         self._generation = 0
         self._buffers: list[torch.Tensor] = []
         self._views: dict[tuple[int, Bucket], list[torch.Tensor]] = {}
@@ -91,17 +101,69 @@ class RefitSender:
         return self._store.port
 
     def connect(self, engine_urls: Sequence[str]) -> None:
-        """Form a new refit group with exactly `engine_urls` (engine i joins at rank 1 + i)."""
+        """Reach exactly `engine_urls`: a new refit group with those that need one (the i-th joins at rank
+        1 + i) and new shared slots for those on this trainer's GPU (or host)."""
         if not engine_urls:
             raise ValueError("connect() needs at least one engine URL")
+        self._drop()  # the old group and slots before the engines drop theirs
+        mine = place(self.device)
+        places = self._calls.places(engine_urls)
+        kinds = choose_transports(
+            self.cfg.backend, self.backend, mine, places, list(engine_urls), self.cfg.bucket_mb << 20
+        )
+        self._log_choice(mine, engine_urls, kinds)
+        grouped = [u for u, k in zip(engine_urls, kinds, strict=True) if k != "ipc"]
+        t0 = time.perf_counter()
+        if grouped:
+            self._form(grouped)  # the shared-memory engines map their slots at the first push (sized by its plan)
+        self.urls = list(engine_urls)
+        self.transports = dict(zip(engine_urls, kinds, strict=True))
+        get_logger().info(
+            "refit reaches %d engines (%d in group %d, %d through shared memory) in %.2fs", len(self.urls),
+            len(grouped), self._generation, len(self.urls) - len(grouped), time.perf_counter() - t0,
+        )  # fmt: skip
+
+    def _log_choice(self, mine: dict, urls: Sequence[str], kinds: list[str]) -> None:
+        """Say once per distinct choice how the weights reach the engines."""
+        if tuple(kinds) in self._logged:
+            return
+        self._logged.add(tuple(kinds))
+        where = f"GPU {mine['device_uuids'][0]}" if mine["device_uuids"] else f"host {mine['host_id']}"
+        for url, kind in zip(urls, kinds, strict=True):
+            how = "CUDA IPC" if kind == "ipc" and mine["device_uuids"] else "shared memory" if kind == "ipc" else kind
+            why = f"shares this trainer's {where}" if kind == "ipc" else f"refit.backend = {self.cfg.backend!r}"
+            get_logger().info("refit transport to %s: %s (%s)", url, how, why)
+
+    def _share(self, urls: Sequence[str], slot_bytes: int) -> None:
+        """New shared slots of `slot_bytes` for the engines at `urls`, mapped by each before this returns."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        channel = IpcChannel(buffer_device(self.backend) if self.device.type == "cuda" else self.device,
+                             slot_bytes, len(urls), self.cfg.timeout_s)  # fmt: skip
+        self._buffers, self._views = [], {}
+        try:
+            calls = [
+                self._calls.post(url, "/init_weight_transfer_engine", {
+                    "init_info": {"backend": "ipc", "ipc": channel.init_info(i), "timeout_s": self.cfg.timeout_s}
+                })
+                for i, url in enumerate(urls)
+            ]  # fmt: skip
+            self._calls.wait(calls, urls, "init_weight_transfer_engine")
+        except BaseException:
+            channel.close()
+            raise
+        channel.unlink()  # every engine mapped the slots: their names can go
+        self._channel = channel
+
+    def _form(self, engine_urls: Sequence[str]) -> None:
+        """A new broadcast group of trainer rank 0 and `engine_urls`."""
         if self._store is None:
             self._store = host_store(self.cfg.timeout_s)
             atomic_write(self.run.rendezvous / STORE_FILE, json.dumps({"host": self.host, "port": self._store.port}))
-        self._group = None  # drop the old group before the engines drop theirs
         self._generation += 1
         prefix = f"refit/{self._generation}/"
         world = 1 + len(engine_urls)
-        t0 = time.perf_counter()
         calls = [
             self._calls.post(
                 url,
@@ -122,10 +184,6 @@ class RefitSender:
         ]
         join = functools.partial(new_group, self.backend, self._store, prefix, 0, world, self.cfg.timeout_s)
         self._group = self._calls.form(join, calls, engine_urls, f"refit group {prefix}")
-        self.urls = list(engine_urls)
-        get_logger().info(
-            "refit group %d formed with %d engines in %.2fs", self._generation, len(self.urls), time.perf_counter() - t0
-        )
 
     def push(
         self,
@@ -138,7 +196,7 @@ class RefitSender:
         `named_tensors` may be a generator (e.g. gathering FSDP shards layer by layer); then pass
         `metas` (names, dtypes, shapes in the same order) so the bucket plan is known up front.
         """
-        if self._group is None:
+        if not self.urls:
             raise ValueError(
                 "RefitSender.push() without a refit group: call connect(engine_urls) first (a failed push drops it)"
             )
@@ -150,16 +208,23 @@ class RefitSender:
         bucket_bytes = self.cfg.bucket_mb << 20
         plan = plan_buckets(metas, bucket_bytes)
         try:
+            shared = [u for u in self.urls if self.transports[u] == "ipc"]
+            need = max((b.nbytes for b in plan), default=1)
+            if shared and (self._channel is None or need > self._channel.slot_bytes):  # first push, or outgrown
+                self._share(shared, need)
             self._calls.round(self.urls, "/start_weight_update")
             info = update_info(metas, bucket_bytes, version)
+            if self._channel is not None:
+                info["ipc_first"] = self._channel.posted
             calls = [self._calls.post(url, "/update_weights", {"update_info": info}) for url in self.urls]
             self._send_buckets(plan, iter(items), calls)
             self._calls.wait(calls, self.urls, "update_weights")
             self._calls.round(self.urls, "/finish_weight_update", {"version": version})
         except BaseException:
-            # Dropping the group closes its connections, so engines blocked in a receive fail now
-            # instead of at the timeout; they stay paused until a complete push (re-connect first).
-            self._group = None
+            # Dropping the group closes its connections (and aborting the slots wakes their readers), so
+            # engines blocked in a receive fail now instead of at the timeout; they stay paused until a
+            # complete push (re-connect first).
+            self._drop()
             raise
         total = sum(b.nbytes for b in plan)
         stats = RefitStats(version, time.perf_counter() - t0, total, len(plan), len(self.urls))
@@ -175,30 +240,48 @@ class RefitSender:
         return stats
 
     def close(self) -> None:
-        self._group = None
+        self._drop()
         self._store = None
         self._calls.close()
 
+    def _drop(self) -> None:
+        self._group = None
+        self.urls = []
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+            self._buffers, self._views = [], {}
+
     def _send_buckets(self, plan, items, calls: list[Future]) -> None:
-        """Pack bucket k+1 while bucket k is on the wire (two buffers and their views, reused across pushes)."""
-        assert self._group is not None
+        """Pack bucket k+1 while bucket k is on the wire (two buffers and their views, reused across pushes).
+        With shared slots the buffers are the slots: each bucket is broadcast from it (if a group is
+        formed) and posted to the shared-memory engines; a slot is reused once both are done with it."""
+        channel, first = self._channel, self._channel.posted if self._channel is not None else 0
         size = max((b.nbytes for b in plan), default=0)
-        if not self._buffers or self._buffers[0].numel() < size:
+        if channel is not None:
+            self._buffers = channel.buffers
+        elif not self._buffers or self._buffers[0].numel() < size:
             dev = buffer_device(self.backend)
             self._buffers = [torch.empty(size, dtype=torch.uint8, device=dev) for _ in range(2)]
             self._views = {}
+        check = functools.partial(self._calls.check, calls, self.urls)
         pending: list = [None, None]
         for k, bucket in enumerate(plan):
-            slot = k % 2
+            slot = (first + k) % 2
             if pending[slot] is not None:
                 pending[slot].wait()
+            if channel is not None:
+                channel.wait_free(first + k, check)
             tensors = [_checked(next(items), meta) for meta in bucket.metas]
             views = self._views.get((slot, bucket))
             if views is None:
                 views = self._views[(slot, bucket)] = bucket_views(self._buffers[slot], bucket)
             flat = pack_into(self._buffers[slot], bucket, tensors, views)
-            self._calls.check(calls, self.urls)
-            pending[slot] = self._group.broadcast(flat)
+            check()
+            if self._group is not None:
+                pending[slot] = self._group.broadcast(flat)
+            if channel is not None:
+                channel.post(first + k)
         for work in pending:
             if work is not None:
                 work.wait()

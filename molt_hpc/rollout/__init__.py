@@ -11,22 +11,44 @@ metrics.py       the rollout records of metrics.jsonl
 
 import asyncio
 import json
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from molt_hpc.config import MoltConfig
+from molt_hpc.fault import fail
 from molt_hpc.log import get_logger, setup_logging
 from molt_hpc.rundir import RunDir
+
+if TYPE_CHECKING:
+    from molt_hpc.agents.env_workers import EnvWorkerPool
 
 ROUTER_WAIT_S = 600.0
 
 
 def main(cfg: MoltConfig, run_dir: str | Path) -> int:
-    """Run the orchestrator until training is done or it is told to stop; the process exit code."""
+    """Run the orchestrator until training is done or it is told to stop; the process exit code.
+
+    What stops it for good is recorded as the run's failure (`molt_hpc.fault`), so the launcher stops
+    the run after a checkpoint with that one line instead of restarting the pool: a `ValueError` (the
+    data, the agent, a cursor of another dataset: the config must change; exit 2) or a crash (exit 1,
+    the traceback in this process's log)."""
     import torch
 
     torch.set_num_threads(1)
     setup_logging("rollout", cfg.logging.level)
-    return asyncio.run(serve(cfg, RunDir(Path(run_dir).absolute())))
+    run = RunDir(Path(run_dir).absolute())
+    try:
+        return asyncio.run(serve(cfg, run))
+    except ValueError as err:
+        fail(run.path, str(err), "rollout", config_error=True)
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as err:
+        fail(
+            run.path, f"the rollout orchestrator crashed: {type(err).__name__}: {err} (see logs/rollout.log)", "rollout"
+        )
+        raise
 
 
 async def serve(cfg: MoltConfig, run: RunDir) -> int:
@@ -71,33 +93,54 @@ async def serve(cfg: MoltConfig, run: RunDir) -> int:
     buffer = open_buffer(cfg.buffer, run.path, producer_id="rollout")
     stop = asyncio.Event()
     Orchestrator.install_stop_handlers(stop)
+    envs = env_pool(cfg, agent_cls)  # its workers start while the engines load
     try:
-        router_url = await wait_for_router(run, ROUTER_WAIT_S, stop)
-    except asyncio.CancelledError:
-        return 0
-    token = run.token()
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-        link = EngineLink(http, router_url, token, run, cfg.rollout.request_timeout_s)
-        server = None
-        if issubclass(agent_cls, ChatAgent):
-            server = ChatServer(tokenizer, link, cfg.rollout, token)
-            atomic_write(run.rendezvous / "chat.json", json.dumps({"url": await server.start()}))
-            runner = ChatAgentRunner(agent_cls, server, cfg.rollout, http)
-        else:
-            runner = StepEnvRunner(
-                agent_cls,
-                tokenizer,
-                cfg.rollout,
-                link.generate,
-                apply_chat_template=cfg.data.apply_chat_template,
-                system_prompt=cfg.data.system_prompt,
-                seed=cfg.run.seed,
-                vision=vision,
-            )
         try:
-            await Orchestrator(cfg, run, dataset, runner, link, buffer, eval_prompts, stop).run_loop()
-        finally:
-            if server is not None:
-                await runner.close()
-                await server.close()
+            router_url = await wait_for_router(run, ROUTER_WAIT_S, stop)
+        except asyncio.CancelledError:
+            return 0
+        token = run.token()
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            link = EngineLink(http, router_url, token, run, cfg.rollout.request_timeout_s)
+            server = None
+            if issubclass(agent_cls, ChatAgent):
+                server = ChatServer(tokenizer, link, cfg.rollout, token)
+                atomic_write(run.rendezvous / "chat.json", json.dumps({"url": await server.start()}))
+                runner = ChatAgentRunner(agent_cls, server, cfg.rollout, http)
+            else:
+                runner = StepEnvRunner(
+                    agent_cls,
+                    tokenizer,
+                    cfg.rollout,
+                    link.generate,
+                    apply_chat_template=cfg.data.apply_chat_template,
+                    system_prompt=cfg.data.system_prompt,
+                    seed=cfg.run.seed,
+                    envs=envs,
+                    routed_experts=cfg.actor.router_replay,
+                    vision=vision,
+                )
+            try:
+                await Orchestrator(cfg, run, dataset, runner, link, buffer, eval_prompts, stop).run_loop()
+            finally:
+                if server is not None:
+                    await runner.close()
+                    await server.close()
+    finally:
+        if envs is not None:
+            await envs.close()
     return 0
+
+
+def env_pool(cfg: MoltConfig, agent_cls: type) -> "EnvWorkerPool | None":
+    """The started env worker pool of an env-mode agent (`rollout.env_workers`); None for in-process envs."""
+    from molt_hpc.agents import ChatAgent
+    from molt_hpc.agents.env_workers import EnvWorkerPool, worker_count
+
+    workers = worker_count(cfg.rollout.env_workers)
+    if issubclass(agent_cls, ChatAgent) or workers == 0:
+        return None
+    pool = EnvWorkerPool(cfg.rollout.agent, workers, cfg.rollout.env_timeout_s)
+    pool.start()
+    get_logger().info("%d env worker(s) run %s", workers, agent_cls.__name__)
+    return pool

@@ -3,7 +3,9 @@
 Failures are sorted here: a lost connection, a timeout or a 5xx answer is an `EngineError` (the
 sample is retried from its start; the router has failed over meanwhile); a 4xx answer means the
 request itself is wrong (bad token, a prompt over `engines.max_model_len`), which no retry fixes,
-so it propagates and stops the orchestrator with the engine's message.
+so it propagates and stops the orchestrator with the engine's message. The router is restarted by
+the engine pool when it dies, on a new port: a failed call re-reads `rendezvous/router.json`, so the
+retried sample (and every later call) goes to the new router.
 """
 
 import asyncio
@@ -57,6 +59,13 @@ class EngineLink:
         """Newest weight version any engine answered with."""
         self.generated_tokens = 0
 
+    def follow_router(self) -> None:
+        """Take the router's current address (it registers anew after a restart)."""
+        url = read_url(self.run.rendezvous / "router.json")
+        if url is not None and url != self.router_url:
+            get_logger().info("the router moved to %s", url)
+            self.router_url = url
+
     async def generate(
         self, token_ids: list[int], sampling_params: dict[str, Any], session_id: str, images: list | None = None
     ) -> Any:
@@ -75,29 +84,35 @@ class EngineLink:
             if err.status < 500:
                 raise
             raise EngineError(str(err)) from err
-        except (aiohttp.ClientError, TimeoutError) as err:  # the engine died or stalled: the sample is retried
+        except (aiohttp.ClientError, TimeoutError) as err:  # the engine or router died or stalled: retried
+            self.follow_router()
             raise EngineError(f"{type(err).__name__}: {err}") from err
         self.version = max(self.version, out.weight_version)
         self.generated_tokens += len(out.token_ids)
         return out
 
-    async def wait_for_engines(self, stop: asyncio.Event, poll_s: float = 0.5) -> None:
-        """Return once the router has a healthy engine (engines load slower than the router starts)."""
+    async def wait_for_engines(self, stop: asyncio.Event, poll_s: float = 0.5, timeout_s: float | None = None) -> bool:
+        """Whether the router has a healthy engine (engines load slower than the router starts), waiting up
+        to `timeout_s`; False when the time ran out or `stop` was set first."""
         logged = False
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not stop.is_set():
             try:
                 answer = await client.health(self.session, self.router_url, token=self.token, timeout=5.0)
                 if int(answer.get("engines", 1)) > 0:
-                    return
+                    return True
             except client.EngineHTTPError as err:
                 if err.status < 500:  # a refused token: waiting will not fix it
                     raise
             except (aiohttp.ClientError, TimeoutError):  # the router is restarting: ask again
-                pass
+                self.follow_router()
+            if deadline is not None and time.monotonic() > deadline:
+                return False
             if not logged:
                 get_logger().info("waiting for a healthy engine behind the router")
                 logged = True
             await asyncio.sleep(poll_s)
+        return False
 
     async def poll_version(self) -> int:
         """Ask every registered engine for its weight version (when no response has told us lately)."""

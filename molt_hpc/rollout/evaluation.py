@@ -9,7 +9,7 @@ import asyncio
 import statistics
 from typing import Any
 
-from molt_hpc.agents.calls import EngineError, EnvError
+from molt_hpc.agents.calls import EngineError, EnvError, EpisodeLost
 from molt_hpc.data import Prompt
 from molt_hpc.log import get_logger
 from molt_hpc.rollout.group import Runner
@@ -30,6 +30,8 @@ async def _one(runner: Runner, prompt: Prompt, rollout_id: str, gate: asyncio.Se
                 return traj.reward, traj.score if traj.score is not None else traj.reward
             except EngineError:  # the router fails over; try again
                 await asyncio.sleep(0.2 * 2**attempt)
+            except EpisodeLost:  # its env worker went down with another episode's hang: try again
+                continue
             except EnvError as err:  # counted as an eval error, the evaluation goes on
                 get_logger().warning("eval prompt %s failed: %s", prompt.prompt_id, err)
                 return None

@@ -5,7 +5,9 @@ Each sample has its own rollout id (`<group id>.s<j>`) and, per attempt, its own
 hold no `/`: chat mode puts the session in URL paths).
 An engine failure (`EngineError`) retries the sample from its start with a growing pause; an
 environment failure (`EnvError`) drops the whole group (`on_env_error = "drop_group"`) or retries
-the sample up to `rollout.max_retries` times. A failed group cancels its other samples at once.
+the sample up to `rollout.max_retries` times. An episode lost with its env worker that could not be
+rebuilt elsewhere (`EpisodeLost`: a non-deterministic env) starts again at once, up to `ENGINE_RETRIES`
+times. A failed group cancels its other samples at once.
 """
 
 import asyncio
@@ -14,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from molt_hpc.agents.calls import EngineError, EnvError
+from molt_hpc.agents.calls import EngineError, EnvError, EpisodeLost
 from molt_hpc.config.rollout import RolloutConfig
 from molt_hpc.data import Position, Prompt
 from molt_hpc.log import get_logger
@@ -47,16 +49,20 @@ class GroupOutcome:
     env_errors: Counter = field(default_factory=Counter)
     engine_retries: int = 0
     env_retries: int = 0
+    env_restarts: int = 0
+    """Samples started again because their env worker was lost (`EpisodeLost`)."""
     seconds: float = 0.0
+    first_error: str = ""
+    """Why the group failed, as the failing sample's error says it (for the circuit breaker)."""
 
 
 async def run_sample(
     runner: Runner, prompt: Prompt, rollout_id: str, group_id: str, cfg: RolloutConfig, out: GroupOutcome
 ) -> Trajectory:
     """One sample with retries; raises `SampleFailed` when its group must be dropped."""
-    env_failures = engine_failures = 0
+    env_failures = engine_failures = restarts = 0
     while True:
-        session_id = f"{rollout_id}.a{env_failures + engine_failures}"
+        session_id = f"{rollout_id}.a{env_failures + engine_failures + restarts}"
         try:
             return await runner.run(
                 prompt, rollout_id=rollout_id, group_id=group_id, session_id=session_id, overrides=None
@@ -65,11 +71,19 @@ async def run_sample(
             out.env_errors[err.reason] += 1
             get_logger().warning("sample %s (prompt %s): env failed: %s", rollout_id, prompt.prompt_id, err)
             if cfg.on_env_error == "drop_group" or env_failures >= cfg.max_retries:
+                out.first_error = out.first_error or f"env {err}"
                 raise SampleFailed(f"env_{err.reason}") from err
             env_failures += 1
             out.env_retries += 1
+        except EpisodeLost as err:  # another episode's timeout took this one's worker: nothing was wrong with it
+            if restarts >= ENGINE_RETRIES:
+                raise SampleFailed("env_lost") from err
+            get_logger().info("sample %s: %s", rollout_id, err)
+            restarts += 1
+            out.env_restarts += 1
         except EngineError as err:  # the router fails over; the sample starts again from its prompt
             if engine_failures >= ENGINE_RETRIES:
+                out.first_error = out.first_error or f"engine {err}"
                 raise SampleFailed("engine") from err
             get_logger().info("sample %s: engine failed (%s); retrying from its start", rollout_id, err)
             engine_failures += 1

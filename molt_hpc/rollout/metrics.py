@@ -1,7 +1,9 @@
 """Rollout metrics: what the orchestrator did since its last record, as one `metrics.jsonl` line.
 
 A record is written every `actor.groups_per_step` accepted groups (one training batch) and at
-shutdown: rewards and scores of the accepted samples, response lengths and turns, groups the
+shutdown: `reward`, the mean env reward over every finished sample (kept, or dropped by dynamic
+sampling: what other frameworks report), `reward_trained` and scores of the accepted samples,
+response lengths and turns, groups the
 filters dropped (`groups_filtered_<why>`) and groups that failed (`groups_failed_<why>`: env
 errors drop theirs, engine failures are issued again), retries, and throughput.
 """
@@ -26,6 +28,9 @@ class RolloutStats:
     def _reset(self) -> None:
         self.started = time.monotonic()
         self.rewards: list[float] = []
+        """Rewards of the accepted samples (as trained)."""
+        self.finished_rewards: list[float] = []
+        """Env rewards of every finished sample, accepted or filtered."""
         self.scores: list[float] = []
         self.lengths: list[int] = []
         self.turns: list[float] = []
@@ -37,6 +42,7 @@ class RolloutStats:
         self.counts["groups_finished"] += 1
         self.counts["samples_engine_retries"] += outcome.engine_retries
         self.counts["samples_env_retries"] += outcome.env_retries
+        self.counts["samples_env_restarts"] += outcome.env_restarts
         for reason, n in outcome.env_errors.items():
             self.counts[f"env_errors_{reason}"] += n
         if outcome.failure is not None:
@@ -44,6 +50,7 @@ class RolloutStats:
         if outcome.group is not None:
             for s in outcome.group.samples:
                 self.tokens += s.num_action_tokens
+                self.finished_rewards.append(s.reward)
 
     def filtered(self, reason: str) -> None:
         self.counts[f"groups_filtered_{reason}"] += 1
@@ -64,9 +71,12 @@ class RolloutStats:
         rec["window_s"] = round(seconds, 3)
         rec["tokens_per_s"] = self.tokens / seconds
         rec["groups_per_s"] = self.counts["groups_accepted"] / seconds
+        if self.finished_rewards:
+            rec["reward"] = statistics.fmean(self.finished_rewards)
+            rec["reward_std"] = statistics.pstdev(self.finished_rewards)
+            rec["samples_finished"] = len(self.finished_rewards)
         if self.rewards:
-            rec["reward_mean"] = statistics.fmean(self.rewards)
-            rec["reward_std"] = statistics.pstdev(self.rewards)
+            rec["reward_trained"] = statistics.fmean(self.rewards)
             rec["score_mean"] = statistics.fmean(self.scores)
             rec["response_len_mean"] = statistics.fmean(self.lengths)
             rec["response_len_max"] = max(self.lengths)

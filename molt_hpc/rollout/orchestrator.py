@@ -14,21 +14,25 @@ end the loop without starting anything new, and a restart re-issues what never r
 import asyncio
 import signal
 import threading
+import time
 from typing import Any
 
 from molt_hpc.algorithm.filters import apply_overlong_penalty, has_signal
 from molt_hpc.config import MoltConfig
 from molt_hpc.data import Cursor, Position, PromptDataset
-from molt_hpc.log import MetricsWriter, StallReport, get_logger
+from molt_hpc.fault import fail
+from molt_hpc.log import MetricsWriter, StallReport, get_logger, log_tail
 from molt_hpc.rollout.engines import EngineLink
 from molt_hpc.rollout.evaluation import evaluate
 from molt_hpc.rollout.group import GroupOutcome, Runner, run_group
 from molt_hpc.rollout.metrics import RolloutStats
 from molt_hpc.rollout.state import RolloutState
 from molt_hpc.rundir import RunDir
-from molt_hpc.trajectory import Group
+from molt_hpc.trajectory import FINISHED_REWARDS, Group
 
 POLL_S = 0.25
+FAILURE_RECORD_S = 10.0
+"""While groups fail, a rollout record goes out at least this often, so the console counts the errors."""
 
 
 async def beat_while_running(stall: StallReport) -> None:
@@ -67,6 +71,15 @@ class Stopping(Exception):
     """The orchestrator was asked to stop while waiting."""
 
 
+def engine_log_line(run: RunDir) -> str:
+    """The last line the first engine logged, as the likely cause of engines that never became healthy."""
+    logs = sorted(run.logs.glob("engine-*.log"))
+    if not logs:
+        return "no engine wrote a log (see logs/pool.log)"
+    last = next((line for line in reversed(log_tail(logs[0], 5).splitlines()) if line.strip()), "(empty)")
+    return f"last line of {logs[0].name}: {last.strip()}"
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -91,9 +104,15 @@ class Orchestrator:
         self.eval_prompts = eval_prompts or []
         self.eval_task: asyncio.Task | None = None
         self.stats = RolloutStats()
+        self.unreported = [0.0, 0]
+        """[sum, count] of the rewards of samples in groups dropped since the last put (the next put reports them)."""
         self.metrics = MetricsWriter(run.metrics, source="rollout")
         self.stop = stop or asyncio.Event()
         self.log = get_logger()
+        self.failed_in_a_row = 0
+        self.first_failure: str | None = None
+        """The first failed group's cause in this start, quoted by every record and by the breaker."""
+        self.last_record = time.monotonic()
 
     # -- the loop ---------------------------------------------------------------------------------
     async def run_loop(self) -> None:
@@ -102,7 +121,7 @@ class Orchestrator:
         stall = StallReport(self.cfg.rollout.stall_report_s)
         heartbeat = asyncio.create_task(beat_while_running(stall))
         try:
-            await self.link.wait_for_engines(self.stop)
+            await self.wait_for_engines()
             await self.link.poll_version()
             while not self.should_stop():
                 while len(self.tasks) < self.cfg.rollout.groups_in_flight and self.admitted():
@@ -120,6 +139,38 @@ class Orchestrator:
             heartbeat.cancel()
             stall.stop()
             await self.shutdown()
+
+    async def wait_for_engines(self) -> None:
+        """Until the router has a healthy engine; past `engines.startup_timeout_s` the run stops (breaker)."""
+        limit = self.cfg.engines.startup_timeout_s
+        if not await self.link.wait_for_engines(self.stop, timeout_s=limit):
+            if not self.stop.is_set():
+                cause = engine_log_line(self.run)
+                self.trip(f"no engine became healthy within {limit:g} s (engines.startup_timeout_s); {cause}")
+            raise Stopping
+
+    def trip(self, reason: str) -> None:
+        """A circuit breaker: record why the run cannot go on, stop issuing; the trainer checkpoints and stops."""
+        self.log.error("stopping the run: %s", reason)
+        fail(self.run.path, reason, "rollout")
+        self.stop.set()
+
+    def count_failure(self, outcome: GroupOutcome, pos: Position) -> None:
+        """The consecutive-failure breaker: a whole group that came back resets it, a failed one counts."""
+        if outcome.failure is None:
+            self.failed_in_a_row = 0
+            return
+        self.failed_in_a_row += 1
+        if self.first_failure is None:
+            self.first_failure = f"group {pos.group_id} (prompt {outcome.prompt.prompt_id}): {outcome.first_error}"
+        limit = self.cfg.rollout.max_consecutive_failures
+        if self.failed_in_a_row >= limit:
+            self.trip(
+                f"{self.failed_in_a_row} groups failed in a row (rollout.max_consecutive_failures = {limit}); "
+                f"first failure: {self.first_failure}"
+            )
+        elif time.monotonic() - self.last_record >= FAILURE_RECORD_S:
+            self.write_record()
 
     def should_stop(self) -> bool:
         control = self.run.path / "control"
@@ -158,10 +209,12 @@ class Orchestrator:
     async def complete(self, task: asyncio.Task, pos: Position) -> None:
         outcome: GroupOutcome = task.result()  # anything but a sample failure is a bug: let it stop us
         self.stats.finished(outcome)
+        self.count_failure(outcome, pos)
+        raw = [s.reward for s in outcome.group.samples] if outcome.group is not None else []
         if outcome.failure == "engine":  # the pool is down, not the prompt: issue it again once engines are back
             self.log.warning("group %s failed on the engines; it will be issued again", pos.group_id)
             self.reissue.append(pos)
-            await self.link.wait_for_engines(self.stop)
+            await self.wait_for_engines()
             return
         alg, st = self.cfg.algorithm, self.state
         spent = over_drop_budget(
@@ -173,10 +226,14 @@ class Orchestrator:
             if reason == "equal_rewards":
                 self.stats.filtered(reason)
             self.state.groups_dropped += 1
+            self.unreported = [self.unreported[0] + sum(raw), self.unreported[1] + len(raw)]
         else:
             if spent and alg.dynamic_sampling and not has_signal(group):
                 self.stats.counts["groups_kept_over_drop_budget"] += 1
             group.meta["engine_version"] = self.link.version
+            # The trainer's `reward` averages every finished sample: this group's, and the dropped ones'.
+            group.meta[FINISHED_REWARDS] = [self.unreported[0] + sum(raw), self.unreported[1] + len(raw)]
+            self.unreported = [0.0, 0]
             await self.put(group)
             self.state.groups_accepted += 1
             self.stats.accepted(group)
@@ -226,14 +283,20 @@ class Orchestrator:
             self.eval_task = asyncio.create_task(evaluate(self.runner, self.eval_prompts, version))
 
     def write_record(self) -> None:
-        extra = {"version": self.link.version, "in_flight": len(self.tasks), **self.buffer.stats()}
+        envs = getattr(self.runner, "envs", None)  # env mode: where the env runs, and what its workers went through
+        env_stats = envs.stats() if envs is not None else {}
+        extra = {"version": self.link.version, "in_flight": len(self.tasks), **self.buffer.stats(), **env_stats}
+        if self.first_failure is not None:
+            extra["first_failure"] = self.first_failure
         record = self.stats.record(**extra, groups_accepted_total=self.state.groups_accepted)
+        self.last_record = time.monotonic()
         self.metrics.write(record)
         self.log.info(
-            "version %d | accepted %d | reward %s | len %s | %.1f tok/s | %.2f groups/s",
+            "version %d | accepted %d | reward %s (trained %s) | len %s | %.1f tok/s | %.2f groups/s",
             self.link.version,
             self.state.groups_accepted,
-            f"{record['reward_mean']:.3f}" if "reward_mean" in record else "-",
+            f"{record['reward']:.3f}" if "reward" in record else "-",
+            f"{record['reward_trained']:.3f}" if "reward_trained" in record else "-",
             f"{record['response_len_mean']:.1f}" if "response_len_mean" in record else "-",
             record["tokens_per_s"],
             record["groups_per_s"],

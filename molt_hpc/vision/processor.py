@@ -36,6 +36,13 @@ class Vision:
         self.processor = AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
 
     @classmethod
+    def from_parts(cls, spec: VisionSpec, processor) -> "Vision":
+        """A `Vision` from its spec and an image processor already built (no model directory needed)."""
+        vision = cls.__new__(cls)
+        vision.spec, vision.processor = spec, processor
+        return vision
+
+    @classmethod
     def of(cls, model_dir: str | Path) -> "Vision | None":
         """The `Vision` of a VLM directory; None for a text model."""
         return cls(model_dir) if is_vision_model(model_dir) else None

@@ -26,11 +26,15 @@ def is_vision_model(model_dir: str | Path) -> bool:
 
 
 def vision_spec(model_dir: str | Path) -> VisionSpec:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return spec_from_config(json.loads((Path(model_dir) / "config.json").read_text()), str(model_dir))
+
+
+def spec_from_config(config: dict, where: str = "the model") -> VisionSpec:
+    """The `VisionSpec` of a vision-language model's config (the `config.json` mapping)."""
     vision = config.get("vision_config") or {}
     if "image_token_id" not in config or "spatial_merge_size" not in vision:
         raise ValueError(
-            f"{model_dir}: a vision-language model must name its image_token_id and vision_config.spatial_merge_size "
+            f"{where}: a vision-language model must name its image_token_id and vision_config.spatial_merge_size "
             "(Qwen2-VL and Qwen2.5-VL checkpoints do)"
         )
     media = [

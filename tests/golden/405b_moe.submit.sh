@@ -6,7 +6,7 @@
 # het group 0: actor pool
 #SBATCH --job-name=molt-moe-405b
 #SBATCH --partition=gpu
-#SBATCH --nodes=4
+#SBATCH --nodes=8
 #SBATCH --ntasks-per-node=1
 #SBATCH --cpus-per-task=96
 #SBATCH --gpus-per-node=8

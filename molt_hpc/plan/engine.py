@@ -1,0 +1,110 @@
+"""Engine-pool memory per GPU (weights per TP rank, KV-cache capacity) and the refit's bytes and time.
+
+vLLM takes `gpu_memory_utilization` of the GPU and fills what its weights, its profiling forward and
+its CUDA graphs leave with KV cache; it refuses to start when that cache cannot hold one sequence of
+`max_model_len` tokens. KV bytes per token are `layers · 2 · max(1, kv_heads / TP) · head_dim` in the
+model dtype (one latent vector per layer for multi-head latent attention, on every TP rank). The
+built-in engine holds its weights and a dynamic cache that grows to `max_batch × max_model_len`.
+"""
+
+import math
+from dataclasses import dataclass
+
+from molt_hpc.config import MoltConfig
+from molt_hpc.plan.arch import Arch
+
+GIB = 2**30
+VLLM_PROFILE_BYTES = 5.0 * GIB
+"""vLLM's profiling-forward peak plus non-torch memory: 4.8–5.6 GiB measured for 0.6B–8B models on
+H100 at default batch limits (it is set by the profile batch, not the model)."""
+CUDA_GRAPH_BYTES = 1.0 * GIB
+"""CUDA graph pools of a vLLM engine (0 with `engines.enforce_eager`)."""
+NVLINK_GB_PER_S = 250.0
+"""All-gather and broadcast bandwidth inside one node (NCCL over NVLink, H100/H200 SXM)."""
+BUCKET_LATENCY_S = 0.002
+"""Fixed cost of one refit bucket (pause, call, load)."""
+
+
+def dtype_bytes(cfg: MoltConfig) -> int:
+    return 4 if cfg.model.dtype == "float32" else 2
+
+
+@dataclass
+class EngineMemory:
+    """One engine GPU: its weights, what the engine takes besides, and the KV cache left."""
+
+    kind: str
+    engines: int
+    gpus_per_engine: int
+    weights: float
+    other: float
+    budget: float
+    """Bytes the engine may use on one GPU (vLLM: gpu_memory_utilization × the GPU)."""
+    kv_bytes_per_token: int
+    max_model_len: int
+    wanted_sequences: int
+    """Sequences in flight per engine (groups_in_flight × n_samples over the engines)."""
+
+    @property
+    def kv_cache(self) -> float:
+        return max(0.0, self.budget - self.weights - self.other)
+
+    @property
+    def kv_tokens(self) -> int:
+        return int(self.kv_cache // self.kv_bytes_per_token)
+
+    @property
+    def full_sequences(self) -> int:
+        """Sequences of max_model_len tokens the cache holds at once."""
+        return self.kv_tokens // self.max_model_len
+
+    @property
+    def used(self) -> float:
+        return self.weights + self.other + self.kv_cache
+
+
+def engine_memory(arch: Arch, cfg: MoltConfig, engines: int, gpu_bytes: float) -> EngineMemory:
+    eng, ro = cfg.engines, cfg.rollout
+    b = dtype_bytes(cfg)
+    wanted = math.ceil(ro.groups_in_flight * ro.n_samples / max(1, engines))
+    if eng.kind == "vllm":
+        tp = eng.tensor_parallel
+        other = VLLM_PROFILE_BYTES + (0.0 if eng.enforce_eager else CUDA_GRAPH_BYTES)
+        return EngineMemory("vllm", engines, tp, b * arch.params / tp, other, eng.gpu_memory_utilization * gpu_bytes,
+                            arch.kv_bytes_per_token(tp, b), eng.max_model_len, wanted)  # fmt: skip
+    kv_token = arch.kv_bytes_per_token(1, b)
+    cache = kv_token * eng.max_batch * eng.max_model_len
+    logits = 4 * eng.max_batch * arch.vocab * 2  # fp32 sampling logits and their softmax
+    return EngineMemory("builtin", engines, 1, b * arch.params, logits, b * arch.params + logits + cache,
+                        kv_token, eng.max_model_len, wanted)  # fmt: skip
+
+
+@dataclass
+class Refit:
+    """One refit: bytes on the wire, and the time the links bound it to."""
+
+    bytes: float
+    buckets: int
+    gather_s: float
+    send_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.gather_s + self.send_s + self.buckets * BUCKET_LATENCY_S
+
+
+def refit_estimate(arch: Arch, cfg: MoltConfig, ranks: int, actor_nodes: int, same_node: bool) -> Refit:
+    """Gather the shards (cast to the wire dtype) to rank 0, then broadcast to every engine worker."""
+    wire = dtype_bytes(cfg) * arch.params
+    gather_bw = NVLINK_GB_PER_S if actor_nodes <= 1 else cfg.plan.network_gb_per_s
+    send_bw = NVLINK_GB_PER_S if same_node else cfg.plan.network_gb_per_s
+    gather = wire * (ranks - 1) / ranks / (gather_bw * 1e9) if ranks > 1 else 0.0
+    return Refit(wire, math.ceil(wire / (cfg.refit.bucket_mb << 20)), gather, wire / (send_bw * 1e9))
+
+
+def largest_tensor(arch: Arch) -> int:
+    """Elements of the largest single parameter: what rank 0 holds whole during a refit or checkpoint."""
+    expert_tensor = 0
+    if arch.is_moe:  # fused gate_up_proj [E, 2I, H]
+        expert_tensor = arch.experts * 2 * arch.moe_intermediate * arch.hidden
+    return max(arch.vocab * arch.hidden, expert_tensor, arch.intermediate * arch.hidden)
