@@ -115,7 +115,7 @@ def check(tmp: Path, out: Path | None, dry: bool) -> dict[str, float]:
     bf16 = trainer_logprobs(model_dir, trajs, vision, "bfloat16", device, pack=True)
     effect = (bf16 - trainer_logprobs(model_dir, swapped, vision, "bfloat16", device, pack=True)).abs()
     write_row(out, bench="vlm", case="trainer bf16: the same tokens with another image (the image's effect)",
-              value=float(effect.mean()), unit="mean |Δ logp|", note=f"max {float(effect.max()):.2e}")  # fmt: skip
+              value=float(effect.mean()), unit="mean abs Δ logp", note=f"max {float(effect.max()):.2e}")  # fmt: skip
     gaps = {}
     fp32 = trainer_logprobs(model_dir, trajs, vision, "float32", device, pack=True)
     padded = trainer_logprobs(model_dir, trajs, vision, "bfloat16", device, pack=False)
@@ -123,12 +123,13 @@ def check(tmp: Path, out: Path | None, dry: bool) -> dict[str, float]:
         gap = (engine - trainer).abs()
         gaps[name] = float(gap.mean())
         write_row(out, bench="vlm", case=f"{kind} vs trainer {name}, tiny-vl, 1 image/prompt",
-                  value=float(gap.mean()), unit="mean |Δ logp|", baseline=float(effect.mean()),
+                  value=float(gap.mean()), unit="mean abs Δ logp", baseline=float(effect.mean()),
                   ratio=float(gap.mean() / effect.mean()), note=f"max {float(gap.max()):.2e}; {note}")  # fmt: skip
     return {"effect": float(effect.mean()), **gaps}
 
 
-def train(tmp: Path, out: Path | None, dry: bool) -> None:
+def train(tmp: Path, out: Path | None, dry: bool) -> list[dict]:
+    """A short `molt-hpc run` of the colour task on the engine; returns the actor's metrics records."""
     from molt_hpc.log import read_metrics
 
     steps = 2 if dry else TRAIN_STEPS
@@ -144,6 +145,7 @@ def train(tmp: Path, out: Path | None, dry: bool) -> None:
     write_row(out, bench="vlm", case=f"train on {'builtin' if dry else 'vLLM'} rollouts, {steps} steps",
               value=max(kl), unit="max kl_rollout", note=f"kl_rollout per step {[round(k, 4) for k in kl]}; "
               f"reward {actor[0]['reward']:.3f} -> {actor[-1]['reward']:.3f}")  # fmt: skip
+    return actor
 
 
 def main() -> int:

@@ -14,7 +14,7 @@ import pytest
 from molt_hpc.config import MoltConfig, load_config
 from molt_hpc.launch.preflight import preflight
 from molt_hpc.models import load_causal_lm
-from molt_hpc.plan.arch import arch_of
+from molt_hpc.plan.arch import arch_from_config, arch_of
 from tests.conftest import ROOT, molt
 
 CONFIG = ROOT / "configs" / "tiny_vl_cpu.toml"
@@ -32,6 +32,10 @@ def test_plan_counts_tiny_vl_from_its_spec(tiny_vl_dir) -> None:
     assert (arch.layers, arch.hidden, arch.vocab, arch.tied) == (spec.num_layers, spec.hidden_size, 108, True)
     visual = sum(p.numel() for p in model.model.visual.parameters())
     assert arch.root_params == sum(params.values()) - sum(b.params for b in arch.blocks) >= visual
+    from transformers import Qwen2_5_VLConfig
+
+    big = arch_from_config(Qwen2_5_VLConfig())  # the 72B shape, on the meta device: its 80 language blocks
+    assert (big.layers, big.hidden, big.model_type) == (80, 8192, "qwen2_5_vl_text")
 
 
 def test_preflight_takes_the_colour_task() -> None:

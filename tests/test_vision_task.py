@@ -47,14 +47,17 @@ def _rises(root: Path, steps: int, *sets: str) -> tuple[float, float]:
 
 @pytest.mark.slow
 def test_colour_task_learns(tmp_path) -> None:
-    # An untrained policy scores ~0.03; a rise of 0.1 in the mean over a quarter of the steps is far outside
-    # the step-to-step noise of an unchanged policy. Twice the config's learning rate: the lean version.
-    first, last = _rises(tmp_path, 80, "actor.lr=2e-3")
-    assert last > first + 0.1, f"reward did not rise: first quarter {first:.3f}, last quarter {last:.3f}"
+    # The shipped config as it is, for its first 120 steps (about a minute here). An untrained policy scores
+    # ~0.02; a rise of 0.15 in the mean over 30 steps is far outside the noise of an unchanged policy (a
+    # mean of 1,920 samples), and a full run of the config reaches ~0.5, above the blind policy's 1/3.
+    first, last = _rises(tmp_path, 120)
+    assert last > first + 0.15, f"reward did not rise: first quarter {first:.3f}, last quarter {last:.3f}"
 
 
 @pytest.mark.slow
 def test_two_turn_colour_task_learns(tmp_path) -> None:
-    """The env shows a second image after the first answer; both answers earn reward."""
+    """The env shows a second image after the first answer; each answer earns half the reward, so the sum
+    rises about half as fast as the single-turn reward at first. Twice the config's learning rate keeps the
+    run short (100 steps, ~2 minutes here)."""
     first, last = _rises(tmp_path, 100, "actor.lr=2e-3", "rollout.agent=envs/color_two_turn.py", "rollout.max_turns=2")
-    assert last > first + 0.1, f"reward did not rise: first quarter {first:.3f}, last quarter {last:.3f}"
+    assert last > first + 0.05, f"reward did not rise: first quarter {first:.3f}, last quarter {last:.3f}"
