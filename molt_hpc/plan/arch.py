@@ -3,7 +3,9 @@
 No weights are read: the transformers class is built on the meta device from the config alone and its
 parameters are counted per decoder block (dense part, routed experts, router) and outside the blocks
 (embeddings, final norm, LM head: the FSDP root group). A vision-language model's blocks are its language
-model's; its vision tower counts with the parameters outside them. Where the config comes from:
+model's; its vision tower counts with the parameters outside them. The same build says whether the
+trainer's log-probs take the fused path (`molt_hpc.actor.head`'s static rule, applied to the built model).
+Where the config comes from:
 
 - `builtin:tiny-char`, `builtin:tiny-moe`, `builtin:tiny-vl`: built from their spec (`model.tiny`,
   `model.tiny_moe`, `model.tiny_vl`), as the model is;
@@ -65,6 +67,10 @@ class Arch:
     v_head_dim: int = 0
     qk_norm: bool = False
     """Attention normalises q and k per head (Qwen3): two more RMSNorms per block."""
+    fused_head: bool = False
+    """The LM head is a bias-free linear layer applied as it is (no logit soft-capping or scaling), so the
+    trainer computes log-probs from the last hidden states and the head weight, chunk by chunk, never
+    the `[n, V]` logits (`molt_hpc.actor.head`). False: the model's own full logits."""
     source: str = ""
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -173,6 +179,7 @@ def arch_from_config(config, source: str = "") -> Arch:
     """Count a transformers config's parameters on the meta device (no memory, no weights)."""
     import torch
 
+    from molt_hpc.actor.head import _qualifies_statically
     from molt_hpc.actor.parallelize import language_blocks
     from molt_hpc.models import quiet_transformers
     from molt_hpc.models.load import lm_class
@@ -209,6 +216,9 @@ def arch_from_config(config, source: str = "") -> Arch:
         qk_nope_head_dim=_first(text, "qk_nope_head_dim"),
         v_head_dim=_first(text, "v_head_dim"),
         qk_norm=any(".q_norm." in f".{n}" for n, _ in blocks[0].named_parameters()),
+        # the trainer's own rule on the same class; its one-position check at the first forward needs
+        # values, so a head the static rule admits is taken as fused
+        fused_head=_qualifies_statically(model),
         source=source,
     )
 
