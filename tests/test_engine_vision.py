@@ -10,6 +10,7 @@ vLLM's shapes and hands the translated request to the real builtin engine.
 import asyncio
 import base64
 import hashlib
+import json
 import threading
 
 import aiohttp
@@ -27,6 +28,7 @@ from molt_hpc.data import PromptDataset
 from molt_hpc.engine.client import EngineHTTPError, generate
 from molt_hpc.engine.vision import VisionRunner, row_images
 from molt_hpc.engine.vllm_front import Front, build_front
+from molt_hpc.engine.vllm_main import vllm_command
 from molt_hpc.models import load_causal_lm, load_tokenizer
 from molt_hpc.trajectory import TraceImage, Trajectory
 from molt_hpc.vision.images import image_bytes
@@ -34,6 +36,7 @@ from molt_hpc.vision.processor import Vision
 from molt_hpc.vision.rope import rope_positions
 from tests.conftest import ROOT
 from tests.test_engine_procs import arun, make_run, start_engines
+from tests.test_vllm_engine import flags
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +243,16 @@ class VllmRenderStandIn:
         for choice in answer.get("choices") or []:
             choice.pop("weight_versions", None)
         return web.json_response(answer, status=r.status)
+
+
+def test_vllm_command_for_a_vision_language_model(tiny_vl_dir) -> None:
+    """A VLM keeps vLLM's tokenizer (render applies the chat template), turns the processor cache off (its
+    entries would outlive a refit) and accepts a trajectory's images per request."""
+    cfg = load_config(None, ["engines.kind=vllm", "rollout.max_images=3"])
+    got = flags(vllm_command(cfg, tiny_vl_dir, 1, index=0))
+    assert "--skip-tokenizer-init" not in got
+    assert got["--mm-processor-cache-gb"] == "0"
+    assert json.loads(got["--limit-mm-per-prompt"]) == {"image": 3}
 
 
 def test_vllm_front_renders_then_generates_with_our_spans(vl, prompts) -> None:

@@ -114,16 +114,6 @@ def test_vllm_command_follows_the_config(monkeypatch) -> None:
     assert env["PYTHONPATH"].split(os.pathsep)[-1] == str(ROOT), "vLLM's workers import the extension from here"
 
 
-def test_vllm_command_for_a_vision_language_model(tiny_vl_dir) -> None:
-    """A VLM keeps vLLM's tokenizer (render applies the chat template), turns the processor cache off (its
-    entries would outlive a refit) and accepts a trajectory's images per request."""
-    cfg = load_config(None, ["engines.kind=vllm", "rollout.max_images=3"])
-    got = flags(vllm_command(cfg, tiny_vl_dir, 1, index=0))
-    assert "--skip-tokenizer-init" not in got
-    assert got["--mm-processor-cache-gb"] == "0"
-    assert json.loads(got["--limit-mm-per-prompt"]) == {"image": 3}
-
-
 def test_config_refuses_vllm_on_cpu() -> None:
     with pytest.raises(ValueError, match=r"engines\.device = 'cuda'"):
         load_config(None, ["engines.kind=vllm", "engines.device=cpu"])
