@@ -13,7 +13,7 @@ from pathlib import Path
 
 from molt_hpc.config.model import TinyVLModelConfig
 from molt_hpc.models.load import quiet_transformers
-from molt_hpc.models.tiny_char import build_tiny_tokenizer
+from molt_hpc.models.tiny_char import build_tiny_tokenizer, save_tiny
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 CHAT_TEMPLATE = (
@@ -104,7 +104,7 @@ def tiny_vl_vision(tiny: TinyVLModelConfig):
 def build_tiny_vl(out_dir: str | Path, tiny: TinyVLModelConfig) -> Path:
     """Write the tiny VLM (weights from `tiny.init_seed`), its tokenizer and image processor to `out_dir`."""
     import torch
-    from transformers import AutoModelForImageTextToText, GenerationConfig
+    from transformers import AutoModelForImageTextToText
 
     quiet_transformers()
     out = Path(out_dir)
@@ -113,11 +113,6 @@ def build_tiny_vl(out_dir: str | Path, tiny: TinyVLModelConfig) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(tiny.init_seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, top_k=0, do_sample=True
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    save_tiny(model, tokenizer, out)
     build_image_processor(tiny).save_pretrained(out)
     return out
