@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from molt_hpc.models.load import check_model_dir, quiet_transformers
+from molt_hpc.models.load import check_model_dir, lm_class, quiet_transformers
 from molt_hpc.models.slices import Checkpoint, Region, recipes
 
 
@@ -46,15 +46,21 @@ class LoadStats:
 
 
 def meta_model(path: Path, *, critic: bool, dtype: torch.dtype, attn: str) -> nn.Module:
-    """The model of `path/config.json` on the meta device: a causal LM, or a one-label token classifier."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    """The model of `path/config.json` on the meta device: a causal LM (a vision-language model for a
+    config with a vision tower), or a one-label token classifier."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
 
     quiet_transformers()
     check_model_dir(path)
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    if critic and getattr(config, "vision_config", None) is not None:
+        raise ValueError(
+            f"{path} is a vision-language model: a critic (algorithm.advantage = 'gae') needs a token classifier, "
+            "which transformers does not build for it; use a critic-free advantage (grpo, rloo, ...)"
+        )
     if critic:
         config.num_labels = 1
-    cls = AutoModelForTokenClassification if critic else AutoModelForCausalLM
+    cls = AutoModelForTokenClassification if critic else lm_class(config)
     with torch.device("meta"):
         return cls.from_config(config, dtype=dtype, attn_implementation=attn)
 
@@ -134,7 +140,8 @@ def load_local_shards(
     """Fill this rank's part of every tensor of `model` (materialised, sharded) from `path`'s files."""
     prefix = getattr(model, "base_model_prefix", "model")
     with Checkpoint(path) as ckpt, torch.no_grad():
-        table = recipes(list(ckpt.shapes), model.config.model_type)
+        classes = [c.__name__ for c in type(model).__mro__]  # FSDP2 subclasses the model's class
+        table = recipes(list(ckpt.shapes), model.config.model_type, *classes)
         total = 0
         for name, t in _tensors(model):
             region = local_region(t)
