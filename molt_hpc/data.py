@@ -73,6 +73,17 @@ def _message_problem(msg: Any, vision: bool = False) -> str | None:
     return None
 
 
+def text_prompt_ids(tokenizer, row: dict, cfg) -> list[int]:
+    """The prompt tokens of a text row (no images), as the dataset and the pre-flight render it."""
+    return render_prompt(
+        tokenizer,
+        row[cfg.prompt_key],
+        apply_chat_template=cfg.apply_chat_template,
+        system_prompt=cfg.system_prompt,
+        tools=row.get("tools"),
+    )
+
+
 def row_problem(row: Any, cfg: DataConfig, vision: bool = False) -> str | None:
     """What is wrong with a parsed row, or None when it is usable (before the length check); `vision`:
     the model is a vision-language model."""
@@ -231,13 +242,7 @@ def _parse_line(
     extra = {k: v for k, v in row.items() if k not in (cfg.prompt_key, cfg.label_key)}
     images: list[TraceImage] = []
     if vision is None:
-        ids = render_prompt(
-            tokenizer,
-            row[cfg.prompt_key],
-            apply_chat_template=cfg.apply_chat_template,
-            system_prompt=cfg.system_prompt,
-            tools=row.get("tools"),
-        )
+        ids = text_prompt_ids(tokenizer, row, cfg)
     else:
         try:
             ids, images = render_prompt_images(

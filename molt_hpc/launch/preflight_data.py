@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from molt_hpc.config.model import DataConfig
-from molt_hpc.data import render_prompt, render_prompt_images, row_problem
+from molt_hpc.data import render_prompt_images, row_problem, text_prompt_ids
 
 SAMPLE_ROWS = 256
 """Rows checked per file: enough to catch a wrong key or template, few enough to stay well under a second."""
@@ -35,13 +35,7 @@ def _render(cfg: DataConfig, tokenizer: Any, row: dict, where: str, vision: Any,
             return f"bad images ({err})"
         return len(ids)
     try:
-        ids = render_prompt(
-            tokenizer,
-            row[cfg.prompt_key],
-            apply_chat_template=cfg.apply_chat_template,
-            system_prompt=cfg.system_prompt,
-            tools=row.get("tools"),
-        )
+        ids = text_prompt_ids(tokenizer, row, cfg)
     except Exception as err:  # jinja and tokenizer errors come in many types; the message is what counts
         text = " ".join(str(err).split()) or type(err).__name__
         _fail(f"data.apply_chat_template = {cfg.apply_chat_template}: the prompt of {where} does not render: {text}")
