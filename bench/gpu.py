@@ -3,16 +3,18 @@ packed against padded trainer steps, the cost of trainer offload.
 
 Runs `bench/gpu_engine.py`, `bench/gpu_refit.py`, `bench/gpu_train.py` (under torchrun, two ranks),
 `bench/gpu_pack.py` (one GPU), `bench/gpu_vllm.py` (vLLM next to the built-in engine), `bench/gpu_vllm_one.py`
-(vLLM direct, through our front and our engine on one GPU), `bench/gpu_offload.py` (one GPU) and
-`bench/gpu_moe.py` (MoE router replay through vLLM on one GPU; the vLLM ones skipped without vLLM) one
-after the other (and, asked for with `--only ep`, `bench/gpu_ep.py` on every GPU of a 4- or 8-GPU host:
-expert parallelism against FSDP alone), each in its own processes with a time limit, collects their rows
-and prints one Markdown table: what was measured, the baseline measured in the same run, their ratio and
-the target. Made for two CUDA GPUs; on one, the trainer runs as a world of one and the refit goes through
-CUDA IPC only (the NCCL refit needs two; see `gpu_refit.py`). `--dry-run` runs the same scripts on the
-CPU with tiny shapes (a script check, not a measurement). Each benchmark's full output goes to `--logs`.
+(vLLM direct, through our front and our engine on one GPU), `bench/gpu_offload.py` (one GPU),
+`bench/gpu_moe.py` (MoE router replay through vLLM on one GPU) and `bench/gpu_vlm.py` (vLLM serving the
+tiny vision-language model on one GPU; the vLLM ones skipped without vLLM) one after the other (and,
+asked for with `--only ep`, `bench/gpu_ep.py` on every GPU of a 4- or 8-GPU host: expert parallelism
+against FSDP alone), each in its own processes with a time limit, collects their rows and prints one
+Markdown table: what was measured, the baseline measured in the same run, their ratio and the target.
+Made for two CUDA GPUs; on one, the trainer runs as a world of one and the refit goes through CUDA IPC
+only (the NCCL refit needs two; see `gpu_refit.py`). `--dry-run` runs the same scripts on the CPU with
+tiny shapes (a script check, not a measurement). Each benchmark's full output goes to `--logs`.
 
-    python bench/gpu.py [--only engine refit train pack vllm vllm1 offload moe ep] [--speed] [--logs DIR] [--dry-run]
+    python bench/gpu.py [--only engine refit train pack vllm vllm1 offload moe vlm ep] [--speed] [--logs DIR]
+                         [--dry-run]
 """
 
 import argparse
@@ -35,6 +37,7 @@ LIMIT_S = {
     "vllm1": 300,
     "offload": 150,
     "moe": 300,
+    "vlm": 480,
     "ep": 600,
 }
 SPEED = ["train", "engine", "vllm1"]
@@ -83,7 +86,7 @@ def main() -> int:
         "--only",
         nargs="+",
         choices=sorted(LIMIT_S),
-        default=["engine", "refit", "train", "pack", "vllm", "vllm1", "offload", "moe"],
+        default=["engine", "refit", "train", "pack", "vllm", "vllm1", "offload", "moe", "vlm"],
     )
     ap.add_argument("--logs", type=Path, default=None, help="where each benchmark's output goes (default: a temp dir)")
     ap.add_argument("--speed", action="store_true", help=f"only {' '.join(SPEED)}, the trainer at the 0.5B shape")

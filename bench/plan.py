@@ -70,7 +70,7 @@ def predict(shape: str, cfg, device: str):
     from molt_hpc.plan.trainer import shape_of, trainer_memory
 
     arch = arch_from_config(qwen2_config(shape))
-    return trainer_memory(arch, shape_of(cfg, 1, device)).peak
+    return trainer_memory(arch, shape_of(cfg, 1, device, arch)).peak
 
 
 def measure(shape: str, cfg, group, world) -> tuple[float, float]:

@@ -12,8 +12,12 @@
   neighbours swapped, a letter dropped or one added: the mistakes a policy learning the task makes).
   Every kind of near miss once per string (a tiny reward model only learns to compare the two orders
   of the letters when it meets them side by side for the same prompt).
+- `color_train.jsonl` / `color_eval.jsonl` + `shapes/*.png`: "What colour is the shape?" over 56 x 56
+  PNGs of a red, green or blue circle, square or triangle (`molt_hpc.agents.shapes`), `COLOR_VARIANTS`
+  jittered drawings of each for training and `COLOR_EVAL_VARIANTS` other ones for evaluation; the image
+  paths are relative to the data file.
 
-Every row has a stable `id`. Re-running writes byte-identical files.
+Every row has a stable `id`. Re-running writes byte-identical files (the PNGs: with the same Pillow).
 """
 
 import itertools
@@ -28,6 +32,9 @@ REVERSE_LENGTHS = (2, 3, 4)
 REVERSE_TRAIN_ROWS = 1024
 REVERSE_EVAL_PER_LENGTH = {2: 4, 3: 12, 4: 16}
 MATH_ROWS = 300
+COLOR_VARIANTS = 8
+COLOR_EVAL_VARIANTS = 4
+COLOR_QUESTION = "What colour is the shape?"
 SEED = 20240601
 
 
@@ -113,6 +120,21 @@ def pref_rows(rows: list[dict], kind: str, rng: random.Random, every_kind: bool)
     return out
 
 
+def color_rows(out_dir: Path, kind: str, seeds: range) -> list[dict]:
+    """Write the shape PNGs of `seeds` under `out_dir/shapes/` and return the rows that show them."""
+    from molt_hpc.agents.shapes import COLOURS, SHAPES, draw
+
+    (out_dir / "shapes").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for colour, shape, k in itertools.product(sorted(COLOURS), SHAPES, seeds):
+        name = f"shapes/{colour}-{shape}-{k}.png"
+        draw(colour, shape, k).save(out_dir / name, format="PNG", optimize=True)
+        content = [{"type": "image"}, {"type": "text", "text": COLOR_QUESTION}]
+        rows.append({"id": f"color-{kind}-{colour}-{shape}-{k}", "prompt": [{"role": "user", "content": content}],
+                     "images": [name], "label": colour})  # fmt: skip
+    return rows
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r, separators=(", ", ": ")) + "\n" for r in rows))
 
@@ -129,6 +151,9 @@ def main(out_dir: Path) -> None:
     prefs = random.Random(SEED + 2)
     write_jsonl(out_dir / "reverse_prefs_train.jsonl", pref_rows(train, "train", prefs, every_kind=True))
     write_jsonl(out_dir / "reverse_prefs_eval.jsonl", pref_rows(evaluation, "eval", prefs, every_kind=True))
+    write_jsonl(out_dir / "color_train.jsonl", color_rows(out_dir, "train", range(COLOR_VARIANTS)))
+    eval_seeds = range(100, 100 + COLOR_EVAL_VARIANTS)  # drawings the training rows never show
+    write_jsonl(out_dir / "color_eval.jsonl", color_rows(out_dir, "eval", eval_seeds))
 
 
 if __name__ == "__main__":

@@ -65,15 +65,23 @@ def model_group() -> None:
 
 @model_group.command("build-tiny")
 @click.argument("out_dir")
-@click.option("--config", "config", default=None, help="Take model.tiny (or model.tiny_moe) from this config file.")
+@click.option("--config", "config", default=None,
+              help="Take model.tiny (or model.tiny_moe, model.tiny_vl) from this config file.")  # fmt: skip
 @click.option("--moe", is_flag=True, help="Write builtin:tiny-moe (shape from model.tiny_moe) instead of tiny-char.")
+@click.option("--vl", is_flag=True, help="Write builtin:tiny-vl (shape from model.tiny_vl), the vision-language model.")
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)
-def build_tiny_cmd(out_dir: str, config: str | None, moe: bool, overrides: tuple[str, ...]) -> None:
+def build_tiny_cmd(out_dir: str, config: str | None, moe: bool, vl: bool, overrides: tuple[str, ...]) -> None:
     """Write the offline tiny model (tokenizer + random-init weights, HF layout) to OUT_DIR."""
     from molt_hpc.models import build_tiny, build_tiny_moe
+    from molt_hpc.models.tiny_vl import build_tiny_vl
 
+    if moe and vl:
+        raise click.UsageError("--moe and --vl each name a model: pass one of them")
     cfg = _load(config, overrides)
-    path = build_tiny_moe(out_dir, cfg.model.tiny_moe) if moe else build_tiny(out_dir, cfg.model.tiny)
+    if vl:
+        path = build_tiny_vl(out_dir, cfg.model.tiny_vl)
+    else:
+        path = build_tiny_moe(out_dir, cfg.model.tiny_moe) if moe else build_tiny(out_dir, cfg.model.tiny)
     click.echo(f"wrote {path}")
 
 

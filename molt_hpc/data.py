@@ -1,7 +1,10 @@
 """The prompt dataset (step 1 of the RL loop): rows, chat templating, length-balanced order, a cursor.
 
 Rows are JSON objects, one per line: `{"prompt": str | [chat messages], "label": ..., "tools": [...]?,
-"id": str?, ...}`; other keys (ids, images, metadata) ride along in `Prompt.extra`. Parquet would
+"id": str?, "images": [...]?, ...}`; other keys (ids, metadata) ride along in `Prompt.extra`. For a
+vision-language model, image parts of the messages (and `<image>` marks) take the row's images (paths
+relative to the data file, data URIs, base64): the images are read once, and their placeholders are
+expanded to each image's token count before the length check (`molt_hpc.vision.prompt`). Parquet would
 need pyarrow, which molt-hpc does not depend on: convert parquet files to JSONL first.
 
 Each epoch's order is a pure function of (seed, epoch): rows sorted by prompt length are cut into
@@ -20,6 +23,9 @@ from typing import Any
 
 from molt_hpc.config.model import DataConfig
 from molt_hpc.log import get_logger
+from molt_hpc.trajectory import TraceImage
+from molt_hpc.vision.images import image_bytes
+from molt_hpc.vision.prompt import normalise
 
 ROLES = ("system", "user", "assistant", "tool")
 IMAGE_PART_TYPES = ("image", "image_url")
@@ -40,10 +46,18 @@ class Prompt:
     token_ids: list[int]
     """The prompt after chat templating, tokenised once."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """Every other key of the row (`tools`, `id`, images, metadata)."""
+    """Every other key of the row (`tools`, `id`, the image references, metadata)."""
+    images: tuple[TraceImage, ...] = ()
+    """Vision-language models: the prompt's images, placed at their (expanded) placeholder runs."""
 
 
-def _message_problem(msg: Any) -> str | None:
+NO_VISION = (
+    "image parts need a vision-language model: model.path must name one (its config.json has a vision_config), "
+    "e.g. builtin:tiny-vl"
+)
+
+
+def _message_problem(msg: Any, vision: bool = False) -> str | None:
     if not isinstance(msg, dict) or msg.get("role") not in ROLES:
         return f"each chat message must be an object with a role in {ROLES}"
     content = msg.get("content")
@@ -51,15 +65,28 @@ def _message_problem(msg: Any) -> str | None:
         return None
     if not isinstance(content, list) or not all(isinstance(p, dict) and "type" in p for p in content):
         return "a message's content must be text or a list of typed parts"
-    if any(p["type"] in IMAGE_PART_TYPES for p in content):
-        return "image parts need a vision-language model, which molt-hpc does not support yet"
-    if any(p["type"] != "text" or not isinstance(p.get("text"), str) for p in content):
-        return "only text parts ({'type': 'text', 'text': ...}) are supported in message content"
+    if any(p["type"] in IMAGE_PART_TYPES for p in content) and not vision:
+        return NO_VISION
+    if any(p["type"] not in IMAGE_PART_TYPES and (p["type"] != "text" or not isinstance(p.get("text"), str))
+           for p in content):  # fmt: skip
+        return "only text and image parts ({'type': 'text', 'text': ...}, {'type': 'image'}) are supported"
     return None
 
 
-def row_problem(row: Any, cfg: DataConfig) -> str | None:
-    """What is wrong with a parsed row, or None when it is usable (before the length check)."""
+def text_prompt_ids(tokenizer, row: dict, cfg) -> list[int]:
+    """The prompt tokens of a text row (no images), as the dataset and the pre-flight render it."""
+    return render_prompt(
+        tokenizer,
+        row[cfg.prompt_key],
+        apply_chat_template=cfg.apply_chat_template,
+        system_prompt=cfg.system_prompt,
+        tools=row.get("tools"),
+    )
+
+
+def row_problem(row: Any, cfg: DataConfig, vision: bool = False) -> str | None:
+    """What is wrong with a parsed row, or None when it is usable (before the length check); `vision`:
+    the model is a vision-language model."""
     if not isinstance(row, dict):
         return f"a row must be a JSON object, got {type(row).__name__}"
     if cfg.prompt_key not in row:
@@ -69,6 +96,13 @@ def row_problem(row: Any, cfg: DataConfig) -> str | None:
     tools = row.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         return "'tools' must be a list of objects (tool schemas)"
+    images = row.get(cfg.image_key)
+    if images is not None and not isinstance(images, list):
+        return f"{cfg.image_key!r} must be a list of images (paths, data URIs or base64)"
+    if images and not vision:
+        return NO_VISION.replace("image parts", "rows with images")
+    if images and not cfg.apply_chat_template:
+        return "images need data.apply_chat_template = true (the template writes their placeholders)"
     prompt = row[cfg.prompt_key]
     if isinstance(prompt, str):
         return None if prompt.strip() else f"{cfg.prompt_key!r} is empty"
@@ -77,7 +111,7 @@ def row_problem(row: Any, cfg: DataConfig) -> str | None:
     if not cfg.apply_chat_template:
         return "chat-message prompts need data.apply_chat_template = true"
     for msg in prompt:
-        if problem := _message_problem(msg):
+        if problem := _message_problem(msg, vision):
             return problem
     return None
 
@@ -111,6 +145,23 @@ def render_prompt(
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def render_prompt_images(
+    tokenizer: Any,
+    vision: Any,
+    prompt: str | list[dict[str, Any]],
+    images: list[Any],
+    *,
+    base_dir: Path | None = None,
+    system_prompt: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> tuple[list[int], list[TraceImage]]:
+    """A vision-language prompt: token ids with every image's placeholders expanded, and its images placed
+    there. `images` are references (`molt_hpc.vision.images`), paths relative to `base_dir`."""
+    messages, refs = normalise(as_messages(prompt, system_prompt), images)
+    datas = [image_bytes(ref, base_dir) for ref in refs]
+    return vision.expand(render_prompt(tokenizer, messages, tools=tools), datas)
+
+
 class PromptDataset:
     """The validated, tokenised rows of one JSONL file."""
 
@@ -134,8 +185,18 @@ class PromptDataset:
         return hashlib.sha256("\n".join(p.prompt_id for p in self.prompts).encode()).hexdigest()[:16]
 
     @classmethod
-    def load(cls, cfg: DataConfig, tokenizer: Any, path: str | None = None, limit: int | None = None):
-        """Read and check `path` (default `cfg.path`); bad rows raise or are skipped per `cfg.on_bad_row`."""
+    def load(
+        cls,
+        cfg: DataConfig,
+        tokenizer: Any,
+        path: str | None = None,
+        limit: int | None = None,
+        *,
+        vision: Any = None,
+        max_images: int | None = None,
+    ):
+        """Read and check `path` (default `cfg.path`); bad rows raise or are skipped per `cfg.on_bad_row`.
+        `vision` (a `molt_hpc.vision.processor.Vision`) lets rows carry images, at most `max_images` each."""
         path = path or cfg.path
         if Path(path).suffix == ".parquet":
             raise ValueError(f"{path}: parquet needs pyarrow, which molt-hpc does not install; convert it to JSONL")
@@ -149,7 +210,8 @@ class PromptDataset:
                     break
                 if not line.strip():
                     continue
-                prompt, problem = _parse_line(line, line_no, Path(path).name, len(prompts), cfg, tokenizer)
+                where = _Where(Path(path), line_no, len(prompts))
+                prompt, problem = _parse_line(line, where, cfg, tokenizer, vision, max_images)
                 if problem is None:
                     prompts.append(prompt)
                 elif cfg.on_bad_row == "skip":
@@ -161,27 +223,40 @@ class PromptDataset:
         return cls(prompts, str(path), bad)
 
 
+@dataclass(frozen=True)
+class _Where:
+    path: Path
+    line_no: int
+    index: int
+
+
 def _parse_line(
-    line: str, line_no: int, file_name: str, index: int, cfg: DataConfig, tokenizer: Any
+    line: str, where: _Where, cfg: DataConfig, tokenizer: Any, vision: Any, max_images: int | None
 ) -> tuple[Prompt | None, str | None]:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as err:
         return None, f"invalid JSON ({err.msg})"
-    if problem := row_problem(row, cfg):
+    if problem := row_problem(row, cfg, vision is not None):
         return None, problem
     extra = {k: v for k, v in row.items() if k not in (cfg.prompt_key, cfg.label_key)}
-    ids = render_prompt(
-        tokenizer,
-        row[cfg.prompt_key],
-        apply_chat_template=cfg.apply_chat_template,
-        system_prompt=cfg.system_prompt,
-        tools=row.get("tools"),
-    )
+    images: list[TraceImage] = []
+    if vision is None:
+        ids = text_prompt_ids(tokenizer, row, cfg)
+    else:
+        try:
+            ids, images = render_prompt_images(
+                tokenizer, vision, row[cfg.prompt_key], row.get(cfg.image_key) or [], base_dir=where.path.parent,
+                system_prompt=cfg.system_prompt, tools=row.get("tools"),
+            )  # fmt: skip
+        except ValueError as err:
+            return None, f"bad images ({err})"
+        if max_images is not None and len(images) > max_images:
+            return None, f"too many images ({len(images)} > rollout.max_images = {max_images})"
     if len(ids) > cfg.max_prompt_tokens:
         return None, f"prompt too long ({len(ids)} tokens > data.max_prompt_tokens = {cfg.max_prompt_tokens})"
-    prompt_id = str(row["id"]) if "id" in row else f"{file_name}:{line_no}"
-    return Prompt(prompt_id, index, row[cfg.prompt_key], row[cfg.label_key], ids, extra), None
+    prompt_id = str(row["id"]) if "id" in row else f"{where.path.name}:{where.line_no}"
+    return Prompt(prompt_id, where.index, row[cfg.prompt_key], row[cfg.label_key], ids, extra, tuple(images)), None
 
 
 def epoch_order(lengths: list[int], buckets: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:

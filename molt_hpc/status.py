@@ -3,22 +3,12 @@ processes, and the Slurm job state when it runs on Slurm. Reads only files of th
 """
 
 import json
-import os
 import time
 from pathlib import Path
 
+from molt_hpc.buffer.cleanup import pid_alive
 from molt_hpc.log import read_metrics, training_steps
 from molt_hpc.plot import reward_summary
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def _ago(t: float) -> str:
@@ -96,7 +86,7 @@ def _process_lines(run_dir: Path) -> list[str]:
         return ["processes: none recorded"]
     procs = json.loads(path.read_text())
     done = (run_dir / "control" / "done").exists()
-    parts = [f"{name} (pid {pid}) {'alive' if _alive(pid) else 'exited'}" for name, pid in procs.items()]
+    parts = [f"{name} (pid {pid}) {'alive' if pid_alive(pid) else 'exited'}" for name, pid in procs.items()]
     return [("processes: " if not done else "finished; processes: ") + ", ".join(parts)]
 
 

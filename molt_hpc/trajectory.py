@@ -3,8 +3,9 @@
 Token in, trace out: `tokens` is exactly what the engine saw plus what it produced, never
 re-tokenised. `action_ranges` are the spans the model produced; everything else (prompt, env
 feedback) is context that never trains. MoE routing travels like the tokens, one row per token.
-The replay buffer stores and hands over whole `Group`s, because GRPO-style advantages compare the
-samples of one prompt.
+Images (vision-language models) travel with the tokens: each `TraceImage` holds the encoded image and
+the run of placeholder tokens its features fill. The replay buffer stores and hands over whole
+`Group`s, because GRPO-style advantages compare the samples of one prompt.
 """
 
 import dataclasses
@@ -15,6 +16,28 @@ import numpy as np
 
 ROUTING_DTYPE = np.int16
 """Expert ids of `Trajectory.routed_experts`: -1 (unknown) must survive, and 32767 experts is plenty."""
+
+
+@dataclass(frozen=True)
+class TraceImage:
+    """One image of a trajectory: its encoded bytes and the placeholder tokens its features fill."""
+
+    data: bytes
+    """The image file's bytes (PNG, JPEG, ...), exactly as loaded; engines and trainer decode the same bytes."""
+    offset: int
+    """Index in `Trajectory.tokens` of its first placeholder (image pad) token."""
+    length: int
+    """Placeholder tokens: the image's patch grid t·h·w over the merge size squared."""
+    grid: tuple[int, int, int]
+    """(t, h, w) patch grid the image processor made of it (Qwen2-VL's `image_grid_thw`)."""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def moved(self, by: int) -> "TraceImage":
+        """The same image placed `by` tokens later."""
+        return TraceImage(self.data, self.offset + by, self.length, self.grid)
 
 
 @dataclass
@@ -48,6 +71,9 @@ class Trajectory:
     int16 (global expert ids, the layer axis every decoder layer, dense ones included), aligned 1:1
     with `tokens`; -1 where the engine never forwarded the token (the last one) or did not say.
     A list of lists is converted."""
+    images: list[TraceImage] = field(default_factory=list)
+    """Vision-language models: every image of the trace (the prompt's and the observations'), in order
+    of their placeholder runs, which never overlap an action."""
 
     def __post_init__(self) -> None:
         if self.routed_experts is not None:
@@ -61,6 +87,8 @@ class Trajectory:
         for start, end in self.action_ranges:
             assert last <= start < end <= len(self.tokens), f"bad action range {(start, end)}"
             last = end
+        if self.images:
+            _check_images(self.images, self.action_ranges, len(self.tokens))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Trajectory):
@@ -84,6 +112,15 @@ class Trajectory:
     @property
     def response_len(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+
+def _check_images(images: list[TraceImage], ranges: list[tuple[int, int]], n_tokens: int) -> None:
+    last = 0
+    for im in images:
+        assert last <= im.offset and im.length > 0 and im.end <= n_tokens, f"bad image span {(im.offset, im.length)}"
+        last = im.end
+    for start, end in ranges:
+        assert not any(im.offset < end and start < im.end for im in images), "an action overlaps an image's tokens"
 
 
 @dataclass

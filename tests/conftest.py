@@ -34,6 +34,27 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vl_dir(tmp_path_factory) -> Path:
+    """The default tiny vision-language model, built once per test session."""
+    from molt_hpc.config import MoltConfig
+    from molt_hpc.models.tiny_vl import build_tiny_vl
+
+    out = tmp_path_factory.mktemp("tiny-vl")
+    return build_tiny_vl(out, MoltConfig().model.tiny_vl)
+
+
+def shape_png(colour: str = "red", shape: str = "circle", seed: int = 0, side: int = 56) -> bytes:
+    """A PNG of the synthetic task's drawing, scaled to `side` pixels."""
+    import io
+
+    from molt_hpc.agents.shapes import draw
+
+    out = io.BytesIO()
+    draw(colour, shape, seed).resize((side, side)).save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory) -> Path:
     """The default tiny MoE model (`builtin:tiny-moe`), built once per test session."""
     from molt_hpc.config import MoltConfig

@@ -9,7 +9,8 @@ not depend on the values, so the trace's bytes are those of rank r of a real N-r
 themselves are garbage (nothing is checked against them). Around it, `FSDPMemTracker` (a
 TorchDispatchMode) records every tensor by category; the update is the trainer's own code:
 `parallelize`, `build_optimizer`, `policy_logprobs`, `policy_loss`, backward, `optimizer_step`.
-Two updates run and the second is reported (the first creates the optimizer state).
+Two updates run and the second is reported (the first creates the optimizer state), with the path the
+trainer's log-probs took (`fused_head`: from the hidden states and the head weight, or full logits).
 """
 
 import json
@@ -40,13 +41,16 @@ def make_batch(rows: int, seq: int, prompt: int, pad: int, vocab: int):
 
 
 def model_config(spec: dict):
-    """A Qwen2 (dense) or Qwen3-MoE config of the spec's shape."""
-    from transformers import Qwen2Config, Qwen3MoeConfig
+    """A Qwen2 (dense), Qwen3-MoE or, with `logits_scaling`, Granite (Llama's layout, its logits divided
+    by that scale: a head the fused log-probs do not take) config of the spec's shape."""
+    from transformers import GraniteConfig, Qwen2Config, Qwen3MoeConfig
 
     common = dict(vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
                   num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
                   num_key_value_heads=spec["kv_heads"], tie_word_embeddings=spec["tied"],
                   max_position_embeddings=4 * spec["seq"])  # fmt: skip
+    if spec.get("logits_scaling"):
+        return GraniteConfig(**common, logits_scaling=spec["logits_scaling"])
     if spec.get("experts"):
         return Qwen3MoeConfig(
             **common,
@@ -66,6 +70,7 @@ def trace(spec: dict, world: int) -> dict:
 
     from molt_hpc.actor import build
     from molt_hpc.actor.batch import policy_logprobs
+    from molt_hpc.actor.head import FUSED_OK
     from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.state import Trainable
     from molt_hpc.actor.step import optimizer_step
@@ -76,7 +81,8 @@ def trace(spec: dict, world: int) -> dict:
     try:
         mesh = init_device_mesh("cpu", (world,))
         cfg = load_config(None, [f"actor.micro_batch_size={spec['rows']}", f"actor.logprob_chunk={spec['chunk']}",
-                                 f"actor.activation_checkpointing={str(spec['ac']).lower()}"])  # fmt: skip
+                                 f"actor.activation_checkpointing={str(spec['ac']).lower()}",
+                                 f"algorithm.entropy_coef={spec.get('entropy_coef', 0.0)}"])  # fmt: skip
         config = model_config(spec)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").train()
@@ -99,7 +105,7 @@ def trace(spec: dict, world: int) -> dict:
                     tracker.reset_mod_stats()
         peak = tracker.get_tracker_snapshot("peak")
         dev = next(k for k in peak if str(k).startswith("cpu"))
-        return {"world": world, "peak": peak[dev]["Total"],
+        return {"world": world, "peak": peak[dev]["Total"], "fused_head": getattr(model, FUSED_OK),
                 "by_category": {str(k): v for k, v in peak[dev].items() if k != "Total"}}  # fmt: skip
     finally:
         dist.destroy_process_group()

@@ -6,6 +6,9 @@ MOLT_STANDIN_STEP_S seconds), checkpoints at the next step boundary and exits on
 SIGUSR1/SIGTERM, and writes `control/done` when finished. Rank 0 does the work; every rank records
 its torchrun environment. Events go to `RUN_DIR/standin/actor.jsonl`.
 Fault injection: MOLT_STANDIN_ACTOR_FAIL_AT=N exits with code 3 after step N.
+Pacing: MOLT_STANDIN_HOLD="R:N,..." makes start R (SLURM_RESTART_COUNT) stop stepping after its N-th
+step until a stop comes, so a test that preempts or requeues the job at that point cannot be outrun by
+a run that finishes first (the scheduler's preemption may take many seconds on a loaded machine).
 """
 
 import json
@@ -21,6 +24,7 @@ RANK = int(os.environ["RANK"])
 RESTART = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 STEP_S = float(os.environ.get("MOLT_STANDIN_STEP_S", "0.2"))
 FAIL_AT = int(os.environ.get("MOLT_STANDIN_ACTOR_FAIL_AT", "0"))
+HOLD = dict(tuple(map(int, h.split(":"))) for h in os.environ.get("MOLT_STANDIN_HOLD", "").split(",") if h)
 signalled = []
 signal.signal(signal.SIGUSR1, lambda s, f: signalled.append(signal.Signals(s).name))
 signal.signal(signal.SIGTERM, lambda s, f: signalled.append(signal.Signals(s).name))
@@ -65,9 +69,13 @@ def main() -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return 0
     try:
+        held = 0
         while step < steps:
             time.sleep(STEP_S)
+            if RESTART in HOLD and held >= HOLD[RESTART] and not stop_requested():
+                continue  # holding: no step until the stop this start waits for
             step += 1
+            held += 1
             record("step", step=step)
             if FAIL_AT and step == FAIL_AT:
                 record("fail", step=step)

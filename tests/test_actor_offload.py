@@ -111,7 +111,7 @@ def _run(tiny_model_dir, tmp_path, size: int, device: str) -> dict:
     return torch.load(out)
 
 
-def _same_training(res: dict) -> None:
+def _same_training(res: dict, moment_rel: float = 1e-5) -> None:
     base = res["none"]
     moved = max(float((p - base["initial"][n]).abs().max()) for n, p in base["params"].items())
     assert base["loss"][0] != 0 and max(base["kl"]) > 0 and moved > 1e-2, moved  # it trained, far past the tolerance
@@ -119,7 +119,7 @@ def _same_training(res: dict) -> None:
         got = res[mode]
         for key in ["loss", "grad_norm", "kl"]:
             assert got[key] == pytest.approx(base[key], rel=1e-5, abs=1e-7), (mode, key)
-        assert got["exp_avg_sq"] == pytest.approx(base["exp_avg_sq"], rel=1e-5)
+        assert got["exp_avg_sq"] == pytest.approx(base["exp_avg_sq"], rel=moment_rel)
         assert got["after_restore_loss"] == pytest.approx(base["after_restore_loss"], rel=1e-5, abs=1e-7)
         for name, p in base["params"].items():
             # fused and foreach AdamW round differently: ~2e-6 after 3 steps of ~1e-2 each
@@ -141,7 +141,9 @@ def test_offload_modes_train_the_same(tiny_model_dir, tmp_path):
 @pytest.mark.timeout(300)
 def test_offload_modes_on_one_gpu_free_its_memory(tiny_model_dir, tmp_path):
     res = _run(tiny_model_dir, tmp_path, 1, "cuda")
-    _same_training(res)
+    # The second moments sum squared gradients (twice their relative rounding) that the GPU's reductions
+    # order differently when the parameters live on the host: measured 1.3e-5 apart on an H200.
+    _same_training(res, moment_rel=1e-4)
     none, opt, full = res["none"]["device_bytes"], res["optimizer"]["device_bytes"], res["full"]["device_bytes"]
     moments = 8 * res["none"]["trained_params"]  # fp32 exp_avg + exp_avg_sq
     assert abs((none - opt) - moments) < 0.05 * moments, (none, opt, moments)

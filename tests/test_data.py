@@ -29,7 +29,7 @@ def test_loads_text_and_chat_rows_through_the_template(tok, tmp_path: Path) -> N
         [
             {"prompt": "hi", "label": 1, "id": "a"},
             {"prompt": [{"role": "user", "content": "yo"}], "label": "x", "tools": [{"name": "calc"}]},
-            {"prompt": "extra", "label": None, "images": ["img.png"], "meta": {"k": 1}},
+            {"prompt": "extra", "label": None, "files": ["a.txt"], "meta": {"k": 1}},
         ],
     )
     ds = PromptDataset.load(DataConfig(path=str(path), system_prompt="Be brief."), tok)
@@ -37,7 +37,7 @@ def test_loads_text_and_chat_rows_through_the_template(tok, tmp_path: Path) -> N
     want = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.decode(ds[0].token_ids) == want
     assert ds[1].extra["tools"] == [{"name": "calc"}]
-    assert ds[2].extra == {"images": ["img.png"], "meta": {"k": 1}}  # extra keys ride along for later use
+    assert ds[2].extra == {"files": ["a.txt"], "meta": {"k": 1}}  # extra keys ride along for later use
     raw = PromptDataset.load(DataConfig(path=str(path), apply_chat_template=False), tok, limit=1)
     assert tok.decode(raw[0].token_ids) == "hi"
 

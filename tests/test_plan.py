@@ -49,11 +49,11 @@ def test_moe_parameter_count_splits_experts_and_router() -> None:
 def test_persistent_state_is_16_bytes_per_parameter_over_the_ranks() -> None:
     cfg = load_config(ROOT / "configs" / "8b_dense.toml")
     a = arch("llama-3.1-8b")
-    mem = trainer_memory(a, shape_of(cfg, 8, "cuda"))
+    mem = trainer_memory(a, shape_of(cfg, 8, "cuda", a))
     assert mem.state == {"parameters": 4 * a.params / 8, "gradients": 4 * a.params / 8, "optimizer": 8 * a.params / 8}
-    off = trainer_memory(a, shape_of(with_changes(cfg, ["actor.offload='optimizer'"]), 8, "cuda"))
+    off = trainer_memory(a, shape_of(with_changes(cfg, ["actor.offload='optimizer'"]), 8, "cuda", a))
     assert off.state["optimizer"] == 0 and off.host["optimizer"] == 8 * a.params / 8
-    ref = trainer_memory(a, shape_of(with_changes(cfg, ["algorithm.kl_coef=0.01"]), 8, "cuda"))
+    ref = trainer_memory(a, shape_of(with_changes(cfg, ["algorithm.kl_coef=0.01"]), 8, "cuda", a))
     assert ref.state["reference"] == 2 * a.params / 8  # stored in model.dtype (bf16)
     assert ref.peak.total > mem.peak.total
 
@@ -61,8 +61,8 @@ def test_persistent_state_is_16_bytes_per_parameter_over_the_ranks() -> None:
 def test_gradients_stay_through_forward_only_with_several_micro_batches() -> None:
     cfg = load_config(ROOT / "configs" / "8b_dense.toml")
     a = arch("llama-3.1-8b")
-    one = shape_of(with_changes(cfg, ["actor.micro_batch_size=16"]), 8, "cuda")  # 32·8/2/8 = 16 rows per rank
-    four = shape_of(with_changes(cfg, ["actor.micro_batch_size=4"]), 8, "cuda")
+    one = shape_of(with_changes(cfg, ["actor.micro_batch_size=16"]), 8, "cuda", a)  # 32·8/2/8 = 16 rows per rank
+    four = shape_of(with_changes(cfg, ["actor.micro_batch_size=4"]), 8, "cuda", a)
     assert (one.micro_batches, four.micro_batches) == (1, 4)
     fwd = {m: next(p for p in trainer_memory(a, s).phases if p.name == "forward: log-probs") for m, s in
            ((1, one), (4, four))}  # fmt: skip

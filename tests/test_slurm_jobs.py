@@ -96,7 +96,9 @@ def background_jobs(slurm_cluster, tmp_path_factory, tiny_model_dir, request) ->
     jobs = {
         "time-limit": submit(root, tiny_model_dir, "time-limit", "run.steps=100000", "slurm.time=00:01:00",
                              "slurm.signal_lead_s=50", *on_nodes("node0", "node1")),
-        "preempted": submit(root, tiny_model_dir, "preempted", "run.steps=80", *on_nodes("node2", "node3")),
+        # its first start holds after 5 steps until preempted, its second after 3 until requeued
+        "preempted": submit(root, tiny_model_dir, "preempted", "run.steps=80", *on_nodes("node2", "node3"),
+                            env={"MOLT_STANDIN_HOLD": "0:5,1:3"}),
     }  # fmt: skip
     wanted = any(item.name.startswith("test_real_pools") for item in request.session.items)
     if wanted and missing_entry_points() is None:

@@ -3,6 +3,7 @@ with exit code 2 before anything starts (the config, the pre-flight of the stage
 reward model, the memory plan), run directories stand in for model paths, and the plan of a stage is its
 own rows on the actor pool alone."""
 
+import dataclasses
 import json
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from molt_hpc.config import ConfigError, load_config
 from molt_hpc.models.resolve import run_model
 from molt_hpc.plan import plan_config
+from molt_hpc.plan.arch import arch_of
 from molt_hpc.plan.trainer import shape_of, trainer_memory
 from tests.conftest import ROOT, molt
 
@@ -103,14 +105,21 @@ def test_a_stage_whose_model_is_an_unfinished_run_is_refused(tmp_path) -> None:
 def test_the_plan_of_a_stage_is_its_rows_on_the_actor_pool_alone() -> None:
     padded = ["actor.packing='off'", "actor.micro_batch_size=8", "algorithm.kl_coef=0.1"]
     sft = load_config(ROOT / "configs" / "tiny_sft.toml", padded)
-    s = shape_of(sft, 1, "cpu")  # sft.batch_size = 32 rows of sft.max_tokens = 64, 8 at a time; no reference
+    # sft.batch_size = 32 rows of sft.max_tokens = 64, 8 at a time; no reference
+    s = shape_of(sft, 1, "cpu", arch_of(sft.model))
     assert (s.rows, s.seq, s.micro_batches, s.reference, s.critic, s.vocab_logits) == (8, 64, 4, False, False, True)
     rm = load_config(ROOT / "configs" / "tiny_rm.toml", padded)
-    s = shape_of(rm, 2, "cpu")  # 64 pairs over 2 ranks, each pair one row of 2 × rm.max_tokens = 128
+    s = shape_of(rm, 2, "cpu", arch_of(rm.model))  # 64 pairs over 2 ranks, a pair one row of 2 × rm.max_tokens
     assert (s.rows, s.seq, s.micro_batches, s.vocab_logits) == (8, 128, 4, False)
     plan, _ = plan_config(rm, local=True, gpus=0)
     assert plan.placement.engines == 0 and [c.what for c in plan.checks] == ["host memory per actor node"]
     assert plan.refit_phase.name == "checkpoint (rank 0)"  # no refit: a checkpoint's whole tensor on rank 0
-    logprob = next(p for p in trainer_memory(plan.arch, s).phases if p.name == "forward: log-probs")
-    assert logprob.parts["logits"] == s.tokens * 4 * 1  # one fp32 score per token, not the vocabulary
+
+    def chunk(shape, vocab: int) -> float:  # the log-prob forward's chunk with the vocabulary at `vocab`
+        phases = trainer_memory(dataclasses.replace(plan.arch, vocab=vocab), shape).phases
+        return next(p for p in phases if p.name == "forward: log-probs").parts["log-prob chunk"]
+
+    assert chunk(s, 10**5) == chunk(s, plan.arch.vocab)  # a reward model scores: no vocabulary log-probs
+    sft_shape = shape_of(sft, 1, "cpu", plan.arch)
+    assert chunk(sft_shape, 10**5) > chunk(sft_shape, plan.arch.vocab)
     assert plan.runnable

@@ -28,6 +28,15 @@ def generate(url: str, token: str | None, session: str) -> tuple[int, dict]:
         return err.code, {}
 
 
+def served(url: str, token: str, session: str) -> bool:
+    """Whether the router answers a generate for `session`; refused while vllm-router restarts (its port
+    is closed from the old child's exit until the new one listens)."""
+    try:
+        return generate(url, token, session)[0] == 200
+    except urllib.error.URLError:
+        return False
+
+
 def engine_of(answer: dict) -> int:
     return int(answer["id"].split("-")[1])  # the built-in engine names its answers gen-<index>-<n>
 
@@ -89,12 +98,13 @@ def test_sessions_stick_tokens_are_checked_and_a_restarted_engine_is_followed(po
     assert pool.engine_url(0) != old
     log = pool.run.logs / "router.log"
     wait_until(lambda: "restarting vllm-router" in log.read_text())
-    answers = [wait_until(lambda s=s: generate(url, token, f"session-{s}")[0] == 200) for s in range(8)]
+    answers = [wait_until(lambda s=s: served(url, token, f"session-{s}")) for s in range(8)]
     assert all(answers)  # every session is served again, on the same router address
 
 
 def test_a_worker_added_behind_the_run_stops_the_router(pool) -> None:
     url = json.loads((pool.run.rendezvous / "router.json").read_text())["url"]
+    wait_until(lambda: served(url, pool.run.token(), "session-0"))  # vllm-router is up to take the worker
     stranger = pool.engine_url(1).replace("http://127.0.0.1:", "http://localhost:")  # same server, foreign name
     req = urllib.request.Request(f"{url}/add_worker?url={stranger}", method="POST")
     with contextlib.suppress(OSError):  # vLLM's router takes this without any token (it may answer late)

@@ -9,5 +9,6 @@ the replay buffer, sends refits to the engines and coordinates checkpoints. Modu
 `ep_check` the torch-free checks),
 `build` (models, optimizers, LR schedule), `weights` (full weights gathered bucket by bucket),
 `state` (checkpoint save and restore), `feed` (groups from the buffer to every rank),
-`step` (one training step), `sync` (refits), `control` (signals and control files), `trainer` (the loop).
+`step` (one training step), `sync` (refits), `control` (signals and control files), `trainer` (the loop),
+`vision` (a vision-language policy's pixel values and multimodal positions per micro-batch).
 """

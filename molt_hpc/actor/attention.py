@@ -210,11 +210,16 @@ def check_model(model: nn.Module, attn: str, cp: int) -> None:
             f"{what} needs model.attn_implementation 'sdpa' or 'flash_attention_2', not {attn!r} "
             f"({attn} materialises every [T, T] score and cannot confine attention to a packed sample)"
         )
-    config = model.config
+    if cp > 1 and is_vision_language(model):
+        raise ValueError(
+            "actor.cp > 1 splits rows over ranks, but a vision-language model's image features fill tokens of the "
+            "whole row: set actor.cp = 1 for this model"
+        )
+    config = model.config.get_text_config()
     other = sorted(set(getattr(config, "layer_types", None) or []) - {"full_attention"})
-    from molt_hpc.actor.parallelize import decoder_blocks
+    from molt_hpc.actor.parallelize import language_blocks
 
-    if other or any(not hasattr(b, "self_attn") for b in decoder_blocks(model)):
+    if other or any(not hasattr(b, "self_attn") for b in language_blocks(model)):
         raise ValueError(
             f"{what}: {type(model).__name__} has layers other than full softmax attention "
             f"({', '.join(other) or 'blocks without self_attn'}); their token mixing would cross samples or CP "
@@ -242,8 +247,15 @@ def use_document_attention(model: nn.Module, how: DocumentAttention) -> None:
     kernel = attn
     if attn == "sdpa" and device.type == "cuda" and _has_torch_varlen():
         kernel = "varlen"
-    model.config._attn_implementation = ATTENTION
+    if is_vision_language(model):  # the language model attends by document; the vision tower keeps its kernel
+        model.config._attn_implementation = {"": ATTENTION, "text_config": ATTENTION}
+    else:
+        model.config._attn_implementation = ATTENTION
     model.molt_attention = AttentionSetup(kernel=kernel, cp=cp)
+
+
+def is_vision_language(model: nn.Module) -> bool:
+    return getattr(model.config, "vision_config", None) is not None
 
 
 def _has_torch_varlen() -> bool:

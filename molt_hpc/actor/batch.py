@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from molt_hpc.actor.attention import attention_setup
 from molt_hpc.actor.head import hidden_and_head
 from molt_hpc.actor.packing import rank_micro_batches
+from molt_hpc.actor.vision import ImageInputs
 from molt_hpc.actor.world import World
 from molt_hpc.algorithm import (
     Experience,
@@ -42,7 +43,13 @@ def my_rows(rows: Tensor, world: World) -> Tensor:
 
 
 def policy_logprobs(
-    model: nn.Module, mb: Experience, temperature: float, chunk: int, kernel: str = "torch"
+    model: nn.Module,
+    mb: Experience,
+    temperature: float,
+    chunk: int,
+    kernel: str = "torch",
+    *,
+    images: ImageInputs | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(log-prob, entropy) `[B, T]` of each action token under `model` at the sampling temperature.
 
@@ -50,23 +57,31 @@ def policy_logprobs(
     `[B, T, V]` logits in forward or backward; models whose head does more than a matmul go through
     their full logits. Position ids restart per sample; no attention mask and no KV cache (with either,
     transformers would not confine attention to each sample of a packed row; see
-    `molt_hpc.algorithm.experience`).
+    `molt_hpc.algorithm.experience`). A vision-language model also gets the micro-batch's pixel values
+    and multimodal positions (`images`); a dummy-image row it may add is cut off the outputs.
     """
     how = {"temperature": temperature, "chunk": chunk, "kernel": kernel}
+    rows_in = mb.sequences.shape[0]
+    extra: dict[str, Tensor] = {}
+    if images is not None:
+        mb, extra = images.inputs(mb)
     setup = attention_setup(model)
     if setup is None:
-        inputs = {"input_ids": mb.sequences, "position_ids": mb.position_ids, "use_cache": False}
+        inputs = {"input_ids": mb.sequences, "position_ids": mb.position_ids, "use_cache": False, **extra}
         fused = hidden_and_head(model, inputs)
         if fused is not None:
-            return token_logprobs(fused.hidden, fused.weight, mb.sequences, action_mask=mb.action_mask, **how)
-        return logprobs_from_logits(model(**inputs).logits, mb.sequences, action_mask=mb.action_mask, **how)
+            logp, ent = token_logprobs(fused.hidden, fused.weight, mb.sequences, action_mask=mb.action_mask, **how)
+        else:
+            logp, ent = logprobs_from_logits(model(**inputs).logits, mb.sequences, action_mask=mb.action_mask, **how)
+        return logp[:rows_in], ent[:rows_in]
     rows = setup.rows(mb)
-    fused = hidden_and_head(model, rows.inputs)
+    inputs = {**rows.inputs, **extra}
+    fused = hidden_and_head(model, inputs)
     if fused is not None:
         logp, ent = target_token_logprobs(fused.hidden, fused.weight, rows.next_tokens, mask=rows.next_action, **how)
     else:
-        logp, ent = target_logprobs(model(**rows.inputs).logits, rows.next_tokens, mask=rows.next_action, **how)
-    return rows.own_index(logp), rows.own_index(ent)
+        logp, ent = target_logprobs(model(**inputs).logits, rows.next_tokens, mask=rows.next_action, **how)
+    return rows.own_index(logp)[:rows_in], rows.own_index(ent)[:rows_in]
 
 
 def critic_values(critic: nn.Module, mb: Experience) -> Tensor:

@@ -91,13 +91,15 @@ def load_model(
 
 def expected_shapes(base: Path, *, critic: bool = False) -> dict[str, tuple[int, ...]]:
     """Parameter name → shape of the model in `base`, built on the meta device (no memory, no weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    from molt_hpc.models.load import lm_class
 
     quiet_transformers()
     config = AutoConfig.from_pretrained(str(base), local_files_only=True)
     if critic:
         config.num_labels = 1
-    cls = AutoModelForTokenClassification if critic else AutoModelForCausalLM
+    cls = AutoModelForTokenClassification if critic else lm_class(config)
     with torch.device("meta"):
         model = cls.from_config(config)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}

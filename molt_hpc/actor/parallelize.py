@@ -25,6 +25,13 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
+def language_blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks of the language model (a vision-language model's vision blocks left out)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    inside = {id(m) for m in decoder.modules()} if isinstance(decoder, nn.Module) else None
+    return [b for b in decoder_blocks(model) if inside is None or id(b) in inside]
+
+
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,

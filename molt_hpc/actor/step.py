@@ -22,6 +22,7 @@ from molt_hpc.actor.expert_parallel import on_several_meshes
 from molt_hpc.actor.moe_router import MoeRouting
 from molt_hpc.actor.packing import rank_micro_batches
 from molt_hpc.actor.state import Trainable
+from molt_hpc.actor.vision import ImageInputs
 from molt_hpc.actor.world import World, gather_all
 from molt_hpc.algorithm import (
     Experience,
@@ -51,6 +52,8 @@ class Models:
     """Tokens of one packed micro-batch (`molt_hpc.actor.packing`); None: rows padded `micro_batch_size` at a time."""
     moe: MoeRouting | None = None
     """The policy's MoE routers (replay, aux losses, routing metrics); None for a dense policy."""
+    images: ImageInputs | None = None
+    """A vision-language policy's image inputs (`molt_hpc.actor.vision`); None for a text model."""
 
 
 @dataclass
@@ -111,13 +114,17 @@ class Meter:
 
 def build_experience(groups: list[Group], cfg: MoltConfig, models: Models, world: World, pad_id: int) -> Experience:
     """The step's whole batch (same on every rank) with reference log-probs, values and advantages."""
-    exp = experience_from_groups(groups, max_len=cfg.rollout.max_total_tokens, pad_id=pad_id)
+    images = models.images
+    if images is not None:
+        images.new_step()
+    vision = images.vision.spec if images is not None else None
+    exp = experience_from_groups(groups, max_len=cfg.rollout.max_total_tokens, pad_id=pad_id, vision=vision)
     rows = torch.arange(exp.sequences.shape[0])
     act, temp, shape = cfg.actor, cfg.rollout.temperature, (cfg.actor.micro_batch_size, models.pack_tokens)
     if models.reference is not None:
         ref = models.reference
         exp.base_log_probs = rows_forward(
-            lambda mb: policy_logprobs(ref, mb, temp, act.logprob_chunk, act.logprob_kernel)[0],
+            lambda mb: policy_logprobs(ref, mb, temp, act.logprob_chunk, act.logprob_kernel, images=images)[0],
             exp,
             rows,
             *shape,
@@ -161,8 +168,9 @@ def update_policy(exp: Experience, cfg: MoltConfig, models: Models, world: World
             mb = host_mb.to(world.device)
             with models.moe.micro_batch(mb) if models.moe else contextlib.nullcontext():
                 logp, ent = policy_logprobs(
-                    part.model, mb, cfg.rollout.temperature, act.logprob_chunk, act.logprob_kernel
-                )
+                    part.model, mb, cfg.rollout.temperature, act.logprob_chunk, act.logprob_kernel,
+                    images=models.images,
+                )  # fmt: skip
                 loss, metrics = policy_loss(
                     logp, mb.action_log_probs, mb.advantages, mb.action_mask, alg, count,
                     seq_index=mb.seq_index, n_samples=exp.num_samples, base_log_probs=mb.base_log_probs, entropy=ent,
@@ -234,4 +242,5 @@ def batch_metrics(exp: Experience) -> dict[str, float]:
         "tokens": int(exp.attention_mask.sum()),
         "response_len": float(lengths.mean()),
         "truncated_samples": exp.stats.get("truncated_samples", 0),
+        **{k: exp.stats[k] for k in ("vlm_truncation", "media_token") if k in exp.stats},
     }

@@ -22,6 +22,7 @@ from molt_hpc.actor.moe_router import MoeRouting
 from molt_hpc.actor.packing import sequence_layout
 from molt_hpc.actor.step import Models, train_step
 from molt_hpc.actor.sync import EngineSync
+from molt_hpc.actor.vision import ImageInputs
 from molt_hpc.actor.world import World, close_world, init_world, share
 from molt_hpc.algorithm.logprob_kernels import check_kernel
 from molt_hpc.config import MoltConfig
@@ -30,6 +31,7 @@ from molt_hpc.models import resolve_model
 from molt_hpc.models.sharded import meta_model
 from molt_hpc.rundir import RunDir
 from molt_hpc.trajectory import finished_reward
+from molt_hpc.vision.processor import Vision, is_vision_model
 
 
 def resume_point(cfg: MoltConfig, run: RunDir, base: Path, required: bool) -> Path | None:
@@ -132,6 +134,8 @@ class Trainer:
         policy = build.load_model(src, cfg, world, "policy", documents=docs)
         moe = MoeRouting.for_policy(policy, cfg)  # replay, aux losses and routing metrics of an MoE policy
         models = Models(policy=self._trainable("policy", policy, cfg.actor.lr), pack_tokens=pack_tokens, moe=moe)
+        if is_vision_model(self.base):  # pixel values from the base directory's image processor
+            models.images = ImageInputs(Vision(self.base))
         if cfg.algorithm.uses_reference:
             models.reference = build.load_model(self.base, cfg, world, "reference", documents=docs)
         if cfg.algorithm.uses_critic:

@@ -9,6 +9,7 @@ env_hosts.py     where env calls run (the runner's interface); the orchestrator'
 env_workers.py   ... or worker processes (rollout.env_workers); env_worker.py is that process
 observation.py   an observation as the tokens that follow an action (chat-template glue)
 grading.py       the math grader; arith.py the safe arithmetic evaluator of the calculator env
+shapes.py        the synthetic visual task's images and reward (envs/color*.py)
 """
 
 from typing import TYPE_CHECKING, Any

@@ -53,6 +53,10 @@ class Result:
     """Task score to report (defaults to the reward)."""
     sampling_params: dict[str, Any] | None = None
     """Sampling-param overrides for the next turn only (e.g. `{"max_tokens": 8, "temperature": 0.7}`)."""
+    images: list[Any] | None = None
+    """Vision-language models: images shown with the next observation (PIL images, encoded bytes, paths,
+    data URIs). Each takes an image part of the observation message (`{"type": "image"}` or an `<image>`
+    mark in its text); a text observation without any gets them in front of its text."""
 
     def __post_init__(self) -> None:
         self.reward = as_reward(self.reward)

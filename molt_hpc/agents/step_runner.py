@@ -5,8 +5,12 @@ Token in, trace out. Per turn: generate (at most `rollout.max_new_tokens`, and n
 `env.step` → append the action tokens with their engine log-probs and weight versions → stop when
 the env terminates or truncates, the turns or the token budget run out; otherwise tokenise the
 observation once, append it (it never trains) and go on. Nothing already in the trace is ever
-tokenised again. The trajectory's reward is the sum of the step rewards; its score is the last
-step's explicit score, else that reward.
+tokenised again. With a vision-language model, images travel with the trace: the prompt's, then
+each observation's (`Result.images`, their placeholders expanded as they are appended), and every
+generate call sends them all beside the tokens. An action holding a vision token (an image pad the
+model generated) ends the episode at once, flagged `media_token_in_action`: the trainer drops it.
+The trajectory's reward is the sum of the step rewards; its score is the last step's explicit score,
+else that reward.
 
 The env is reached through an env host (`molt_hpc.agents.env_hosts`): the orchestrator's threads by
 default, or worker processes (`rollout.env_workers`) when the caller passes an `EnvWorkerPool`.
@@ -23,11 +27,14 @@ from molt_hpc.agents.env_hosts import EnvHost, Episode, InProcessEnvs
 from molt_hpc.agents.observation import ObservationFormatter
 from molt_hpc.agents.routing import RoutingTrace
 from molt_hpc.config.rollout import RolloutConfig
-from molt_hpc.data import Prompt, render_prompt
-from molt_hpc.trajectory import Trajectory
+from molt_hpc.data import Prompt, render_prompt, render_prompt_images
+from molt_hpc.trajectory import TraceImage, Trajectory
+from molt_hpc.vision.images import image_bytes
+from molt_hpc.vision.prompt import has_images, normalise
 
-# (token_ids, sampling_params, session_id) -> an object shaped like molt_hpc.engine.client.GenerateResult
-GenerateFn = Callable[[list[int], dict[str, Any], str], Awaitable[Any]]
+# (token_ids, sampling_params, session_id[, images=...]) -> an object shaped like
+# molt_hpc.engine.client.GenerateResult; `images` is passed only when the trace has some.
+GenerateFn = Callable[..., Awaitable[Any]]
 
 
 def base_sampling_params(cfg: RolloutConfig, stop_token_ids: list[int]) -> dict[str, Any]:
@@ -62,6 +69,7 @@ class StepEnvRunner:
         seed: int = 0,
         routed_experts: bool = False,
         envs: EnvHost | None = None,
+        vision: Any = None,
     ):
         self.env_cls = env_cls
         self.tokenizer = tokenizer
@@ -75,6 +83,8 @@ class StepEnvRunner:
         self.envs = envs if envs is not None else InProcessEnvs(env_cls, cfg.env_timeout_s)
         """Where the env's construction, reset and step run."""
         self.default_reset = getattr(env_cls, "reset", None) is Env.reset
+        self.vision = vision
+        """The model's `molt_hpc.vision.processor.Vision` (None: a text model; images are refused)."""
         self.observations = ObservationFormatter(tokenizer, apply_chat_template)
         self.base_params = base_sampling_params(cfg, [tokenizer.eos_token_id])
 
@@ -115,8 +125,9 @@ class StepEnvRunner:
         rollout_id, group_id, session_id = ids
         first = await episode.reset(state) if early is None else None
         first, reset_params = _unpack_reset(first)
-        tokens = list(prompt.token_ids) if first is None else self._render_first(first, prompt)
-        trace = _Trace(tokens)
+        trace = _Trace(list(prompt.token_ids), list(prompt.images))
+        if first is not None:
+            trace = _Trace(*self._render_first(first, prompt))
         routing = RoutingTrace() if self.routed_experts else None
         params = {**self.base_params, **(overrides or {}), **reset_params}
         reward, score, info, finish = 0.0, None, {}, "stop"
@@ -128,7 +139,8 @@ class StepEnvRunner:
             sp = {**params, "max_tokens": max(1, min(int(params["max_tokens"]), self.cfg.max_new_tokens, budget))}
             sp.setdefault("seed", turn_seed(rollout_id, turn, self.seed))
             asked = sp if routing is None else {**sp, "routed_experts_prompt_start": routing.have}
-            out = await self.generate(trace.tokens, asked, session_id)
+            images = {"images": list(trace.images)} if trace.images else {}
+            out = await self.generate(trace.tokens, asked, session_id, **images)
             if out.finish_reason == "abort":
                 raise EngineError("the engine aborted the request")
             if routing is not None:
@@ -136,6 +148,9 @@ class StepEnvRunner:
             context = len(trace.tokens)
             trace.add_action(out)
             finish = out.finish_reason
+            if self.vision is not None and not self.vision.spec.media_token_ids.isdisjoint(out.token_ids):
+                info["media_token_in_action"] = 1.0  # its features do not exist: the trainer drops the sample
+                break
             _update_state(state, self.tokenizer, out, turn, sp)
             state.observation_text = self.tokenizer.decode(trace.tokens[:context], skip_special_tokens=True)
             if early is not None:  # the env must exist (and its construction have worked) before its first step
@@ -155,12 +170,15 @@ class StepEnvRunner:
                 break
             if result.observation is None:
                 raise EnvError("api", "Env.step continued the episode (terminated=False) without an observation")
-            obs_ids = self.observations.token_ids(result.observation, out.token_ids[-1] if out.token_ids else None)
-            if len(trace.tokens) + len(obs_ids) >= self.cfg.max_total_tokens:
+            message, obs_ids, obs_images = await self._observation(result, out.token_ids[-1] if out.token_ids else None)
+            if len(trace.tokens) + len(obs_ids) >= self.cfg.max_total_tokens or (
+                len(trace.images) + len(obs_images) > self.cfg.max_images
+            ):
                 info["budget_exhausted"] = 1.0  # no room for the observation and a reply to it
                 break
+            trace.images += [im.moved(len(trace.tokens)) for im in obs_images]
             trace.tokens += obs_ids
-            state.history.append(_as_message(result.observation))
+            state.history.append(message)
             params = {**self.base_params, **(overrides or {}), **(result.sampling_params or {})}
         info["turns"] = float(len(trace.ranges))
         return Trajectory(
@@ -176,25 +194,55 @@ class StepEnvRunner:
             group_id=group_id,
             rollout_id=rollout_id,
             routed_experts=None if routing is None else routing.rows(len(trace.tokens)),
+            images=trace.images,
         )
 
-    def _render_first(self, first: Any, prompt: Prompt) -> list[int]:
+    def _render_first(self, first: Any, prompt: Prompt) -> tuple[list[int], list[TraceImage]]:
+        """The first observation's tokens and images; its image parts take the row's images, in order."""
         if not isinstance(first, str | list):
             raise EnvError("api", f"Env.reset returned {type(first).__name__}; return text, chat messages or None")
-        return render_prompt(
+        if self.vision is not None and (prompt.images or (isinstance(first, list) and has_images(first))):
+            try:
+                return render_prompt_images(
+                    self.tokenizer, self.vision, first, [im.data for im in prompt.images],
+                    system_prompt=self.system_prompt, tools=prompt.extra.get("tools"),
+                )  # fmt: skip
+            except ValueError as err:
+                raise EnvError("api", f"Env.reset: {err}") from err
+        ids = render_prompt(
             self.tokenizer,
             first,
             apply_chat_template=self.apply_chat_template,
             system_prompt=self.system_prompt,
             tools=prompt.extra.get("tools"),
         )
+        return ids, []
+
+    async def _observation(
+        self, result: Result, last: int | None
+    ) -> tuple[dict[str, Any], list[int], list[TraceImage]]:
+        """(the observation as a chat message, its token ids, its images placed in those ids); images are
+        decoded and measured in a thread, off the event loop."""
+        message = _as_message(result.observation)
+        if not result.images:
+            return message, self.observations.token_ids(result.observation, last), []
+        if self.vision is None:
+            raise EnvError("api", "Env.step returned images but model.path is not a vision-language model")
+        try:
+            (message,), refs = normalise([message], list(result.images))
+            datas = [image_bytes(ref) for ref in refs]
+            ids, images = await asyncio.to_thread(self.vision.expand, self.observations.token_ids(message, last), datas)
+        except ValueError as err:
+            raise EnvError("api", f"Env.step's images: {err}") from err
+        return message, ids, images
 
 
 class _Trace:
-    """The growing token list with the action spans, their log-probs and versions."""
+    """The growing token list with the action spans, their log-probs and versions, and the images."""
 
-    def __init__(self, prompt_tokens: list[int]):
+    def __init__(self, prompt_tokens: list[int], images: list[TraceImage] | None = None):
         self.tokens = list(prompt_tokens)
+        self.images = list(images or [])
         self.prompt_len = len(prompt_tokens)
         self.ranges: list[tuple[int, int]] = []
         self.logprobs: list[float] = []

@@ -7,7 +7,8 @@
 - `loss`: PPO / GSPO / CISPO policy loss with IS correction, KL and entropy; clipped value loss;
   `global_token_count` for the global token mean;
 - `kl`: k1/k2/k3 estimators; `moe`: load balancing and router z-loss; `filters`: dynamic sampling and
-  the over-long penalty; `segments`: token <-> sample layout helpers.
+  the over-long penalty; `segments`: token <-> sample layout helpers; `vision`: which samples keep which
+  images, the drops (`vlm_truncation`, `media_token`) and multimodal positions of a batch.
 """
 
 from molt_hpc.algorithm.advantage import ADVANTAGES, compute_advantages

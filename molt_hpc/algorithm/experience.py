@@ -20,6 +20,10 @@ Conventions every module of `molt_hpc.algorithm` shares:
   at `max_len`; when that cut falls inside an action span, the whole partial span is cut off too
   (its tokens leave the row). Earlier complete actions still train on the trajectory's reward.
   `truncated[n]` marks such samples and `stats` counts them and the action tokens dropped.
+- **Images** (a vision-language batch, `vision=` a `VisionSpec`): `images[n]` are sample n's images
+  in order, the ones whose tokens survived the cut; `rope_position_ids` are the multimodal positions
+  the model takes instead of `position_ids`. A sample the cut would split through an image, or whose
+  actions hold a vision token, is dropped (`molt_hpc.algorithm.vision`; counted in `stats`).
 """
 
 import array
@@ -31,7 +35,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from molt_hpc.trajectory import Group, Trajectory
+from molt_hpc.algorithm.vision import drop_reason, kept_images, rope_rows
+from molt_hpc.trajectory import Group, TraceImage, Trajectory
+from molt_hpc.vision.spec import VisionSpec
 
 TOKEN_FIELDS = (
     "sequences",
@@ -46,6 +52,7 @@ TOKEN_FIELDS = (
     "advantages",
     "returns",
     "routed_experts",
+    "rope_position_ids",
 )
 
 
@@ -84,9 +91,15 @@ class Experience:
     routed_experts: Tensor | None = None
     """`[B, T, layers, top_k]` int16 (MoE router replay): the engine's experts of each token, -1 where
     unknown (padding, a sample without routing, the last token of each sample)."""
+    rope_position_ids: Tensor | None = None
+    """`[B, T, 3]` int64 (vision-language models): multimodal (time, height, width) positions, restarting
+    per sample like `position_ids`, which they equal on every axis outside images."""
+    images: list[list[TraceImage]] | None = None
+    """`[N]` (vision-language models): each sample's images, in the order of their tokens."""
     stats: dict[str, int] = field(default_factory=dict)
     """Assembly counts: samples, rows, truncated_samples, dropped_action_tokens, empty_samples, and
-    unrouted_samples (samples without routing in a batch that has some)."""
+    unrouted_samples (samples without routing in a batch that has some); with images also vlm_truncation
+    and media_token (samples dropped for each reason)."""
 
     @property
     def num_samples(self) -> int:
@@ -127,14 +140,20 @@ class _Kept:
     versions: list[int]
     routed: np.ndarray | None
     dropped: int
+    images: list[TraceImage] = field(default_factory=list)
+    why_dropped: str | None = None
+    """Set when the whole sample is dropped (see `molt_hpc.algorithm.vision`)."""
 
 
-def _truncate(traj: Trajectory, max_len: int) -> _Kept:
+def _truncate(traj: Trajectory, max_len: int, vision: VisionSpec | None = None, pad_id: int = 0) -> _Kept:
     cut = min(len(traj.tokens), max_len)
     for start, end in traj.action_ranges:
         if start < cut < end:  # the cut falls inside this action: drop the whole partial span
             cut = start
             break
+    if vision is not None and (why := drop_reason(traj, cut, vision)) is not None:
+        routed = None if traj.routed_experts is None else traj.routed_experts[:1]
+        return _Kept([pad_id], [], [], [], routed, traj.num_action_tokens, why_dropped=why)
     ranges, n_kept = [], 0
     for start, end in traj.action_ranges:
         if end <= cut:
@@ -148,6 +167,7 @@ def _truncate(traj: Trajectory, max_len: int) -> _Kept:
         versions=traj.versions[:n_kept],
         routed=routed,
         dropped=traj.num_action_tokens - n_kept,
+        images=kept_images(traj, cut) if vision is not None else [],
     )
 
 
@@ -200,15 +220,19 @@ def make_experience(
     pad_id: int = 0,
     pack: bool = False,
     group_index: Sequence[int] | None = None,
+    vision: VisionSpec | None = None,
 ) -> Experience:
     """Tensors for training from trajectories (see the module docstring for the conventions).
 
     `max_len` caps a row (and so a sample); `pack=True` fills rows of `max_len` tokens with several
     samples (first-fit decreasing), otherwise one sample per right-padded row. `group_index` numbers
     the groups; by default samples with the same `group_id` share a group, in order of appearance.
+    `vision` (a vision-language model's ids): the batch carries its images and multimodal positions.
     """
     _check_inputs(trajectories, max_len, group_index)
-    kept = [_truncate(t, max_len) for t in trajectories]
+    if vision is None and any(t.images for t in trajectories):
+        raise ValueError("trajectories carry images: make_experience needs the model's VisionSpec (vision=...)")
+    kept = [_truncate(t, max_len, vision, pad_id) for t in trajectories]
     lengths = [len(k.tokens) for k in kept]
     layout = _pack_rows(lengths, max_len) if pack else [[i] for i in range(len(kept))]
     b, t = len(layout), max(sum(lengths[i] for i in row) for row in layout)
@@ -223,6 +247,10 @@ def make_experience(
 
     truncated = torch.tensor([len(tr.tokens) > max_len for tr in trajectories], dtype=torch.bool)
     groups = list(group_index) if group_index is not None else _group_indices(trajectories)
+    images = [k.images for k in kept] if vision is not None else None
+    vlm = {}
+    if vision is not None:
+        vlm = {r: sum(1 for k in kept if k.why_dropped == r) for r in ("vlm_truncation", "media_token")}
     return Experience(
         sequences=buf.sequences,
         attention_mask=buf.seq_index >= 0,
@@ -235,12 +263,15 @@ def make_experience(
         group_index=torch.tensor(groups, dtype=torch.long),
         truncated=truncated,
         routed_experts=buf.routed_experts,
+        rope_position_ids=None if images is None else rope_rows(buf.position_ids, buf.seq_index, images, vision.merge),
+        images=images,
         stats={
             "samples": len(kept),
             "rows": b,
             "truncated_samples": int(truncated.sum()),
             "dropped_action_tokens": sum(k.dropped for k in kept),
             "empty_samples": sum(1 for k in kept if not k.ranges),
+            **vlm,
             "unrouted_samples": 0 if buf.routed_experts is None else sum(1 for k in kept if k.routed is None),
         },
     )

@@ -20,7 +20,8 @@ from molt_hpc.rundir import atomic_write
 REMOVED_FILE = "removed"
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (one owned by another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -36,7 +37,7 @@ def live_reason(run_dir: str | Path) -> str | None:
     procs = run_dir / "processes.json"
     if procs.exists():
         for name, pid in json.loads(procs.read_text()).items():
-            if pid and _alive(int(pid)):
+            if pid and pid_alive(int(pid)):
                 return f"its {name} (pid {pid}) is running"
     from molt_hpc.launch.slurm_state import ACTIVE_STATES, job_state, read_job_id
 

@@ -5,12 +5,19 @@ Variable-length lists are concatenated over the group's samples and cut back by 
 reward, score, finish reason, info, ids) and the group's own fields go to safetensors'
 `__metadata__` map under the key `molt`, as one JSON string, so one rename publishes everything.
 
+Images (vision-language models) are stored once per group: each distinct image's bytes once
+(`image_bytes`, cut by `image_byte_offsets`; a group's samples share their prompt's images), and per
+sample its placements, rows of (image, offset, length, t, h, w) in `image_refs` cut by `image_offsets`.
+A group without images has none of these tensors.
+
 Precision: token ids and policy versions are stored as int32 (every vocabulary fits), log-probs
 as float32 (what engines compute in), routed experts as int16 (their in-memory dtype: the raw
 bytes, -1 for unknown), rewards and scores exactly (JSON floats).
 Numpy only: producers and consumers never need torch to move groups.
 """
 
+import hashlib
+import itertools
 import json
 from itertools import chain
 from typing import Any
@@ -18,7 +25,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load, save
 
-from molt_hpc.trajectory import ROUTING_DTYPE, Group, Trajectory
+from molt_hpc.trajectory import ROUTING_DTYPE, Group, TraceImage, Trajectory
 
 FORMAT = "molt-hpc/group"
 FORMAT_VERSION = 1
@@ -55,6 +62,45 @@ def _experts(samples: list[Trajectory]) -> dict[str, np.ndarray]:
     return {"experts": flat, "expert_offsets": _offsets(rows)}
 
 
+def _images(samples: list[Trajectory]) -> dict[str, np.ndarray]:
+    """Every distinct image of the group once, and each sample's placements of them."""
+    if not any(s.images for s in samples):
+        return {}
+    index: dict[bytes, int] = {}
+    blobs: list[bytes] = []
+    refs: list[list[int]] = []
+    for s in samples:
+        for im in s.images:
+            key = hashlib.sha256(im.data).digest()
+            if key not in index:
+                index[key] = len(blobs)
+                blobs.append(im.data)
+            refs.append([index[key], im.offset, im.length, *im.grid])
+    return {
+        "image_bytes": np.frombuffer(b"".join(blobs), dtype=np.uint8),
+        "image_byte_offsets": _offsets([len(b) for b in blobs]),
+        "image_refs": np.asarray(refs, dtype=np.int64).reshape(-1, 6),
+        "image_offsets": _offsets([len(s.images) for s in samples]),
+    }
+
+
+def _decode_images(t: dict[str, np.ndarray], n: int) -> list[list[TraceImage]]:
+    if "image_offsets" not in t:
+        return [[] for _ in range(n)]
+    offs, byte_offs = t["image_offsets"], t["image_byte_offsets"]
+    if offs.shape != (n + 1,) or offs[-1] != len(t["image_refs"]) or byte_offs[-1] != len(t["image_bytes"]):
+        raise ValueError("image offsets do not cover the image tensors")
+    raw = t["image_bytes"].tobytes()
+    blobs = [raw[int(a) : int(b)] for a, b in itertools.pairwise(byte_offs)]  # one bytes each
+    return [
+        [
+            TraceImage(blobs[int(u)], int(o), int(k), (int(gt), int(gh), int(gw)))
+            for u, o, k, gt, gh, gw in _cut(t["image_refs"], offs, i)
+        ]
+        for i in range(n)
+    ]
+
+
 def encode_group(group: Group) -> bytes:
     """The safetensors bytes of `group` (tensors + `__metadata__`)."""
     samples = group.samples
@@ -68,6 +114,7 @@ def encode_group(group: Group) -> bytes:
         "action_logprobs": _flat([s.action_logprobs for s in samples], np.float32),
         "versions": versions,
         **_experts(samples),
+        **_images(samples),
     }
     meta = {
         "format": FORMAT,
@@ -131,6 +178,7 @@ def decode_group(data: bytes) -> Group:
     if meta["min_version"] != (int(t["versions"].min()) if t["versions"].size else 0):
         raise ValueError(f"metadata says min_version {meta['min_version']}, the versions tensor disagrees")
     samples, action_at = [], 0
+    images = _decode_images(t, n)
     for i, sm in enumerate(meta["samples"]):
         ranges = [(int(a), int(b)) for a, b in _cut(t["action_ranges"], t["range_offsets"], i)]
         n_action = sum(b - a for a, b in ranges)
@@ -151,6 +199,7 @@ def decode_group(data: bytes) -> Group:
                 group_id=sm["group_id"],
                 rollout_id=sm["rollout_id"],
                 routed_experts=experts,
+                images=images[i],
             )
         )
         action_at += n_action

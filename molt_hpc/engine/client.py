@@ -1,7 +1,11 @@
 """Async client of the engine HTTP protocol (the built-in engine, `vllm serve`, or the router in front).
 
-Every call carries the run's token. A non-2xx answer raises `EngineHTTPError` with the status and
-the server's message, so callers can retry 5xx and connection errors and fail fast on 4xx.
+Every call carries the run's token. Images (vision-language models) ride in one molt-hpc field of the
+generate body, `"mm": {"images": [data URIs], "spans": [[offset, length], ...]}`: each image and the run
+of (already expanded) placeholder tokens its features fill; the builtin engine reads it as it is, the
+vLLM front turns it into vLLM's render + `features` (`molt_hpc.engine.vllm_mm`).
+A non-2xx answer raises `EngineHTTPError` with the status and the server's message, so callers can
+retry 5xx and connection errors and fail fast on 4xx.
 """
 
 from dataclasses import dataclass
@@ -85,19 +89,30 @@ async def generate(
     token: str,
     session_id: str | None = None,
     timeout: float | None = None,
+    images: list[Any] | None = None,
 ) -> GenerateResult:
     """Generate one completion of `token_ids` at `url` (an engine or the router's base URL).
 
     `session_id` goes in the `X-Session-ID` header: the router sends every call of one session to
     the same engine (its KV cache). `sampling_params` uses vLLM's field names (`temperature`,
-    `top_p`, `top_k`, `max_tokens`, `stop_token_ids`, `seed`, `ignore_eos`, ...).
+    `top_p`, `top_k`, `max_tokens`, `stop_token_ids`, `seed`, `ignore_eos`, ...). `images` are the
+    `TraceImage`s placed in `token_ids` (vision-language models).
     """
     headers = {SESSION_HEADER: session_id} if session_id else None
-    body = {"token_ids": list(token_ids), "sampling_params": sampling_params}
+    body: dict[str, Any] = {"token_ids": list(token_ids), "sampling_params": sampling_params}
+    if images:
+        body["mm"] = mm_field(images)
     data = await _request(
         session, "POST", url.rstrip("/") + GENERATE_PATH, token=token, json=body, headers=headers, timeout=timeout
     )
     return parse_generate_response(data)
+
+
+def mm_field(images: list[Any]) -> dict[str, Any]:
+    """The generate body's `mm` field of `TraceImage`s: data URIs and (offset, length) spans."""
+    from molt_hpc.vision.images import data_uri
+
+    return {"images": [data_uri(im.data) for im in images], "spans": [[im.offset, im.length] for im in images]}
 
 
 def parse_generate_response(data: dict[str, Any]) -> GenerateResult:

@@ -56,9 +56,11 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
     from molt_hpc.engine.scheduler import Scheduler
     from molt_hpc.engine.server import EngineState, build_app
     from molt_hpc.engine.slots import ATTENTION, SlotRunner, bound_gpu_memory, check_slot_cache_fits
+    from molt_hpc.engine.vision import VisionRunner
     from molt_hpc.engine.weights import WeightSync
     from molt_hpc.models import load_causal_lm, resolve_model
     from molt_hpc.refit.handles import place
+    from molt_hpc.vision.processor import Vision
 
     if cfg.engines.kind != "builtin":
         raise ValueError(f"engines.kind = {cfg.engines.kind!r}: this process runs the builtin engine only")
@@ -71,10 +73,13 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
     if model is None:
         path = resolve_model(cfg.model, run.models)
         model = load_causal_lm(path, dtype=cfg.model.dtype, device=device, attn=cfg.model.attn_implementation)
+    vision = Vision(resolve_model(cfg.model, run.models)) if hasattr(model.config, "vision_config") else None
     eos = model.generation_config.eos_token_id if model.generation_config else model.config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     routing = RoutingRecorder(model) if cfg.actor.router_replay else None
-    if device == "cuda" and getattr(model.config, "_attn_implementation", "sdpa") in ATTENTION:
+    if vision is not None:  # multimodal positions: the growing cache (the slot cache's columns are positions)
+        runner = VisionRunner(model, dev, vision.spec.merge)
+    elif device == "cuda" and getattr(model.config, "_attn_implementation", "sdpa") in ATTENTION:
         # On a GPU: a preallocated KV cache, and decode steps replayed as CUDA graphs unless enforce_eager.
         # On a CPU the step costs what its ops cost either way; the growing cache stays.
         fraction = eng.gpu_memory_utilization
@@ -98,7 +103,8 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
         seed=cfg.run.seed * 1000 + index,
         routing=routing,
     )
-    state = EngineState(sched, model.config.vocab_size, eng.max_model_len, str(cfg.model.path), index, place(dev))
+    vocab = model.config.get_text_config().vocab_size
+    state = EngineState(sched, vocab, eng.max_model_len, str(cfg.model.path), index, place=place(dev), vision=vision)
     app = build_app(state, run.token(), open_health=cfg.router.kind == "vllm-router")
     sync = WeightSync(state, model)
     sync.add_routes(app)

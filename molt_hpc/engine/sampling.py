@@ -54,6 +54,9 @@ class GenerateRequest(BaseModel):
     model: str | None = None
     stream: Literal[False] = False
     output_mode: Literal["tokens"] = "tokens"
+    mm: dict | None = None
+    """Images of a vision-language prompt: `{"images": [data URIs], "spans": [[offset, length], ...]}`,
+    checked against the model by `molt_hpc.engine.vision.row_images`."""
 
 
 def parse_generate(body: object, vocab_size: int, max_model_len: int) -> GenerateRequest:

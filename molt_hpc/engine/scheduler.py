@@ -174,7 +174,7 @@ class Scheduler:
         room = self.max_batch - len(self.rows)
         if room > 0 and self.waiting:
             newcomers, self.waiting = self.waiting[:room], self.waiting[room:]
-            logits, cache = self.runner.prefill([r.context for r in newcomers])
+            logits, cache = self.runner.prefill([r.context for r in newcomers], [r.images for r in newcomers])
             self._route_prefill(newcomers)
             self._append(newcomers, logits)
             self._batch = self.runner.join(self._batch, cache)
@@ -184,14 +184,15 @@ class Scheduler:
             assert self._batch is not None and self._batch.rows == len(self.rows)
             last = [r.tokens[-1] for r in self.rows]  # every running row has sampled at least once
             positions = [r.length - 1 for r in self.rows]
+            rope = [p + r.rope_delta for p, r in zip(positions, self.rows, strict=True)]  # multimodal positions lag
             # Sampled inside the decode graph where it can be (no routing to record from Python hooks).
             sampled = (
                 None
                 if self.routing is not None
-                else self.runner.decode_sampled(self._batch, self.rows, last, positions, self._generator)
+                else self.runner.decode_sampled(self._batch, self.rows, last, rope, self._generator)
             )
             if sampled is None:
-                logits = self.runner.decode(self._batch, last, positions)
+                logits = self.runner.decode(self._batch, last, rope)
                 if self.routing is not None:
                     for row, pos, experts in zip(
                         self.rows, positions, self.routing.take(len(self.rows), 1), strict=True

@@ -18,6 +18,7 @@ from molt_hpc.engine.batch import Row
 from molt_hpc.engine.http import errors_middleware, read_json, token_middleware
 from molt_hpc.engine.sampling import parse_generate
 from molt_hpc.engine.scheduler import Scheduler
+from molt_hpc.engine.vision import check_no_pads, row_images
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -31,6 +32,8 @@ class EngineState:
     max_model_len: int
     model_name: str
     index: int = 0
+    vision: Any = None
+    """The model's `molt_hpc.vision.processor.Vision` (a vision-language model), else None."""
     place: dict[str, Any] = field(default_factory=dict)
     """Where the weights live (`refit.handles.place`): `/health` tells the trainer, which picks the refit transport."""
 
@@ -62,6 +65,11 @@ def build_app(state: EngineState, token: str, open_health: bool = False) -> web.
         sp = req.sampling_params
         gen = None if sp.seed is None else torch.Generator(device=sched.runner.device).manual_seed(sp.seed)
         row = Row(prompt=list(req.token_ids), params=sp, future=Future(), generator=gen)
+        if req.mm is not None:  # decoding and measuring images is CPU work: off the event loop
+            row.images = await asyncio.to_thread(row_images, req.mm, row.prompt, state.vision)
+            row.rope_delta = row.images.rope_delta
+        elif state.vision is not None:
+            check_no_pads(row.prompt, state.vision)
         await run_on_scheduler(state, lambda: sched.submit(row))
         try:
             reason, version = await asyncio.wrap_future(row.future)

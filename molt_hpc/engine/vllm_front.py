@@ -8,8 +8,9 @@ version. `/health` also says where vLLM's workers run (`place`, from our worker 
 trainer can pick CUDA IPC for an engine on its own GPU; `/collective_rpc` is forwarded for our
 extension's `molt_*` methods only. `/finish_weight_update` closes vLLM's native weight-transfer
 session when `/start_weight_update` opened one (the NCCL refit); a shared-memory refit loads through
-the extension and has none, so then only the version is stamped. Everything else is forwarded as it
-is. No torch here: this process only relays.
+the extension and has none, so then only the version is stamped. A request with images (our `mm`
+field) becomes vLLM's render + `features` (`vllm_mm.py`). Everything else is forwarded as it is. No
+torch here: this process only relays.
 """
 
 import json
@@ -20,9 +21,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from molt_hpc.engine import vllm_mm
 from molt_hpc.engine.http import error, errors_middleware, read_json, token_middleware
 
 GENERATE_PATH = "/inference/v1/generate"
+RENDER_PATH = "/v1/chat/completions/render"
 FORWARDED = (
     "/pause",
     "/resume",
@@ -161,6 +164,12 @@ def build_front(front: Front) -> web.Application:
     async def generate(request: web.Request) -> web.Response:
         body = normalise_generate(await read_json(request))
         start = front.version
+        mm = body.pop("mm", None)
+        if mm is not None:  # images: vLLM's processor renders them, our token ids place them
+            status, raw, _ = await call_upstream(front, "POST", RENDER_PATH, json=vllm_mm.render_request(mm))
+            if status >= 300:
+                return error(status, f"rendering the images: {upstream_message(raw)}")
+            body["features"] = vllm_mm.features(json.loads(raw), mm, body.get("token_ids") or [], start)
         status, raw, _ = await call_upstream(front, "POST", GENERATE_PATH, json=body)
         if status >= 300:
             return error(status, upstream_message(raw))

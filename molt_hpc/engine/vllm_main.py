@@ -32,6 +32,7 @@ from molt_hpc.engine.main import engine_file, public_url, register_engine
 from molt_hpc.log import get_logger, log_tail, setup_logging
 from molt_hpc.net import free_port
 from molt_hpc.rundir import RunDir
+from molt_hpc.vision.spec import is_vision_model
 
 TESTED_VLLM = "0.26.0"
 FIX = "pip install 'molt-hpc[gpu]' (vllm==0.26.0, which pins torch 2.11), or set engines.kind = 'builtin'"
@@ -106,9 +107,15 @@ def vllm_command(cfg: MoltConfig, model_dir: str | Path, port: int, index: int) 
     if eng.enforce_eager:
         cmd.append("--enforce-eager")
     cmd.append("--enable-prefix-caching" if eng.prefix_caching else "--no-enable-prefix-caching")
-    # Token ids in and out (the tiny char tokenizer is not one vLLM can load); the request's sampling
-    # parameters, not the model's generation_config defaults; refit over NCCL through the dev routes.
-    cmd += ["--logprobs-mode", eng.logprobs_mode, "--skip-tokenizer-init", "--generation-config", "vllm"]
+    # Token ids in and out; the request's sampling parameters, not the model's generation_config defaults;
+    # refit over NCCL through the dev routes.
+    cmd += ["--logprobs-mode", eng.logprobs_mode, "--generation-config", "vllm"]
+    if is_vision_model(model_dir):
+        # Images go through render (the chat template needs the tokenizer); no processor cache, whose
+        # entries would outlive a refit; as many images per request as a trajectory may carry.
+        cmd += ["--mm-processor-cache-gb", "0", "--limit-mm-per-prompt", json.dumps({"image": cfg.rollout.max_images})]
+    else:
+        cmd.append("--skip-tokenizer-init")
     cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     # The shared-memory refit to an engine on the trainer's GPU, reached through /collective_rpc.
     cmd += ["--worker-extension-cls", WORKER_EXTENSION]

@@ -4,11 +4,12 @@
 `preflight(cfg)` first resolves every relative path against the working directory, so the config a
 run directory keeps (and a Slurm job reads on another node, from another directory) names the same
 files by absolute path. Then, cheapest first: the files and directories the config names, the agent
-(imports, declares one agent), the model (directory, config, weights, tokenizer), the data (the first
-rows parse with the configured keys and render through the chat template; prompts over
-`data.max_prompt_tokens`). A supervised stage checks its own files instead of the prompts and the agent,
-and a `[reward_model]` is checked against the policy (`preflight_stages`). Every failure is one
-`PreflightError` line: the key, what is wrong, the fix.
+(imports, declares one agent), the model (directory, config, weights, tokenizer; a vision-language
+model's image processor), the data (the first rows parse with the configured keys and render through
+the chat template, their images load and expand; prompts over `data.max_prompt_tokens`). A supervised
+stage checks its own files instead of the prompts and the agent, and a `[reward_model]` is checked
+against the policy (`preflight_stages`). Every failure is one `PreflightError` line: the key, what is
+wrong, the fix.
 """
 
 import contextlib
@@ -16,6 +17,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from molt_hpc.config import ConfigError, MoltConfig
 from molt_hpc.config.load import validate
@@ -106,8 +108,21 @@ def check_agent(cfg: MoltConfig, original: str, cwd: Path) -> None:
         raise PreflightError(f"{where}: importing it raised {type(err).__name__}: {err}; fix the module") from None
 
 
-def check_model(cfg: MoltConfig, original: str, cwd: Path):
-    """The tokenizer the run will use, when it can be had without building or converting a model."""
+def is_vision(cfg: MoltConfig) -> bool:
+    """Whether the configured model takes images (read from its config.json alone; no model is built)."""
+    from molt_hpc.vision.spec import is_vision_model
+
+    if cfg.model.is_builtin:
+        return cfg.model.path == "builtin:tiny-vl"
+    try:
+        return is_vision_model(Path(cfg.model.path))
+    except (OSError, ValueError):  # unreadable: check_model says what is wrong with the directory
+        return False
+
+
+def check_model(cfg: MoltConfig, original: str, cwd: Path) -> tuple[Any, Any]:
+    """(the tokenizer the run will use, when it can be had without building or converting a model; a
+    vision-language model's `Vision`, else None)."""
     from molt_hpc.models import BUILTINS
 
     path = cfg.model.path
@@ -115,10 +130,14 @@ def check_model(cfg: MoltConfig, original: str, cwd: Path):
         if path not in BUILTINS:
             names = ", ".join(repr(n) for n in BUILTINS)
             raise PreflightError(f"model.path = {path!r} is not a builtin model: the builtin models are {names}")
-        if path != "builtin:smollm2":  # the tiny models are built from a config with the tiny-char tokenizer
+        if path == "builtin:tiny-vl":  # tiny-char's tokenizer plus the vision tokens, and its image processor
+            from molt_hpc.models.tiny_vl import build_tiny_vl_tokenizer, tiny_vl_vision
+
+            return build_tiny_vl_tokenizer(), tiny_vl_vision(cfg.model.tiny_vl)
+        if path != "builtin:smollm2":  # the other tiny models are built from a config with the tiny-char tokenizer
             from molt_hpc.models import build_tiny_tokenizer
 
-            return build_tiny_tokenizer()
+            return build_tiny_tokenizer(), None
         from molt_hpc.models.gguf import SMOLLM2_DIST, find_package_gguf, require_gguf
 
         try:
@@ -126,7 +145,7 @@ def check_model(cfg: MoltConfig, original: str, cwd: Path):
             find_package_gguf(SMOLLM2_DIST)
         except ValueError as err:
             raise PreflightError(f"model.path = {path!r}: {err}") from None
-        return None  # its tokenizer comes with the one-time conversion at the run's start
+        return None, None  # its tokenizer comes with the one-time conversion at the run's start
     from molt_hpc.models.resolve import run_model
 
     fix = "point it at a Hugging Face model directory (config.json, safetensors, tokenizer) or use builtin:tiny-char"
@@ -143,13 +162,30 @@ def check_model(cfg: MoltConfig, original: str, cwd: Path):
     from transformers import AutoConfig
 
     from molt_hpc.models import load_tokenizer
+    from molt_hpc.vision.processor import Vision
 
     try:
         AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-        return load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(model_dir)
     except Exception as err:  # transformers raises many kinds; the user needs the message, not the trace
         first = next(iter(str(err).strip().splitlines()), type(err).__name__)
         raise PreflightError(f"model.path = {original!r}: transformers cannot load {model_dir}: {first}") from None
+    try:
+        return tokenizer, Vision.of(model_dir)
+    except Exception as err:  # a vision-language model without a loadable image processor
+        first = next(iter(str(err).strip().splitlines()), type(err).__name__)
+        raise PreflightError(f"model.path = {original!r}: its image processor does not load: {first}") from None
+
+
+def check_vision(cfg: MoltConfig, vision: Any) -> None:
+    """What a vision-language model cannot run with here, refused before anything starts."""
+    if vision is None:
+        return
+    if cfg.algorithm.uses_critic:
+        raise PreflightError(
+            f"algorithm.advantage = {cfg.algorithm.advantage!r} trains a critic, which a vision-language model "
+            f"({cfg.model.path}) has no value head for here: use a critic-free advantage (grpo, rloo, ...)"
+        )
 
 
 def check_scripts(cfg: MoltConfig) -> None:
@@ -182,15 +218,16 @@ def preflight(cfg: MoltConfig, cwd: str | Path | None = None, warn: Callable[[st
         files.append(("data.eval.path", cfg.data.eval.path, resolved.data.eval.path))
     for key, original, path in files:  # the rows' shape first: it needs no tokenizer, so a wrong key fails fast
         check_file(key, original, path, cwd, "give an existing JSONL file of prompts")
-        check_rows(resolved.data, None, path, key)
+        check_rows(resolved.data, None, path, key, vision=is_vision(resolved))
     check_stage_files(resolved, cfg, cwd)
     if rl:
         check_agent(resolved, cfg.rollout.agent, cwd)
-    tokenizer = check_model(resolved, cfg.model.path, cwd)
+    tokenizer, vision = check_model(resolved, cfg.model.path, cwd)
+    check_vision(resolved, vision)
     for key, _, path in files:
-        for warning in check_rows(resolved.data, tokenizer, path, key):
+        for warning in check_rows(resolved.data, tokenizer, path, key, vision=vision):
             warn(warning)
-    check_stage_rows(resolved, tokenizer)
+    check_stage_rows(resolved, tokenizer, vision)
     check_reward_model_section(resolved, cfg, tokenizer)
     return resolved
 

@@ -1,6 +1,7 @@
 """Pre-flight of a prompt file: its first rows parse with the configured keys, render through the chat
-template, and fit `data.max_prompt_tokens` — the checks `PromptDataset.load` makes at the run's start,
-on a sample, with counts instead of the first failure alone.
+template (with a vision-language model, their images load and their placeholders expand), and fit
+`data.max_prompt_tokens` — the checks `PromptDataset.load` makes at the run's start, on a sample, with
+counts instead of the first failure alone.
 """
 
 import json
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from molt_hpc.config.model import DataConfig
-from molt_hpc.data import render_prompt, row_problem
+from molt_hpc.data import render_prompt_images, row_problem, text_prompt_ids
 
 SAMPLE_ROWS = 256
 """Rows checked per file: enough to catch a wrong key or template, few enough to stay well under a second."""
@@ -21,25 +22,32 @@ def _fail(message: str) -> None:
     raise PreflightError(message)
 
 
-def _render(cfg: DataConfig, tokenizer: Any, row: dict, where: str) -> int:
-    """Prompt tokens of one row; a template that cannot render it stops the pre-flight."""
+def _render(cfg: DataConfig, tokenizer: Any, row: dict, where: str, vision: Any, path: str) -> int | str:
+    """Prompt tokens of one row, or what is wrong with its images; a template that cannot render it stops
+    the pre-flight."""
+    if vision is not None:
+        try:
+            ids, _ = render_prompt_images(
+                tokenizer, vision, row[cfg.prompt_key], row.get(cfg.image_key) or [], base_dir=Path(path).parent,
+                system_prompt=cfg.system_prompt, tools=row.get("tools"),
+            )  # fmt: skip
+        except ValueError as err:  # an image that does not load, a placeholder count that does not match
+            return f"bad images ({err})"
+        return len(ids)
     try:
-        ids = render_prompt(
-            tokenizer,
-            row[cfg.prompt_key],
-            apply_chat_template=cfg.apply_chat_template,
-            system_prompt=cfg.system_prompt,
-            tools=row.get("tools"),
-        )
+        ids = text_prompt_ids(tokenizer, row, cfg)
     except Exception as err:  # jinja and tokenizer errors come in many types; the message is what counts
         text = " ".join(str(err).split()) or type(err).__name__
         _fail(f"data.apply_chat_template = {cfg.apply_chat_template}: the prompt of {where} does not render: {text}")
     return len(ids)
 
 
-def check_rows(cfg: DataConfig, tokenizer: Any, path: str, key: str, limit: int = SAMPLE_ROWS) -> list[str]:
+def check_rows(
+    cfg: DataConfig, tokenizer: Any, path: str, key: str, limit: int = SAMPLE_ROWS, vision: Any = None
+) -> list[str]:
     """Check the first `limit` rows of `path` (the file behind config key `key`); returns warnings for what
-    `data.on_bad_row = "skip"` will skip, raises `PreflightError` for what stops the run."""
+    `data.on_bad_row = "skip"` will skip, raises `PreflightError` for what stops the run. `vision`: the
+    model takes images (True before its `Vision` is had, then the `Vision` to expand them with)."""
     if Path(path).suffix == ".parquet":
         _fail(f"{key} = {path!r}: parquet needs pyarrow, which molt-hpc does not install; convert it to JSONL")
     skip = cfg.on_bad_row == "skip"
@@ -56,14 +64,17 @@ def check_rows(cfg: DataConfig, tokenizer: Any, path: str, key: str, limit: int 
                 where = f"{path}, line {line_no}"
                 try:
                     row = json.loads(line)
-                    problem = row_problem(row, cfg)
+                    problem = row_problem(row, cfg, bool(vision))
                 except json.JSONDecodeError as err:
                     problem = f"invalid JSON ({err.msg})"
+                tokens = 0
                 if problem is None and tokenizer is not None:
-                    tokens = _render(cfg, tokenizer, row, where)
-                    if tokens > cfg.max_prompt_tokens:
-                        too_long.append((tokens, line_no))
-                        continue
+                    tokens = _render(cfg, tokenizer, row, where, None if vision is True else vision, path)
+                    if isinstance(tokens, str):
+                        problem = tokens
+                if problem is None and tokenizer is not None and tokens > cfg.max_prompt_tokens:
+                    too_long.append((tokens, line_no))
+                    continue
                 if problem is None:
                     usable += 1
                 elif skip:

@@ -17,6 +17,7 @@ SAMPLE_ROWS = 256
 """Good rows checked per file: enough to catch a wrong key or template, few enough to stay fast."""
 
 WHAT = {"sft": "JSONL file of chat demonstrations", "rm": "JSONL file of preference pairs"}
+COMMANDS = {"sft": "molt-hpc sft", "rm": "molt-hpc rm train"}
 
 
 def stage_files(cfg: MoltConfig) -> list[tuple[str, str]]:
@@ -53,12 +54,17 @@ def check_stage_files(resolved: MoltConfig, original: MoltConfig, cwd: Path) -> 
         check_file(key, given[key], path, cwd, f"give an existing {WHAT[resolved.run.stage]}")
 
 
-def check_stage_rows(cfg: MoltConfig, tokenizer: Any) -> None:
+def check_stage_rows(cfg: MoltConfig, tokenizer: Any, vision: Any = None) -> None:
     """The first rows of each stage file load as the stage will load them (the reply mask included)."""
     from molt_hpc.datasets import PreferenceDataset, ReplyMarkers, SftDataset
     from molt_hpc.launch.preflight import PreflightError
 
     stage = cfg.run.stage
+    if stage != "rl" and vision is not None:
+        raise PreflightError(
+            f"model.path = {cfg.model.path!r} is a vision-language model, and `{COMMANDS[stage]}` trains on text "
+            "rows only (no images reach its trainer): train this stage on a text model"
+        )
     if tokenizer is None or stage == "rl":  # builtin:smollm2: its tokenizer comes with the conversion at start
         return
     try:

@@ -3,6 +3,7 @@
 - `load`: any HF-layout directory (checks, local files only, quiet transformers).
 - `resolve`: `model.path` to a directory; the `builtin:` registry, each built once into the model cache.
 - `tiny_char`: `builtin:tiny-char`, the offline character-level Qwen3 the CPU demo and tests train.
+- `tiny_vl`: `builtin:tiny-vl`, the offline tiny Qwen2-VL (tiny-char's tokenizer plus the vision tokens).
 - `tiny_moe`: `builtin:tiny-moe`, the offline tiny Qwen3-MoE over the same tokenizer (router replay, EP).
 - `gguf`: GGUF checkpoints from installed packages (`builtin:smollm2`), converted once to safetensors.
 - `sharded`: the trainer's loading: a model built on the meta device, sharded, each rank reading only its

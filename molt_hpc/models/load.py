@@ -47,14 +47,23 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
+def lm_class(config):
+    """The transformers auto class of a config: image-text-to-text for a vision-language model (a config
+    with a `vision_config`, which `AutoModelForCausalLM` does not take), else causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+
+
 def load_causal_lm(path: str | Path, *, dtype: str = "float32", device: str = "cpu", attn: str = "sdpa"):
-    """A transformers causal LM from an HF directory, in eval mode, on `device`."""
+    """A transformers causal LM (or vision-language model) from an HF directory, in eval mode, on `device`."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     quiet_transformers()
     check_model_dir(Path(path))
-    model = AutoModelForCausalLM.from_pretrained(
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    model = lm_class(config).from_pretrained(
         str(path), dtype=getattr(torch, dtype), attn_implementation=attn, local_files_only=True
     )
     return model.to(device).eval()

@@ -30,6 +30,13 @@ def _tiny_moe(cfg: ModelConfig, cache_dir: Path) -> Path:
     return build_once(cache_dir, "tiny-moe", spec.model_dump(), lambda out: build_tiny_moe(out, spec))
 
 
+def _tiny_vl(cfg: ModelConfig, cache_dir: Path) -> Path:
+    from molt_hpc.models.tiny_vl import build_tiny_vl
+
+    spec = cfg.tiny_vl
+    return build_once(cache_dir, "tiny-vl", spec.model_dump(), lambda out: build_tiny_vl(out, spec))
+
+
 def _smollm2(cfg: ModelConfig, cache_dir: Path) -> Path:
     from molt_hpc.models.gguf import resolve_smollm2
 
@@ -40,6 +47,7 @@ BUILTINS: dict[str, Callable[[ModelConfig, Path], Path]] = {
     "builtin:tiny-char": _tiny_char,
     "builtin:smollm2": _smollm2,
     "builtin:tiny-moe": _tiny_moe,
+    "builtin:tiny-vl": _tiny_vl,
 }
 """Every `builtin:` model: name -> function(model config, cache dir) -> its HF directory."""
 
@@ -109,4 +117,8 @@ def builtin_config(cfg: ModelConfig):
         from molt_hpc.models.tiny_moe import tiny_moe_config
 
         return tiny_moe_config(cfg.tiny_moe, build_tiny_tokenizer())
+    if cfg.path == "builtin:tiny-vl":
+        from molt_hpc.models.tiny_vl import build_tiny_vl_tokenizer, tiny_vl_config
+
+        return tiny_vl_config(cfg.tiny_vl, build_tiny_vl_tokenizer())
     return None

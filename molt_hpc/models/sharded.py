@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from molt_hpc.models.load import check_model_dir, quiet_transformers
+from molt_hpc.models.load import check_model_dir, lm_class, quiet_transformers
 from molt_hpc.models.slices import Checkpoint, Region, recipes
 
 
@@ -46,21 +46,28 @@ class LoadStats:
 
 
 def meta_model(path: Path, *, critic: bool, dtype: torch.dtype, attn: str, reward: bool = False) -> nn.Module:
-    """The model of `path/config.json` on the meta device: a causal LM, a one-label token classifier
-    (`critic`), or a reward model (`reward`: a one-label sequence classifier, `molt_hpc.models.reward`)."""
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        AutoModelForTokenClassification,
-    )
+    """The model of `path/config.json` on the meta device: a causal LM (a vision-language model for a
+    config with a vision tower), a one-label token classifier (`critic`), or a reward model (`reward`:
+    a one-label sequence classifier, `molt_hpc.models.reward`)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
     quiet_transformers()
     check_model_dir(path)
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    vision = getattr(config, "vision_config", None) is not None
+    if critic and vision:
+        raise ValueError(
+            f"{path} is a vision-language model: a critic (algorithm.advantage = 'gae') needs a token classifier, "
+            "which transformers does not build for it; use a critic-free advantage (grpo, rloo, ...)"
+        )
+    if reward and vision:
+        raise ValueError(
+            f"{path} is a vision-language model: a reward model needs a sequence classifier, which transformers "
+            "does not build for it; train the reward model from a text model"
+        )
     if critic or reward:
         config.num_labels = 1
-    cls = AutoModelForTokenClassification if critic else AutoModelForCausalLM
+    cls = AutoModelForTokenClassification if critic else lm_class(config)
     cls = AutoModelForSequenceClassification if reward else cls
     with torch.device("meta"):
         model = cls.from_config(config, dtype=dtype, attn_implementation=attn)
@@ -146,7 +153,8 @@ def load_local_shards(
     """Fill this rank's part of every tensor of `model` (materialised, sharded) from `path`'s files."""
     prefix = getattr(model, "base_model_prefix", "model")
     with Checkpoint(path) as ckpt, torch.no_grad():
-        table = recipes(list(ckpt.shapes), model.config.model_type)
+        classes = [c.__name__ for c in type(model).__mro__]  # FSDP2 subclasses the model's class
+        table = recipes(list(ckpt.shapes), model.config.model_type, *classes)
         total = 0
         for name, t in _tensors(model):
             region = local_region(t)

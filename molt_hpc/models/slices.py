@@ -48,8 +48,9 @@ class Fused:
 Recipe = Direct | Fused
 
 
-def _conversions(model_type: str) -> tuple[list[tuple[str, str]], list[tuple[list[str], str, int]]]:
-    """(renames as (regex, replacement), fusions as (source patterns, target, concat dim)) of `model_type`.
+def _conversions(*keys: str) -> tuple[list[tuple[str, str]], list[tuple[list[str], str, int]]]:
+    """(renames as (regex, replacement), fusions as (source patterns, target, concat dim)) of the first of
+    `keys` (a model class name, then its `model_type`: transformers looks up both, class first) that has any.
 
     Only the conversions this loader can slice by expert are taken; others leave their tensors to be
     found under their own names (or reported missing).
@@ -60,7 +61,8 @@ def _conversions(model_type: str) -> tuple[list[tuple[str, str]], list[tuple[lis
     except ImportError:  # a transformers without conversion mappings stores what it runs
         return [], []
     renames, fusions = [], []
-    for conv in get_checkpoint_conversion_mapping(model_type) or []:
+    mapping = next((m for k in keys if k and (m := get_checkpoint_conversion_mapping(k))), None)
+    for conv in mapping or []:
         sources, targets = list(conv.source_patterns), list(conv.target_patterns)
         if isinstance(conv, WeightRenaming) and len(targets) == 1:
             renames += [(src, targets[0]) for src in sources]
@@ -79,10 +81,12 @@ def _glob(pattern: str) -> re.Pattern:
     return re.compile(r"(\d+)".join(re.escape(part) for part in pattern.split("*")))
 
 
-def recipes(ckpt_names: list[str], model_type: str) -> dict[str, Recipe]:
+def recipes(ckpt_names: list[str], model_type: str, *class_names: str) -> dict[str, Recipe]:
     """Model tensor name → how to read it, from the checkpoint's tensor names (transformers' direction:
-    checkpoint names are renamed and fused into model names)."""
-    renames, fusions = _conversions(model_type)
+    checkpoint names are renamed and fused into model names). Qwen2-VL's legacy layout (`visual.*`,
+    `model.layers.*`), which transformers also writes on save, is renamed by its class's mapping
+    (`class_names`: the model's classes, most derived first)."""
+    renames, fusions = _conversions(*class_names, model_type)
     direct: dict[str, Recipe] = {}
     parts: dict[tuple[str, int], dict[int, dict[int, str]]] = {}
     for key in ckpt_names:

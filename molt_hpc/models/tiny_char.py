@@ -69,7 +69,7 @@ def tiny_config(tiny: TinyModelConfig, vocab_size: int | None = None):
 def build_tiny(out_dir: str | Path, tiny: TinyModelConfig) -> Path:
     """Write the tiny model (weights from `tiny.init_seed`) and its tokenizer to `out_dir`."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     quiet_transformers()
     out = Path(out_dir)
@@ -79,6 +79,14 @@ def build_tiny(out_dir: str | Path, tiny: TinyModelConfig) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(tiny.init_seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return save_tiny(model, tokenizer, out)
+
+
+def save_tiny(model, tokenizer, out: Path) -> Path:
+    """Write a tiny model and its tokenizer as an HF directory (safetensors), sampling by default with
+    the tokenizer's pad and eos ids, as every tiny builtin is saved."""
+    from transformers import GenerationConfig
+
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, top_k=0, do_sample=True
     )

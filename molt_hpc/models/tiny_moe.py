@@ -11,7 +11,7 @@ from pathlib import Path
 
 from molt_hpc.config.model import TinyMoeConfig
 from molt_hpc.models.load import quiet_transformers
-from molt_hpc.models.tiny_char import build_tiny_tokenizer
+from molt_hpc.models.tiny_char import build_tiny_tokenizer, save_tiny
 
 
 def tiny_moe_config(spec: TinyMoeConfig, tokenizer, dtype: str = "float32"):
@@ -47,7 +47,7 @@ def build_tiny_moe(out_dir: str | Path, spec: TinyMoeConfig, *, dtype: str = "fl
     `dtype` is the saved dtype; the weights are drawn in fp32 either way, so a bf16 copy is the
     rounded fp32 model."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     quiet_transformers()
     out = Path(out_dir)
@@ -57,10 +57,4 @@ def build_tiny_moe(out_dir: str | Path, spec: TinyMoeConfig, *, dtype: str = "fl
         torch.manual_seed(spec.init_seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.to(getattr(torch, dtype))
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, top_k=0, do_sample=True
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_tiny(model, tokenizer, out)

@@ -2,9 +2,13 @@
 
 No weights are read: the transformers class is built on the meta device from the config alone and its
 parameters are counted per decoder block (dense part, routed experts, router) and outside the blocks
-(embeddings, final norm, LM head: the FSDP root group). Where the config comes from:
+(embeddings, final norm, LM head: the FSDP root group). A vision-language model's blocks are its language
+model's; its vision tower counts with the parameters outside them. The same build says whether the
+trainer's log-probs take the fused path (`molt_hpc.actor.head`'s static rule, applied to the built model).
+Where the config comes from:
 
-- `builtin:tiny-char`, `builtin:tiny-moe`: built from their spec (`model.tiny`, `model.tiny_moe`), as the model is;
+- `builtin:tiny-char`, `builtin:tiny-moe`, `builtin:tiny-vl`: built from their spec (`model.tiny`,
+  `model.tiny_moe`, `model.tiny_vl`), as the model is;
 - a readable `model.path`: its `config.json`; `model.architecture`, when also set, must agree with it;
 - otherwise `model.architecture` (the shapes shipped in `configs/models/` for models whose weights
   live on a cluster).
@@ -63,6 +67,10 @@ class Arch:
     v_head_dim: int = 0
     qk_norm: bool = False
     """Attention normalises q and k per head (Qwen3): two more RMSNorms per block."""
+    fused_head: bool = False
+    """The LM head is a bias-free linear layer applied as it is (no logit soft-capping or scaling), so the
+    trainer computes log-probs from the last hidden states and the head weight, chunk by chunk, never
+    the `[n, V]` logits (`molt_hpc.actor.head`). False: the model's own full logits."""
     source: str = ""
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -171,16 +179,17 @@ def arch_of(model: ModelConfig) -> Arch:
 def arch_from_config(config, source: str = "") -> Arch:
     """Count a transformers config's parameters on the meta device (no memory, no weights)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from molt_hpc.actor.parallelize import decoder_blocks
+    from molt_hpc.actor.head import _qualifies_statically
+    from molt_hpc.actor.parallelize import language_blocks
     from molt_hpc.models import quiet_transformers
+    from molt_hpc.models.load import lm_class
 
     quiet_transformers()
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    blocks = decoder_blocks(model)
+        model = lm_class(config).from_config(config)
+    blocks = language_blocks(model)
     if not blocks:
         raise ValueError(f"{type(model).__name__} names no decoder block class; the plan counts per block")
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
@@ -195,7 +204,7 @@ def arch_from_config(config, source: str = "") -> Arch:
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         intermediate=getattr(text, "intermediate_size", 0) or 0,
-        tied=bool(getattr(text, "tie_word_embeddings", False)),
+        tied=_tied(model),
         root_params=root,
         blocks=tuple(_block(b) for b in blocks),
         experts=_first(text, "num_experts", "num_local_experts", "n_routed_experts"),
@@ -208,8 +217,17 @@ def arch_from_config(config, source: str = "") -> Arch:
         qk_nope_head_dim=_first(text, "qk_nope_head_dim"),
         v_head_dim=_first(text, "v_head_dim"),
         qk_norm=any(".q_norm." in f".{n}" for n, _ in blocks[0].named_parameters()),
+        # the trainer's own rule on the same class; its one-position check at the first forward needs
+        # values, so a head the static rule admits is taken as fused
+        fused_head=_qualifies_statically(model),
         source=source,
     )
+
+
+def _tied(model) -> bool:
+    """Whether the LM head is the input embedding (a VLM's flag sits on its outer config, not the text one)."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and embed is not None and head.weight is embed.weight
 
 
 def _block(block) -> Block:

@@ -7,36 +7,44 @@ AdamW's two fp32 moments (`8·P_trainable/N`); the frozen reference adds `4·P/N
 
 Forward and backward run in the compute dtype (c bytes). FSDP2 keeps the root group (embeddings,
 final norm, LM head) unsharded from forward through backward, gathers one decoder block at a time
-(plus the next one it prefetches), reduces gradients in fp32 (the reduce-scatter input of the block
-before stays alive while the next block's backward runs), and with expert parallelism a block
-gathers only its own EP rank's experts. The log-probs come from bf16 logits `[n, V]`, fp32 chunks of
-`actor.logprob_chunk` rows, and a logits-sized gradient in backward (`molt_hpc/algorithm/logprobs.py`).
+(plus the next one it prefetches, in forward and in backward), reduces gradients in fp32 (the
+reduce-scatter input of the block before stays alive while the next block's backward runs), and with
+expert parallelism a block gathers only its own EP rank's experts. A block's backward peaks in the
+SwiGLU product's backward. The log-probs go `actor.logprob_chunk` positions at a time
+(`plan/logprobs.py`): with a plain linear LM head (`Arch.fused_head`, most models) from the last
+hidden states and the head weight, so no `[n, V]` tensor exists — a chunk's logits and their fp32
+temporaries, and in backward the head's fp32 gradient accumulator `[V, h]` with one `[V, h]` product
+and its fp32 cast per chunk; other heads (soft-capping, logit scaling) through bf16 logits `[n, V]`
+saved for backward and a logits-sized gradient.
 
-The peak is the largest phase: the log-prob backward (large vocabularies), a decoder block's
-backward (long sequences), the root's reduce-scatter at the end of backward (huge vocab × hidden),
-the optimizer step (foreach temporaries) or the reference forward. Numbers are what
+The peak is the largest phase: the log-prob forward or backward (large vocabularies; the head
+gradient's `[V, h]` terms where vocab × hidden is large against a chunk), a decoder block's backward
+(long sequences), the root's reduce-scatter at the end of backward (huge vocab × hidden), the
+optimizer step (foreach temporaries) or the reference forward. Numbers are what
 `torch.cuda.max_memory_allocated` counts; `verdict.py` adds the CUDA context and allocator slack.
 
 The supervised stages run the same trainer on their own rows (`update_rows`): no reference, no
-critic, and for a reward model no vocabulary logits (its parameters are counted as the causal LM's,
-head included: a little over what it holds).
+critic, and for a reward model no vocabulary log-probs (its head scores each position; its parameters
+are counted as the causal LM's, head included: a little over what it holds).
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from molt_hpc.config import MoltConfig
-from molt_hpc.plan.activations import block_bytes, head_bytes, mlp_width
+from molt_hpc.plan import logprobs
+from molt_hpc.plan.activations import block_bytes, mlp_width
 from molt_hpc.plan.arch import Arch
 
-LOGPROB_CHUNK_BYTES = 8
-"""Bytes per (chunk row × vocab) of a log-prob chunk besides one compute-dtype copy per side: fp32
-logits and softmax in forward; fp32 logits, the gradient chunk and its cast in backward. Measured by
-the CPU trace (`tests/test_plan_trace.py`) on chunks that cross rows (the common case)."""
-GRAD_TRANSIENT = {False: 3.5, True: 2.6}
-"""Peak activation gradients inside a decoder block's backward, in I-wide compute-dtype tensors per
-token (without / with activation checkpointing), from the same trace: the SwiGLU backward holds the
-gradients of the product, of silu(gate) and of up while the down projection's is still alive."""
+SWIGLU_GRADS = 2
+"""What a block's backward adds to its saved activations at its peak, the backward of the SwiGLU product
+`act(gate) * up`, in I-wide compute-dtype tensors per token: the gradients of the product, of act(gate)
+and of up, less the product itself (the down projection's backward, just before, released it). That
+backward's weight gradient is counted on its own."""
+AC_GRAD_TRANSIENT = 2.6
+"""The same with activation checkpointing, over the recomputed block's activations, its weight gradients
+included: measured by the CPU trace (`tests/test_plan_trace.py`, the h512 spec with checkpointing)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,10 @@ class Shape:
     compute_bytes: int
     ac: bool
     chunk: int
+    fused_head: bool
+    """Log-probs from the last hidden states and the LM head weight (`Arch.fused_head`), never `[n, V]` logits."""
+    entropy_grad: bool
+    """The loss has an entropy bonus (`algorithm.entropy_coef > 0`): its gradient flows through the log-probs."""
     kv_repeat: bool
     """k and v repeated to every head (SDPA with a padded row's mask leaves its grouped-query path)."""
     fused_adam: bool
@@ -88,9 +100,9 @@ def update_rows(cfg: MoltConfig) -> tuple[int, int]:
     return math.ceil(act.groups_per_step * ro.n_samples / act.mini_batches), ro.max_total_tokens
 
 
-def shape_of(cfg: MoltConfig, ranks: int, device: str) -> Shape:
-    """One rank's micro-batch: padded rows of the longest length, or one packed row filled to the token
-    budget (every sample at full length: the worst case)."""
+def shape_of(cfg: MoltConfig, ranks: int, device: str, arch: Arch) -> Shape:
+    """One rank's micro-batch of `arch`: padded rows of the longest length, or one packed row filled to
+    the token budget (every sample at full length: the worst case)."""
     act, rl = cfg.actor, cfg.run.stage == "rl"
     dp = max(1, ranks // act.cp)
     rows_per_update, longest = update_rows(cfg)
@@ -106,6 +118,7 @@ def shape_of(cfg: MoltConfig, ranks: int, device: str) -> Shape:
         ranks=ranks, cp=act.cp, ep=act.ep, rows=rows, seq=seq,
         micro_batches=micro, compute_bytes=4 if cfg.model.dtype == "float32" else 2,
         ac=act.activation_checkpointing, chunk=act.logprob_chunk,
+        fused_head=arch.fused_head, entropy_grad=rl and cfg.algorithm.entropy_coef > 0,
         # a padded row's mask sends SDPA's grouped-query attention through repeated k and v; packed
         # rows attend through the varlen kernel (or a sample at a time), without a mask
         kv_repeat=not packs(cfg) and cfg.model.attn_implementation != "flash_attention_2",
@@ -115,6 +128,11 @@ def shape_of(cfg: MoltConfig, ranks: int, device: str) -> Shape:
         eager_seq=math.ceil(longest / act.cp) if cfg.model.attn_implementation == "eager" else 0,
         vocab_logits=cfg.run.stage != "rm",
     )  # fmt: skip
+
+
+def head_arch(arch: Arch, s: Shape) -> Arch:
+    """The shape the log-prob terms see: a reward model's head has one output, not the vocabulary."""
+    return arch if s.vocab_logits else dataclasses.replace(arch, vocab=1)
 
 
 @dataclass
@@ -163,11 +181,10 @@ def trainer_memory(arch: Arch, s: Shape) -> TrainerMemory:
         p_critic = p_all - (0 if arch.tied else arch.vocab * arch.hidden) + arch.hidden
         state["critic"] = 16 * p_critic / s.ranks
     per_token = sum(block_bytes(arch, b, c, s.kv_repeat, s.eager_seq) for b in arch.blocks)
-    v = arch.vocab if s.vocab_logits else 1
     acts = {
         "activations (no checkpointing)": n * per_token,
         "activations (checkpointing)": n * c * arch.hidden * arch.layers,
-        "log-prob buffers": n * (head_bytes(arch, c) + 2 * c * v) + s.chunk * v * (c + 8),
+        "log-prob buffers": logprobs.buffers(head_arch(arch, s), s),
     }
     mem = TrainerMemory(state=state, host=host, activations=acts)
     mem.phases = _phases(arch, s, state)
@@ -176,14 +193,13 @@ def trainer_memory(arch: Arch, s: Shape) -> TrainerMemory:
 
 def _phases(arch: Arch, s: Shape, state: dict[str, float]) -> list[Phase]:
     n, c, h = s.tokens, s.compute_bytes, arch.hidden
-    v = arch.vocab if s.vocab_logits else 1  # a reward model's head: one score per token
+    head = head_arch(arch, s)
     grads = state["gradients"]
     resident = {k: x for k, x in state.items() if k != "gradients"}
     root = {"root group (unsharded)": c * arch.root_params}
     per_block = [n * block_bytes(arch, b, c, s.kv_repeat, s.eager_seq) for b in arch.blocks]
     kept = [n * c * h] * len(per_block) if s.ac else per_block
-    saved = {"saved activations": sum(kept), "final norm, LM head input": n * head_bytes(arch, c),
-             "logits": n * c * v}  # fmt: skip
+    saved = {"saved activations": sum(kept), **logprobs.saved(head, s)}
     fwd_grads = {"gradients": grads} if s.micro_batches > 1 else {}
     # the last block running (gathered) while the one FSDP prefetched for backward is gathered too
     two_blocks = {"blocks (unsharded)": 2 * c * _unsharded(arch, s, arch.blocks[-1]), **_ulysses(arch, s)}
@@ -192,22 +208,10 @@ def _phases(arch: Arch, s: Shape, state: dict[str, float]) -> list[Phase]:
             "forward: last decoder block",
             {**resident, **fwd_grads, **root, **two_blocks, "saved activations": sum(kept[:-1]) + per_block[-1]},
         ),
-        Phase(
-            "forward: log-probs",
-            {**resident, **fwd_grads, **root, **saved, "log-prob chunk": s.chunk * v * (c + LOGPROB_CHUNK_BYTES)},
-        ),
-        Phase(
-            "backward: log-probs",
-            {
-                **resident,
-                **fwd_grads,
-                **root,
-                **saved,
-                "logits gradient": n * c * v,
-                "log-prob chunk": s.chunk * v * (2 * c + LOGPROB_CHUNK_BYTES - 2),
-            },
-        ),
+        Phase("forward: log-probs", {**resident, **fwd_grads, **root, **saved, **logprobs.forward_chunk(head, s)}),
     ]
+    out += [Phase(name, {**resident, **fwd_grads, **root, **saved, **parts})
+            for name, parts in logprobs.backward_moments(head, s)]  # fmt: skip
     out += _block_backward(arch, s, resident, grads, root, kept, per_block)
     out.append(
         Phase(
@@ -224,7 +228,7 @@ def _phases(arch: Arch, s: Shape, state: dict[str, float]) -> list[Phase]:
     opt = {"optimizer step temporaries": 0.0 if s.fused_adam else 4 * (arch.params - arch.router_params) / s.ranks}
     out.append(Phase("optimizer step", {**resident, "gradients": grads, **opt}))
     if s.reference:
-        out.append(_reference_forward(arch, s, resident))
+        out += _reference_forward(arch, s, resident)
     return out
 
 
@@ -233,9 +237,17 @@ def _unsharded(arch: Arch, s: Shape, block) -> float:
     return block.params - block.experts * (1 - 1 / s.ep)
 
 
+def _down_width(arch: Arch, s: Shape, block) -> int:
+    """Input width of `block`'s down projection(s) on this rank: the MLP's, or this EP rank's experts' and
+    the shared expert's (the weight gradient is `h` times it)."""
+    if not block.moe:
+        return arch.intermediate
+    return arch.experts // s.ep * arch.moe_intermediate + arch.shared_intermediate
+
+
 def _block_backward(arch, s, resident, grads, root, kept, per_block) -> list[Phase]:
-    """The backward of the last block (all activations alive) and of the first (the previous
-    block's reduce-scatter buffer alive, with checkpointing a recomputed block)."""
+    """The backward of the last block (all activations alive, the block before it prefetched) and of the
+    first (the previous block's reduce-scatter buffer alive, with checkpointing a recomputed block)."""
     n, c, h = s.tokens, s.compute_bytes, arch.hidden
     out = []
     for i, name in ((len(per_block) - 1, "backward: last decoder block"), (0, "backward: first decoder block")):
@@ -246,8 +258,14 @@ def _block_backward(arch, s, resident, grads, root, kept, per_block) -> list[Pha
         parts = {**resident, "gradients": grads if s.micro_batches > 1 else done, **root,
                  "LM head gradient": c * arch.vocab * h,
                  "saved activations": sum(kept[:i]) + (per_block[i] if s.ac else kept[i]),
-                 "block (unsharded)": c * p, "residual gradient": n * c * h,
-                 "activation gradients": GRAD_TRANSIENT[s.ac] * n * c * mlp_width(arch, block)}  # fmt: skip
+                 "block (unsharded)": c * p, "residual gradient": n * c * h}  # fmt: skip
+        if s.ac:
+            parts["activation gradients"] = AC_GRAD_TRANSIENT * n * c * mlp_width(arch, block)
+        else:
+            parts["activation gradients"] = SWIGLU_GRADS * n * c * mlp_width(arch, block)
+            parts["down projection weight gradient"] = c * h * _down_width(arch, s, block)
+        if i > 0:  # FSDP2 prefetches the block whose backward comes next: its all-gather output
+            parts["next block (prefetched)"] = c * _unsharded(arch, s, arch.blocks[i - 1])
         if i < len(per_block) - 1:
             parts["reduce-scatter (fp32)"] = 4 * _unsharded(arch, s, arch.blocks[i + 1])
         parts.update(_ulysses(arch, s))
@@ -263,10 +281,15 @@ def _ulysses(arch: Arch, s: Shape) -> dict[str, float]:
     return {"context-parallel all-to-all": s.tokens * s.compute_bytes * width}
 
 
-def _reference_forward(arch: Arch, s: Shape, resident) -> Phase:
-    n, c, v = s.tokens, s.compute_bytes, arch.vocab
+def _reference_forward(arch: Arch, s: Shape, resident) -> list[Phase]:
+    """The frozen reference's forward without gradient: a gathered block (and the prefetched one) with
+    its transient activations, then the log-probs of its output."""
+    n, c = s.tokens, s.compute_bytes
     big = max(arch.blocks, key=lambda b: b.params)
-    return Phase("reference forward", {**resident, "reference root group": c * arch.root_params,
-                 "reference blocks (unsharded)": 2 * c * _unsharded(arch, s, big),
-                 "block activations (no grad)": n * block_bytes(arch, big, c, s.kv_repeat, s.eager_seq) / 2,
-                 "logits": n * c * v, "log-prob chunk": s.chunk * v * (c + LOGPROB_CHUNK_BYTES)})  # fmt: skip
+    ref = {**resident, "reference root group": c * arch.root_params}
+    block = {"reference blocks (unsharded)": 2 * c * _unsharded(arch, s, big),
+             "block activations (no grad)": n * block_bytes(arch, big, c, s.kv_repeat, s.eager_seq) / 2}  # fmt: skip
+    return [
+        Phase("reference forward: decoder block", {**ref, **block}),
+        Phase("reference forward: log-probs", {**ref, **logprobs.no_grad_forward(arch, s)}),
+    ]

@@ -132,7 +132,7 @@ def gpu_need(allocated: float) -> float:
 def make_plan(cfg: MoltConfig, arch: Arch, *, local: bool = False, gpus: int | None = None) -> Plan:
     where = placement_of(cfg, local, gpus)
     gpu = cfg.plan.gpu_memory_gib * GIB
-    trainer = trainer_memory(arch, shape_of(cfg, where.actor_ranks, where.actor_device))
+    trainer = trainer_memory(arch, shape_of(cfg, where.actor_ranks, where.actor_device, arch))
     engines = engine_memory(arch, cfg, where.engines, gpu)
     refit = refit_estimate(arch, cfg, where.actor_ranks, where.actor_nodes, same_node=where.mode == "local")
     host = _host(arch, cfg, where, trainer)

@@ -66,13 +66,24 @@ async def serve(cfg: MoltConfig, run: RunDir) -> int:
     from molt_hpc.rollout.engines import EngineLink, wait_for_router
     from molt_hpc.rollout.orchestrator import Orchestrator
     from molt_hpc.rundir import atomic_write
+    from molt_hpc.vision.processor import Vision
 
     log = get_logger()
     agent_cls = load_agent(cfg.rollout.agent)
-    tokenizer = load_tokenizer(resolve_model(cfg.model, run.models))
-    dataset = PromptDataset.load(cfg.data, tokenizer)
+    model_dir = resolve_model(cfg.model, run.models)
+    tokenizer = load_tokenizer(model_dir)
+    vision = Vision.of(model_dir)
+    images = {"vision": vision, "max_images": cfg.rollout.max_images}
+    dataset = PromptDataset.load(cfg.data, tokenizer, **images)
     ev = cfg.data.eval
-    eval_prompts = PromptDataset.load(cfg.data, tokenizer, path=ev.path, limit=ev.max_prompts).prompts if ev else []
+    eval_prompts = (
+        PromptDataset.load(cfg.data, tokenizer, path=ev.path, limit=ev.max_prompts, **images).prompts if ev else []
+    )
+    if issubclass(agent_cls, ChatAgent) and any(p.images for p in [*dataset.prompts, *eval_prompts]):
+        raise ValueError(
+            f"rollout.agent = {cfg.rollout.agent!r} is a chat-mode agent, which does not take images yet; the rows of "
+            f"{cfg.data.path} have images: write the agent as an Env (env mode sends images to the engines)"
+        )
     log.info(
         "agent %s, %d prompts from %s, %d eval prompts",
         agent_cls.__name__,
@@ -108,6 +119,7 @@ async def serve(cfg: MoltConfig, run: RunDir) -> int:
                     seed=cfg.run.seed,
                     envs=envs,
                     routed_experts=cfg.actor.router_replay,
+                    vision=vision,
                 )
             scorer = reward_scorer(cfg, run, http, token, tokenizer)
             try:

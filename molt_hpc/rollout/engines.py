@@ -66,7 +66,9 @@ class EngineLink:
             get_logger().info("the router moved to %s", url)
             self.router_url = url
 
-    async def generate(self, token_ids: list[int], sampling_params: dict[str, Any], session_id: str) -> Any:
+    async def generate(
+        self, token_ids: list[int], sampling_params: dict[str, Any], session_id: str, images: list | None = None
+    ) -> Any:
         try:
             out = await client.generate(
                 self.session,
@@ -76,6 +78,7 @@ class EngineLink:
                 token=self.token,
                 session_id=session_id,
                 timeout=self.timeout_s,
+                images=images,
             )
         except client.EngineHTTPError as err:
             if err.status < 500:
