@@ -85,11 +85,12 @@ def test_reward_model_ranks_held_out_pairs(rm) -> None:
 
 @pytest.fixture(scope="module")
 def rl_with_scorer_killed(runs, sft, rm) -> tuple[Path, str]:
-    """RL from the SFT model with the reward model as the only reward (the shipped RL config otherwise);
-    its scorer is killed mid-run."""
+    """RL from the SFT model with the reward model as the only reward (the shipped RL config otherwise, its
+    60 steps: at 30 the rise is within 1.5-2.5 standard errors of the windows' scatter); its scorer is
+    killed mid-run."""
     run_dir = runs / "rm-only"
     sets = [f"run.root={runs}", "run.name=rm-only", f"model.path={sft[0]}", f"reward_model.path={rm[0]}",
-            "reward_model.combine=replace", "run.steps=30"]  # fmt: skip
+            "reward_model.combine=replace"]  # fmt: skip
     proc = launch("run", "configs/tiny_rlhf.toml", *(a for s in sets for a in ("--set", s)))
     wait_for_step(run_dir, 4, proc)
     os.kill(json.loads((run_dir / "rendezvous" / "scorer-0.json").read_text())["pid"], signal.SIGKILL)
@@ -123,9 +124,10 @@ def test_a_killed_scorer_is_restarted_and_no_group_is_lost(rl_with_scorer_killed
     run_dir, _ = rl_with_scorer_killed
     assert "scorer 0 died" in (run_dir / "logs" / "pool.log").read_text()
     assert "no scorer answers" in (run_dir / "logs" / "rollout.log").read_text()  # groups waited for it
-    assert [r["step"] for r in actor_records(run_dir)] == list(range(1, 31))
+    cfg = load_config(ROOT / "configs" / "tiny_rlhf.toml")
+    assert [r["step"] for r in actor_records(run_dir)] == list(range(1, cfg.run.steps + 1))
     put, acked, _ = ledger(run_dir)
-    assert len(acked) == len(set(acked)) == 30 * 8 and set(acked) <= put
+    assert len(acked) == len(set(acked)) == cfg.run.steps * cfg.actor.groups_per_step and set(acked) <= put
     for rec in read_metrics(run_dir / "metrics.jsonl", source="rollout"):
         if rec.get("groups_accepted"):  # every sample trained on was scored: none went through unscored
             assert rec.get("rm_score_mean") is not None
@@ -142,6 +144,6 @@ def test_rl_from_the_sft_model_starts_higher(runs, rl_with_scorer_killed) -> Non
     def first(run_dir: Path, key: str) -> float:
         return next(r[key] for r in read_metrics(run_dir / "metrics.jsonl", source="rollout") if r.get(key) is not None)
 
-    untrained, sft = first(runs / "untrained", "score_mean"), first(from_sft, "env_reward_mean")
+    untrained, sft = first(runs / "untrained", "reward"), first(from_sft, "env_reward_mean")  # every finished sample
     # an untrained policy averages ~0.03 on this data (tests/test_e2e.py); one that ignores the prompt at most 0.25
     assert sft > untrained + 0.3, (untrained, sft)

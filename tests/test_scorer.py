@@ -153,3 +153,27 @@ def test_combine_formulas() -> None:
     # every valid sample outranks every invalid one with a lower or equal env reward, whatever z is
     assert min(r[2:]) > max(r[:2])
     assert sigmoid(-800.0) == 0.0 and sigmoid(800.0) == 1.0  # no overflow at either end
+
+
+def test_rollout_records_score_every_finished_sample() -> None:
+    """`env_reward_mean` and `rm_score_mean` average every finished sample the model scored, as `reward`
+    does: a group dynamic sampling drops counts too; an unscored (gated) sample has no model score."""
+    from molt_hpc.rollout.group import GroupOutcome
+    from molt_hpc.rollout.metrics import RolloutStats
+
+    def group(gid: str, parts: list[tuple[float, float | None]]) -> Group:
+        samples = [Trajectory(SEQS[1], 1, [(1, 3)], [0.0, 0.0], [0, 0], reward=e + (z or 0.0),
+                              info={"env_reward": e, **({"rm_score": z} if z is not None else {})})
+                   for e, z in parts]  # fmt: skip
+        return Group(gid, "p", samples)
+
+    stats = RolloutStats()
+    kept, dropped = group("a", [(1.0, 2.0), (0.0, None)]), group("b", [(0.5, -1.0), (0.5, -1.0)])
+    for g in (kept, dropped):
+        stats.finished(GroupOutcome(position=None, prompt=None, group=g))  # type: ignore[arg-type]
+    stats.accepted(kept)
+    stats.filtered("equal_rewards")
+    rec = stats.record()
+    assert rec["env_reward_mean"] == pytest.approx((1.0 + 0.0 + 0.5 + 0.5) / 4)
+    assert rec["rm_score_mean"] == pytest.approx((2.0 - 1.0 - 1.0) / 3)
+    assert rec["reward"] == pytest.approx((3.0 + 0.0 - 0.5 - 0.5) / 4) and rec["reward_trained"] == pytest.approx(1.5)

@@ -6,7 +6,8 @@ sampling: what other frameworks report), `reward_trained` and scores of the acce
 response lengths and turns, groups the
 filters dropped (`groups_filtered_<why>`) and groups that failed (`groups_failed_<why>`: env
 errors drop theirs, engine failures are issued again), retries, and throughput; with a reward model,
-`env_reward_mean` and `rm_score_mean` (its raw score over the samples it scored) beside the reward.
+`env_reward_mean` and `rm_score_mean` (its raw score) over every finished sample it scored, beside
+the reward (which is then the combination the samples train on).
 """
 
 import statistics
@@ -38,7 +39,7 @@ class RolloutStats:
         self.counts: Counter = Counter()
         self.tokens = 0
         self.reward_parts: dict[str, list[float]] = {"env_reward": [], "rm_score": []}
-        """With a reward model: the env's reward and the model's raw score of the accepted samples it scored."""
+        """With a reward model: the env's reward and the model's raw score of every finished sample it scored."""
 
     def finished(self, outcome: GroupOutcome) -> None:
         """Count a group that came back (accepted or not), with its retries and env errors."""
@@ -54,6 +55,9 @@ class RolloutStats:
             for s in outcome.group.samples:
                 self.tokens += s.num_action_tokens
                 self.finished_rewards.append(s.reward)
+                for key, values in self.reward_parts.items():
+                    if key in s.info:
+                        values.append(float(s.info[key]))
 
     def filtered(self, reason: str) -> None:
         self.counts[f"groups_filtered_{reason}"] += 1
@@ -65,9 +69,6 @@ class RolloutStats:
             self.scores.append(s.score if s.score is not None else s.reward)
             self.lengths.append(s.response_len)
             self.turns.append(float(s.info.get("turns", 1.0)))
-            for key, values in self.reward_parts.items():
-                if key in s.info:
-                    values.append(float(s.info[key]))
 
     def record(self, **extra: Any) -> dict[str, Any]:
         """The window as a metrics record; starts a new window."""
