@@ -3,7 +3,8 @@
 vLLM 0.26 serves a `…ForSequenceClassification` directory with one label as a classify model
 (`--runner pooling --convert classify`; the architecture's suffix picks the same on its own): the
 causal LM with a `score` head read at the LAST token, whose `POST /classify` takes token-id lists
-(`--skip-tokenizer-init`: no tokenizer is loaded, ids in) and answers `data[i].probs`. It listens on
+(its tokenizer is loaded: vLLM 0.26's scoring processor needs one; ids still go in) and answers
+`data[i].probs`. It listens on
 127.0.0.1; the front checks the run's token on every route (vLLM's own key covers `/v1` routes only)
 and relays `/classify` with `use_activation: false` (the raw score, which `problem_type =
 "regression"` in the checkpoint's config also asks for) and `/health`. vLLM dying ends this process
@@ -31,7 +32,7 @@ def vllm_score_command(cfg: MoltConfig, model_dir: str | Path, port: int, index:
     assert rm is not None
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "reward-model"]
-    cmd += ["--runner", "pooling", "--convert", "classify", "--dtype", rm.dtype, "--skip-tokenizer-init"]
+    cmd += ["--runner", "pooling", "--convert", "classify", "--dtype", rm.dtype]
     cmd += ["--max-model-len", str(cfg.scorer_max_len), "--gpu-memory-utilization", str(rm.gpu_memory_utilization)]
     cmd += ["--seed", str(cfg.run.seed * 1000 + 500 + index)]
     return cmd + list(rm.extra_args)
