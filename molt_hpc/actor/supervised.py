@@ -35,7 +35,7 @@ from molt_hpc.config import MoltConfig
 from molt_hpc.config.stages import SupervisedData
 from molt_hpc.datasets import StepOrder
 from molt_hpc.log import MetricsWriter, get_logger, setup_logging, step_line
-from molt_hpc.models import load_tokenizer, resolve_model
+from molt_hpc.models import load_tokenizer, pad_token_id, resolve_model
 from molt_hpc.models.sharded import meta_model
 from molt_hpc.rundir import RunDir
 
@@ -113,7 +113,7 @@ class StageTrainer:
         stage.pack_tokens = pack
         self.log.info("micro-batches: %s", f"packed, {pack} tokens" if pack else f"{act.micro_batch_size} padded rows")
         model = build.load_model(path, cfg, world, stage.part, documents=docs)  # type: ignore[arg-type]
-        stage.pad_id = model.config.pad_token_id or 0
+        stage.pad_id = pad_token_id(model.config)
         if stage.part == "policy":  # an MoE policy: its routers in fp32, its aux losses (no replay: no engines)
             from molt_hpc.actor.moe_router import MoeRouting
 

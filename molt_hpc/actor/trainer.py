@@ -27,7 +27,7 @@ from molt_hpc.actor.world import World, close_world, init_world, share
 from molt_hpc.algorithm.logprob_kernels import check_kernel
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import MetricsWriter, get_logger, setup_logging, step_line
-from molt_hpc.models import resolve_model
+from molt_hpc.models import pad_token_id, resolve_model
 from molt_hpc.models.sharded import meta_model
 from molt_hpc.rundir import RunDir
 from molt_hpc.trajectory import finished_reward
@@ -99,7 +99,7 @@ class Trainer:
             time.perf_counter() - t0,
         )  # fmt: skip
         self.parts = [p for p in (self.models.policy, self.models.critic) if p is not None]
-        self.pad_id = self.models.policy.model.config.pad_token_id or 0
+        self.pad_id = pad_token_id(self.models.policy.model.config)
         self.step = 0
         self.saved_step: int | None = None
         self.feed = Feed(cfg, run.path, world)

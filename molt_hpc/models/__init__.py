@@ -11,7 +11,7 @@
 - `reward`: reward models (a one-label sequence-classification head, its score read at the last token).
 """
 
-from molt_hpc.models.load import check_model_dir, load_causal_lm, load_tokenizer, quiet_transformers
+from molt_hpc.models.load import check_model_dir, load_causal_lm, load_tokenizer, pad_token_id, quiet_transformers
 from molt_hpc.models.resolve import BUILTINS, build_once, resolve_model
 from molt_hpc.models.tiny_char import SPECIALS, build_tiny, build_tiny_tokenizer
 from molt_hpc.models.tiny_moe import build_tiny_moe
@@ -26,6 +26,7 @@ __all__ = [
     "check_model_dir",
     "load_causal_lm",
     "load_tokenizer",
+    "pad_token_id",
     "quiet_transformers",
     "resolve_model",
 ]

@@ -55,6 +55,16 @@ def lm_class(config):
     return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
 
 
+def pad_token_id(config) -> int:
+    """The model's pad id: its own, else its text model's (transformers 5.17's vision-language configs keep
+    it in `text_config` only, and raise on the attribute), else 0."""
+    for part in (config, getattr(config, "text_config", None)):
+        pad = getattr(part, "pad_token_id", None)
+        if pad is not None:
+            return int(pad)
+    return 0
+
+
 def load_causal_lm(path: str | Path, *, dtype: str = "float32", device: str = "cpu", attn: str = "sdpa"):
     """A transformers causal LM (or vision-language model) from an HF directory, in eval mode, on `device`."""
     import torch

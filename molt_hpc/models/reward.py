@@ -48,7 +48,8 @@ def reward_config(model):
     config = model.config
     config.architectures = [type(model).__name__]
     config.problem_type = "regression"
-    if config.pad_token_id is None:  # transformers refuses batches without one (our scores never read it)
+    # transformers refuses batches without a pad id (our scores never read it)
+    if getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
     return model
 
