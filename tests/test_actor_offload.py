@@ -24,7 +24,17 @@ def _moment_sum(policy, opt) -> float:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     osd = get_optimizer_state_dict(policy, opt)
-    return sum(float(s["exp_avg_sq"].full_tensor().sum()) for s in osd["state"].values())
+    # summed on the host in float64: the same values give the same sum wherever the state lives
+    return sum(
+        float(s["exp_avg_sq"].full_tensor().detach().to("cpu", torch.float64).sum()) for s in osd["state"].values()
+    )
+
+
+def _host_copy(policy) -> dict[str, torch.Tensor]:
+    """A copy of every parameter in host memory. A copy, always: under `full` offload on one rank
+    `full_tensor()` is the live host parameter and `.cpu()` returns it as it is, so a later step would
+    change what was recorded."""
+    return {n: p.full_tensor().detach().to("cpu", copy=True) for n, p in policy.named_parameters()}
 
 
 def _train(cfg, world, groups, root: Path) -> dict:
@@ -36,13 +46,14 @@ def _train(cfg, world, groups, root: Path) -> dict:
     from molt_hpc.actor.step import Models, train_step
 
     torch.manual_seed(0)
+    held = torch.cuda.memory_allocated(world.device) if world.device.type == "cuda" else 0
     policy = build.load_model(Path(cfg.model.path), cfg, world, "policy")
     opt = build.build_optimizer(policy, cfg.actor, cfg.actor.lr)
     by_hand = cfg.actor.offload == "optimizer" and world.device.type == "cpu"
     off = OptimizerOffload(opt, world.device) if by_hand else None
     models = Models(policy=Trainable("policy", policy, opt, build.build_scheduler(opt, cfg.actor, STEPS)))
     models.reference = build.load_model(Path(cfg.model.path), cfg, world, "reference")
-    initial = {n: p.full_tensor().detach().cpu() for n, p in policy.named_parameters()}
+    initial = _host_copy(policy)
     out = {"loss": [], "grad_norm": [], "kl": [], "initial": initial}
     for step in range(STEPS):
         metrics = train_step(groups[step::STEPS], cfg, models, world, pad_id=0)
@@ -55,10 +66,10 @@ def _train(cfg, world, groups, root: Path) -> dict:
         elif world.device.type == "cuda" and cfg.actor.offload != "none":  # on the host (pinned: copied each step)
             assert moments and all(m.device.type == "cpu" for m in moments)
             assert cfg.actor.offload == "full" or all(m.is_pinned() for m in moments)
-    out["device_bytes"] = torch.cuda.memory_allocated(world.device) if world.device.type == "cuda" else 0
+    out["device_bytes"] = torch.cuda.memory_allocated(world.device) - held if world.device.type == "cuda" else 0
     out["trained_params"] = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     out["exp_avg_sq"] = _moment_sum(policy, opt)
-    out["params"] = {n: p.full_tensor().detach().cpu() for n, p in policy.named_parameters()}
+    out["params"] = _host_copy(policy)
     # a checkpoint of the (offloaded) state restores it: saved, wiped, restored, then one more step
     ckpt = state.save(world, root / cfg.actor.offload, STEPS, [models.policy], {"version": STEPS},
                       tokenizer_src=Path(cfg.model.path), shard_bytes=1 << 20, keep_last=1)  # fmt: skip
@@ -89,11 +100,14 @@ def _rank(rank: int, size: int, device: str, store: str, model_dir: str, groups,
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     world = World(rank, size, dev, init_device_mesh(device, (size,)))
     results = {}
-    for mode in ["none", "full", "optimizer"]:
-        sets = [f"actor.offload='{mode}'", f"actor.device='{device}'", "actor.micro_batch_size=2", "actor.lr=1e-2",
+    # On a GPU a first, unmeasured run makes what persists across runs (cuBLAS workspaces, NCCL buffers):
+    # each mode's device bytes are then what its own run added.
+    for mode in ["none", "full", "optimizer"] if device == "cpu" else ["warm-up", "none", "full", "optimizer"]:
+        offload = "none" if mode == "warm-up" else mode
+        sets = [f"actor.offload='{offload}'", f"actor.device='{device}'", "actor.micro_batch_size=2", "actor.lr=1e-2",
                 "algorithm.kl_coef=0.1", "actor.groups_per_step=1", "rollout.n_samples=4"]  # fmt: skip
         cfg = load_config(None, [*sets, f"model.path='{model_dir}'"])
-        results[mode] = _train(cfg, world, groups, Path(out).parent / "ckpt")
+        results[mode] = _train(cfg, world, groups, Path(out).parent / "ckpt" / mode)
         if device == "cuda":
             torch.cuda.empty_cache()
     if rank == 0:
