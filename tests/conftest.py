@@ -11,6 +11,23 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def vllm_gpu_marks() -> list:
+    """A module's marks when its tests need vLLM and a GPU: marked `gpu`, skipped without either."""
+    import importlib.util
+
+    return [
+        pytest.mark.gpu,
+        pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install 'molt-hpc[gpu]')"),
+        pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU"),
+    ]
+
+
 def molt(*args: str, cwd: Path = ROOT, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the installed `molt-hpc` command and capture its output."""
     return subprocess.run(

@@ -8,27 +8,16 @@ Skipped without a GPU or without vLLM.
 """
 
 import asyncio
-import importlib.util
 import json
 
 import aiohttp
 import pytest
 
+from tests.conftest import vllm_gpu_marks
 from tests.test_engine_procs import make_run, spawn, wait_registered
 from tests.test_scorer import SEQS, build_reward_dir
 
-
-def _gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count()
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install 'molt-hpc[gpu]')"),
-    pytest.mark.skipif(_gpus() < 1, reason="needs a GPU"),
-]
+pytestmark = vllm_gpu_marks()
 
 
 async def classify(url: str, token: str | None, body: dict) -> tuple[int, dict]:

@@ -6,7 +6,6 @@ GPU 0 the refit goes through CUDA IPC into our worker extension (one GPU). The m
 with 2 heads, so its head size is 64 (FlashAttention's kernels start there). Skipped without vLLM.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -21,7 +20,7 @@ import pytest
 from molt_hpc.config import load_config, to_toml
 from molt_hpc.log import read_metrics
 from molt_hpc.rundir import create_run_dir
-from tests.conftest import BIN, ROOT
+from tests.conftest import BIN, ROOT, gpu_count, vllm_gpu_marks
 from tests.test_actor_refit import _call, _engine
 from tests.test_e2e import steps_and_rising_reward
 
@@ -33,18 +32,8 @@ VLLM_SETS = [
 PROMPT = list(range(5, 21))
 
 
-def _gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count()
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install 'molt-hpc[gpu]')"),
-    pytest.mark.skipif(_gpus() < 1, reason="needs a GPU"),
-]
-needs_two = pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs (NCCL between the trainer's and vLLM's)")
+pytestmark = vllm_gpu_marks()
+needs_two = pytest.mark.skipif(gpu_count() < 2, reason="needs two GPUs (NCCL between the trainer's and vLLM's)")
 
 
 def _sample(run_dir) -> dict:

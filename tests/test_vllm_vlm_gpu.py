@@ -9,26 +9,12 @@ which only holds when vLLM put each image's features at the trace's own tokens. 
 without vLLM.
 """
 
-import importlib.util
 import sys
 
-import pytest
-
 from molt_hpc.log import read_metrics
-from tests.conftest import ROOT
+from tests.conftest import ROOT, vllm_gpu_marks
 
-
-def _gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count()
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install 'molt-hpc[gpu]')"),
-    pytest.mark.skipif(_gpus() < 1, reason="needs a GPU"),
-]
+pytestmark = vllm_gpu_marks()
 
 
 def test_vllm_serves_tiny_vl_with_the_trainers_log_probs(tmp_path) -> None:

@@ -28,13 +28,13 @@ from molt_hpc.actor.control import Control, Requests
 from molt_hpc.actor.packing import sequence_layout
 from molt_hpc.actor.step import Meter, optimizer_step
 from molt_hpc.actor.trainer import _shared, latest_to_resume
-from molt_hpc.actor.world import World, close_world, init_world
+from molt_hpc.actor.world import World, run_rank
 from molt_hpc.algorithm.logprob_kernels import check_kernel
 from molt_hpc.checkpoint import check_shapes
 from molt_hpc.config import MoltConfig
 from molt_hpc.config.stages import SupervisedData
 from molt_hpc.datasets import StepOrder
-from molt_hpc.log import MetricsWriter, get_logger, setup_logging, step_line
+from molt_hpc.log import MetricsWriter, get_logger, step_line
 from molt_hpc.models import load_tokenizer, pad_token_id, resolve_model
 from molt_hpc.models.sharded import meta_model
 from molt_hpc.rundir import RunDir
@@ -225,16 +225,4 @@ def main(cfg: MoltConfig, run_dir: str | Path, *, resume: bool = False) -> int:
     The shutdown is the RL trainer's: metrics closed, a barrier on a clean end, the groups destroyed;
     the entry point then leaves through `end_process`."""
     run = RunDir(Path(run_dir).absolute())
-    world = init_world(cfg.actor)
-    quiet = not world.is_main and not cfg.logging.all_ranks
-    setup_logging(f"actor r{world.rank}", cfg.logging.level, quiet=quiet)
-    trainer, clean = None, False
-    try:
-        trainer = StageTrainer(cfg, run, world, make_stage(cfg), resume)
-        code = trainer.run()
-        clean = True
-        return code
-    finally:
-        if trainer is not None:
-            trainer.close()
-        close_world(barrier=clean)
+    return run_rank(cfg, lambda world: StageTrainer(cfg, run, world, make_stage(cfg), resume))

@@ -23,10 +23,10 @@ from molt_hpc.actor.packing import sequence_layout
 from molt_hpc.actor.step import Models, train_step
 from molt_hpc.actor.sync import EngineSync
 from molt_hpc.actor.vision import ImageInputs
-from molt_hpc.actor.world import World, close_world, init_world, share
+from molt_hpc.actor.world import World, run_rank, share
 from molt_hpc.algorithm.logprob_kernels import check_kernel
 from molt_hpc.config import MoltConfig
-from molt_hpc.log import MetricsWriter, get_logger, setup_logging, step_line
+from molt_hpc.log import MetricsWriter, get_logger, step_line
 from molt_hpc.models import pad_token_id, resolve_model
 from molt_hpc.models.sharded import meta_model
 from molt_hpc.rundir import RunDir
@@ -243,17 +243,4 @@ def main(cfg: MoltConfig, run_dir: str | Path, *, resume: bool = False) -> int:
     threads do not survive.
     """
     run = RunDir(Path(run_dir).absolute())
-    world = init_world(cfg.actor)
-    quiet = not world.is_main and not cfg.logging.all_ranks
-    setup_logging(f"actor r{world.rank}", cfg.logging.level, quiet=quiet)
-    trainer = None
-    clean = False
-    try:
-        trainer = Trainer(cfg, run, world, resume)
-        code = trainer.run()
-        clean = True
-        return code
-    finally:
-        if trainer is not None:
-            trainer.close()
-        close_world(barrier=clean)
+    return run_rank(cfg, lambda world: Trainer(cfg, run, world, resume))

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from molt_hpc.actor.context_parallel import ContextParallel
 from molt_hpc.config.train import ActorConfig
+from molt_hpc.log import setup_logging
 from molt_hpc.net import free_port
 
 
@@ -118,6 +119,23 @@ def close_world(barrier: bool = True) -> None:
     if barrier:
         dist.barrier()
     dist.destroy_process_group()
+
+
+def run_rank(cfg, make) -> int:
+    """This rank's whole life as a trainer: join the world, log with a role prefix, build the trainer with
+    `make(world)`, run it; then close the trainer and the world (the barrier only after a clean run)."""
+    world = init_world(cfg.actor)
+    setup_logging(f"actor r{world.rank}", cfg.logging.level, quiet=not world.is_main and not cfg.logging.all_ranks)
+    trainer, clean = None, False
+    try:
+        trainer = make(world)
+        code = trainer.run()
+        clean = True
+        return code
+    finally:
+        if trainer is not None:
+            trainer.close()
+        close_world(barrier=clean)
 
 
 def any_rank(flags: list[bool]) -> list[bool]:

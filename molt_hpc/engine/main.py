@@ -7,16 +7,15 @@ after a crash the router's health checks take it out of the ring.
 """
 
 import asyncio
-import contextlib
 import functools
 import json
 import os
-import signal
 import socket
 from pathlib import Path
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import get_logger, setup_logging
+from molt_hpc.net import serve_until_signal
 from molt_hpc.rundir import RunDir, atomic_write
 
 
@@ -127,15 +126,7 @@ async def serve(cfg: MoltConfig, run: RunDir, index: int, model=None) -> None:
     sync.on_version = functools.partial(register_engine, run, index, url, kind="builtin")
     sync.on_version(sched.version)
     log.info("serving %s at %s (max_batch %d)", cfg.model.path, url, cfg.engines.max_batch)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("stopping")
-    with contextlib.suppress(FileNotFoundError):  # already removed: nothing to unregister
-        os.unlink(engine_file(run, index))
-    await runner.cleanup()
+    await serve_until_signal(runner, engine_file(run, index), log)
     sched.stop()
 
 

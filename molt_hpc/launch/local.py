@@ -17,7 +17,6 @@ start, so when vLLM engines share the trainer's GPU the trainer starts only once
 import contextlib
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from molt_hpc import fault
 from molt_hpc.actor.ep_check import check_ep, model_experts
 from molt_hpc.buffer.cleanup import release_finished
 from molt_hpc.config import MoltConfig, to_toml
-from molt_hpc.launch.procs import REPO, Child, exit_report, job_command, stop_all
+from molt_hpc.launch.procs import REPO, Child, StopSignals, exit_report, job_command, stop_all
 from molt_hpc.launch.progress import Progress
 from molt_hpc.launch.watchdog import Watchdog
 from molt_hpc.log import MetricsWriter, get_logger, log_tail
@@ -116,31 +115,20 @@ def run_local(cfg: MoltConfig) -> int:
     progress = Progress(cfg, run, trackers, start_step=resumed[1] if resumed else 0)  # before a child writes
     watchdog = Watchdog(cfg, run.path)
     children = [pool.start()]
-    interrupts = 0
-
-    def on_signal(signum, _frame):
-        nonlocal interrupts
-        interrupts += 1
-        if interrupts == 1:
-            log.info("stopping: the trainer checkpoints at the next step boundary (Ctrl-C again to stop now)")
-            (run.path / "control" / "stop").touch()
-        else:
-            raise KeyboardInterrupt
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    stops = StopSignals(run.path)
     try:
         if vllm_first:
             log.info(
                 "vLLM shares the trainer's GPU and reserves engines.gpu_memory_utilization = %s of it: the trainer "
                 "starts once the engines are up", cfg.engines.gpu_memory_utilization,
             )  # fmt: skip
-            code = _wait_for_engines(cfg, run, pool, lambda: interrupts > 0)
+            code = _wait_for_engines(cfg, run, pool, lambda: stops.count > 0)
             if code is not None:
                 return code
         children.append(actor.start())
         record = {"launcher": os.getpid(), **{c.name: c.pid for c in children}}
         atomic_write(run.path / "processes.json", json.dumps(record))
-        code = _supervise(run, actor, pool, progress, watchdog, lambda: interrupts > 0)
+        code = _supervise(run, actor, pool, progress, watchdog, lambda: stops.count > 0)
     except KeyboardInterrupt:
         log.warning("stopped at once%s", _resume_hint(run, "; continue from checkpoint {name} with: "))
         code = 130
@@ -149,8 +137,7 @@ def run_local(cfg: MoltConfig) -> int:
         log.info("stopped: %s", exit_report(codes))
         progress.close()
         trackers.close()
-        for s, handler in old.items():
-            signal.signal(s, handler)
+        stops.restore()
     removed = release_finished(run.path) if code == 0 else None  # a stopped run keeps its spool to resume from
     if removed is not None:
         log.info("removed the finished run's replay buffer %s", removed)

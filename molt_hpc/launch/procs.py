@@ -1,7 +1,8 @@
 """Child processes of a launcher: start with a log file, poll, stop gently then firmly, read the tail.
 
 Every child gets its own process group so a stop reaches its whole tree (torchrun's workers, a
-pool's engines) and a Ctrl-C in the terminal reaches only the launcher, which decides what to do.
+pool's engines) and a Ctrl-C in the terminal reaches only the launcher, which decides what to do
+(`StopSignals`).
 """
 
 import contextlib
@@ -13,9 +14,30 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from molt_hpc.log import log_tail
+from molt_hpc.log import get_logger, log_tail
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+class StopSignals:
+    """A launcher's Ctrl-C / SIGTERM: the first asks the trainer to checkpoint at the next step boundary and
+    exit (`control/stop` in the run directory), a second stops at once (`KeyboardInterrupt`)."""
+
+    def __init__(self, run_path: Path):
+        self.run_path, self.count = run_path, 0
+        self.old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.count += 1
+        if self.count > 1:
+            raise KeyboardInterrupt
+        get_logger().info("stopping: the trainer checkpoints at the next step boundary (Ctrl-C again to stop now)")
+        (self.run_path / "control" / "stop").touch()
+
+    def restore(self) -> None:
+        """Put back the handlers that were there before."""
+        for s, handler in self.old.items():
+            signal.signal(s, handler)
 
 
 def job_command(script: str, *args: str) -> list[str]:

@@ -8,11 +8,11 @@ trained model is, and the plot.
 """
 
 import json
-import signal
 import time
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.launch.local import _died, _gpu_env, actor_child, prepare_run, visible_gpus
+from molt_hpc.launch.procs import StopSignals
 from molt_hpc.launch.progress import Progress
 from molt_hpc.log import get_logger, read_metrics
 from molt_hpc.rundir import RunDir, atomic_write
@@ -58,18 +58,7 @@ def run_stage_local(cfg: MoltConfig) -> int:
     actor.start()
     atomic_write(run.path / "processes.json", json.dumps({actor.name: actor.pid}))
     progress = Progress(cfg, run)
-    interrupts = 0
-
-    def on_signal(signum, _frame):
-        nonlocal interrupts
-        interrupts += 1
-        if interrupts == 1:
-            log.info("stopping: the trainer checkpoints at the next step boundary (Ctrl-C again to stop now)")
-            (run.path / "control" / "stop").touch()
-        else:
-            raise KeyboardInterrupt
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    stops = StopSignals(run.path)
     resume = f"{COMMANDS[cfg.run.stage]} --resume {run.path}"
     try:
         while (code := actor.poll()) is None:
@@ -83,7 +72,7 @@ def run_stage_local(cfg: MoltConfig) -> int:
 
             print(f"plot: {plot_run(run.path)}", flush=True)
             return 0
-        if code == 0 and interrupts:
+        if code == 0 and stops.count:
             log.info("stopped after a checkpoint; continue with: %s", resume)
             return 0
         return _died(actor, code, run)
@@ -93,5 +82,4 @@ def run_stage_local(cfg: MoltConfig) -> int:
     finally:
         actor.stop()
         progress.close()
-        for s, handler in old.items():
-            signal.signal(s, handler)
+        stops.restore()

@@ -8,9 +8,7 @@ and scored one forward of up to `reward_model.max_batch` sequences at a time in 
 """
 
 import asyncio
-import contextlib
 import os
-import signal
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +16,7 @@ from typing import Any
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import get_logger, setup_logging
+from molt_hpc.net import serve_until_signal
 from molt_hpc.rundir import RunDir
 from molt_hpc.scorer import register_scorer, scorer_file
 
@@ -93,15 +92,7 @@ async def serve(cfg: MoltConfig, run: RunDir, index: int) -> None:
     url = public_url(cfg.engines.host, sock.getsockname()[1])
     register_scorer(run, index, url, "builtin")
     log.info("scoring with %s on %s at %s", path, device, url)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("stopping")
-    with contextlib.suppress(FileNotFoundError):  # already removed: nothing to unregister
-        os.unlink(scorer_file(run, index))
-    await runner.cleanup()
+    await serve_until_signal(runner, scorer_file(run, index), log)
 
 
 def main(cfg: MoltConfig, run_dir: str | Path, index: int) -> int:
