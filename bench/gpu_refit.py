@@ -4,13 +4,14 @@ Through CUDA IPC, trainer and engine on GPU 0 (any machine with a GPU), Qwen2 0.
 on the wire (1.26 GB / 15.2 GB):
 - trainer: this process, an FSDP2 world of one holding fp32 master weights (random init with
   `from_config`); a refit is `molt_hpc.actor.sync.EngineSync.refit`, end to end: health check, the
-  full weights out of FSDP, `RefitSender` (start → buckets packed into the slots it shared with the
-  engine once → finish);
+  weights out of FSDP, `RefitSender` (start → update → finish). A world of one hands over its own
+  parameters, so the engine reads them in place (`refit/shared_params.py`, shared once); for
+  comparison the same sender's slot path (buckets packed into slots shared once, copied out);
 - engine: a real engine process on the same GPU (`molt_hpc.engine.main.serve` with its bf16 model
-  built in memory) that copies each bucket out of the trainer's slot into its parameters;
-- baseline: a device-to-device copy of the same bytes in one process. A refit moves each byte twice
-  (packed into a slot while cast from fp32, copied out into the engine's parameters): about 2.5x the
-  copy's memory traffic is the floor of that design.
+  built in memory);
+- baseline: a device-to-device copy of the engine's bf16 bytes in one process (4 bytes of memory
+  traffic per parameter). Reading fp32 and writing bf16 is 6: 1.5x is the floor of any refit from an
+  fp32 master (the in-process cast-copy row measures it); packing and copying out is 10 (2.5x).
 
 Over NCCL (two GPUs), a Qwen2-7B shape, trainer on GPU 0 → engine on GPU 1, next to a raw NCCL
 broadcast of the same bytes between the same two processes in the same run:
@@ -207,7 +208,7 @@ def pack_and_copy_seconds(model, bucket_mb: int, device: torch.device) -> float:
     (two slots, alternating), copy each bucket out into bf16 tensors of the engine's shapes."""
     from molt_hpc.refit.buckets import bucket_views, pack_into
 
-    named = [(n, p.detach().to_local() if hasattr(p, "to_local") else p.detach()) for n, p in model.named_parameters()]
+    named = [(n, local(p)) for n, p in model.named_parameters()]
     metas = [TensorMeta(n, "bfloat16", tuple(t.shape)) for n, t in named]
     plan = plan_buckets(metas, bucket_mb << 20)
     slots = [torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8, device=device) for _ in range(2)]
@@ -221,6 +222,39 @@ def pack_and_copy_seconds(model, bucket_mb: int, device: torch.device) -> float:
             torch._foreach_copy_([dst[m.name] for m in bucket.metas], views[k])
 
     return statistics.median([timed(once, device) for _ in range(ROUNDS)][1:])
+
+
+def local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's own tensor (a world of one's FSDP shard is the whole parameter)."""
+    return p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+
+
+def cast_copy_seconds(model, device: torch.device) -> float:
+    """Median seconds of one multi-tensor copy of the fp32 parameters into bf16 tensors of their shapes:
+    what the engine's in-place read does, with no second process and no protocol."""
+    src = [local(p) for p in model.parameters()]
+    dst = [torch.empty(t.shape, dtype=torch.bfloat16, device=device) for t in src]
+    return statistics.median([timed(lambda: torch._foreach_copy_(dst, src), device) for _ in range(ROUNDS)][1:])
+
+
+def slot_refits(model, url: str, run: RunDir, version: int, device) -> tuple[list[float], int]:
+    """`RefitSender`'s slot path (256 MiB buckets) to the same engine, the first round a warm-up."""
+    from molt_hpc.actor.expert_gather import refit_metas
+    from molt_hpc.config.infra import RefitConfig
+    from molt_hpc.refit import RefitSender
+
+    sender = RefitSender(run.path, RefitConfig(bucket_mb=256, host="127.0.0.1", backend="ipc"), run.token(), device)
+    sender.connect([url])
+    metas, times = refit_metas(model, torch.bfloat16), []
+    for r in range(ROUNDS):
+        version += 1
+        named = [(n, local(p)) for n, p in model.named_parameters()]
+        stats = sender.push(named, version, metas=metas)
+        assert stats.buckets > 0, "the slot path packs buckets"
+        if r:
+            times.append(stats.seconds)
+    sender.close()
+    return times, version
 
 
 def ipc_refit(out: Path | None, shape: str, dry: bool) -> None:
@@ -245,20 +279,27 @@ def ipc_refit(out: Path | None, shape: str, dry: bool) -> None:
         total = sum(p.numel() * 2 for p in model.parameters())
         base = copy_seconds(total, world.device)
         floor = pack_and_copy_seconds(model, 256, world.device)
+        cast = cast_copy_seconds(model, world.device)
         url = wait_url(run, proc)
         token = run.token()
         before, _ = trainer_diff(model, url, token, world.device)
         times: dict[str, list[float]] = {}
         version = 0
-        for mb in (256, 1024):
-            engine_sync = EngineSync(load_config(None, [*sets, f"refit.bucket_mb={mb}"]), run.path, world)
-            for r in range(ROUNDS):  # the first connects and shares the slots: a warm-up
-                version += 1
-                dt = engine_sync.refit(model, version)
-                assert dt is not None, f"the refit failed (see {run.logs})"
-                if r:
-                    times.setdefault(f"refit through CUDA IPC end to end, {mb} MiB buckets", []).append(dt)
-            engine_sync.close()
+        engine_sync = EngineSync(cfg, run.path, world)
+        for r in range(ROUNDS):  # the first connects and shares the parameters: a warm-up
+            version += 1
+            dt = engine_sync.refit(model, version)
+            assert dt is not None, f"the refit failed (see {run.logs})"
+            if r:
+                times.setdefault("refit end to end, the engine reads the trainer's parameters in place", []).append(dt)
+        engine_sync.close()
+        if not dry:  # on the CPU a world of one still refits through /dev/shm slots
+            assert "read in place" in (run.logs / "engine-0.log").read_text(), "the engine mapped the parameters"
+        after_in_place, served = trainer_diff(model, url, token, world.device)
+        assert served == version, f"the engine serves version {served}, not {version}"
+        times["refit, the same sender's slot path (256 MiB buckets)"], version = slot_refits(
+            model, url, run, version, world.device
+        )
         after, served = trainer_diff(model, url, token, world.device)
         assert served == version, f"the engine serves version {served}, not {version}"
     finally:
@@ -270,13 +311,19 @@ def ipc_refit(out: Path | None, shape: str, dry: bool) -> None:
     write_row(out, bench="refit (1 GPU)", case=f"{name}: its two passes in one process (fp32 -> bf16 pack, copy out)",
               value=1000 * floor, unit="ms", baseline=1000 * base, ratio=floor / base,
               note="the floor of a refit that packs and copies each byte; no second process, no protocol")  # fmt: skip
+    write_row(out, bench="refit (1 GPU)", case=f"{name}: fp32 -> bf16 multi-tensor copy in one process",
+              value=1000 * cast, unit="ms", baseline=1000 * base, ratio=cast / base,
+              note="the floor of a refit from fp32 master weights; no second process, no protocol")  # fmt: skip
     for case, values in times.items():
         med = statistics.median(values)
+        floor_of = cast if "in place" in case else floor
         write_row(out, bench="refit (1 GPU)", case=f"{name}: {case}", value=1000 * med, unit="ms",
                   baseline=1000 * base, ratio=med / base, target="<= 1.5x",
-                  note=f"{total / med / 1e9:.0f} GB/s; {med / floor:.2f}x its two passes in one process")  # fmt: skip
-    write_row(out, bench="refit (1 GPU)", case=f"{name}: log-probs engine vs trainer after the refits", value=after,
-              unit="max abs", note=f"before the first refit: {before:.2f}; engine serves v{served}")  # fmt: skip
+                  note=f"{total / med / 1e9:.0f} GB/s; {med / floor_of:.2f}x its floor in one process")  # fmt: skip
+    write_row(out, bench="refit (1 GPU)", case=f"{name}: log-probs engine vs trainer after the in-place refits",
+              value=after_in_place, unit="max abs", note=f"before the first refit: {before:.2f}")  # fmt: skip
+    write_row(out, bench="refit (1 GPU)", case=f"{name}: log-probs engine vs trainer after the slot refits",
+              value=after, unit="max abs", note=f"engine serves v{served}")  # fmt: skip
     del model
     if not dry:
         torch.cuda.empty_cache()

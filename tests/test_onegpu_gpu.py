@@ -68,6 +68,51 @@ def test_refit_through_cuda_ipc_to_an_engine_on_the_senders_gpu(tmp_path, tiny_m
         engine.stop()
 
 
+def test_an_engine_on_the_senders_gpu_reads_its_parameters_in_place(tmp_path, tiny_model_dir) -> None:
+    """`in_place` pushes (a world of one refits so): the engine maps the sender's fp32 parameters once and
+    copies from them at each push, with no bucket packed; an in-place change of the parameters (an
+    optimizer step) reaches it at the next push without a new share, new addresses are shared again,
+    and the slot path still works after it."""
+    run = make_run(tmp_path, "in-place", tiny_model_dir, "engines.device='cuda'", "refit.host='127.0.0.1'")
+    engine = wait_registered(run, spawn(run, "engine", 0, env=GPU0), "engine-0", timeout=300)
+    token = run.token()
+
+    def served():
+        async def one():
+            async with aiohttp.ClientSession() as s:
+                return await engine_logprobs(s, engine.url, token)
+
+        return arun(one())
+
+    try:
+        ref = load_causal_lm(tiny_model_dir, device="cuda", dtype="float32")
+        new = perturbed(tiny_model_dir, seed=1).to(device="cuda", dtype=torch.float32)
+        sender = RefitSender(run.path, RefitConfig(bucket_mb=1, host="127.0.0.1"), token, device="cuda:0")
+        sender.connect([engine.url])
+        stats = sender.push(new.named_parameters(), version=3, in_place=True)
+        got, version = served()
+        assert version == 3 and stats.buckets == 0, "nothing packed"
+        assert max_diff(got, gpu_logprobs(new)) < 1e-5, "the engine's logits are the sender's"
+        with torch.no_grad():  # an optimizer step: in place, the same addresses
+            for p in new.parameters():
+                p.mul_(0.5)
+        sender.push(new.named_parameters(), version=4, in_place=True)
+        got, version = served()
+        assert version == 4 and max_diff(got, gpu_logprobs(new)) < 1e-5
+        log = engine.log.read_text()
+        assert log.count("refits read them in place") == 1, "shared once for both pushes"
+        sender.push(ref.named_parameters(), version=5, in_place=True)  # another model: other addresses
+        got, version = served()
+        assert version == 5 and max_diff(got, gpu_logprobs(ref)) < 1e-5
+        assert engine.log.read_text().count("refits read them in place") == 2, "new addresses, shared again"
+        sender.push(new.named_parameters(), version=6)  # the slots again
+        got, version = served()
+        assert version == 6 and max_diff(got, gpu_logprobs(new)) < 1e-5
+        sender.close()
+    finally:
+        engine.stop()
+
+
 def test_the_engine_stays_inside_its_gpu_memory_share(tmp_path, tiny_model_dir) -> None:
     """A KV cache that cannot fit `engines.gpu_memory_utilization` stops the engine with the numbers;
     one that fits leaves the rest of the GPU (its allocator is capped at the share)."""

@@ -63,7 +63,7 @@ def test_engines_on_this_host_take_the_weights_from_shared_slots(shared) -> None
     assert refit_files() == before, "the slot files are unlinked once every engine mapped them"
     exact(engines, token, new, 5)
     assert max_diff(sender_logprobs(old), sender_logprobs(new)) > 1e-3, "the push must change the outputs"
-    sender.push(newer.named_parameters(), version=6)
+    sender.push(newer.named_parameters(), version=6, in_place=True)  # host tensors: still through the slots
     exact(engines, token, newer, 6)
     for p in engines:  # shared once, at the first push, by slots the size of its largest bucket
         log = p.log.read_text()
@@ -155,6 +155,28 @@ def test_handles_from_the_wire_are_checked_before_use(tmp_path) -> None:
                        ({"event": "AAAA"}, "expected 64"), ({"event_sync": "yes"}, "event_sync")]:  # fmt: skip
         with pytest.raises(ValueError, match=match):
             open_cuda_handle({**cuda, **bad}, "GPU-0")
+
+
+def test_shared_parameter_records_are_checked_before_use() -> None:
+    """The in-place refit's init call carries one record per parameter: each field is checked before its
+    CUDA IPC handle is opened; host tensors (or non-contiguous ones) are never offered for it."""
+    from molt_hpc.refit.shared_params import SharedParams, shareable
+
+    assert not shareable([]) and not shareable([("w", torch.ones(4))]), "host tensors go through the slots"
+    cuda = {"kind": "cuda", "nbytes": 64, "offset": 0, "storage": "TypedStorage", "handle": "AAAA",
+            "storage_bytes": 64, "storage_offset": 0, "ref_counter": "AAAA", "ref_counter_offset": 0,
+            "event": None, "event_sync": False}  # fmt: skip
+    good = {"name": "w", "dtype": "float32", "shape": [16], "bytes": cuda}
+    for bad, match in [({"name": 3}, "'name'"), ({"dtype": "int64"}, "not a floating"),
+                       ({"dtype": "os.system"}, "unknown dtype"), ({"shape": [0]}, "positive"),
+                       ({"shape": "16"}, "positive"), ({"bytes": {"kind": "shm"}}, "CUDA IPC"),
+                       ({"bytes": {**cuda, "storage": "os.system"}}, "storage kind")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            SharedParams({"params": [{**good, **bad}], "device_uuid": "GPU-0"})
+    with pytest.raises(ValueError, match="non-empty"):
+        SharedParams({"params": [], "device_uuid": "GPU-0"})
+    with pytest.raises(ValueError, match="device_uuid"):
+        SharedParams({"params": [good]})
 
 
 # A trainer stand-in that refits in a loop over shared memory (safetensors read directly).

@@ -156,7 +156,8 @@ class EngineSync:
                 self.connected = []
                 self.sender.connect([url for _, url, _ in engines])
                 self.connected = engines
-            self.sender.push(tensors, version, metas=metas)
+            # a world of one hands over its own parameters: engines on its GPU can read them in place
+            self.sender.push(tensors, version, metas=metas, in_place=self.world.size == 1)
         except ValueError as err:  # cannot work as configured: no retry can help
             self.connected = []
             raise RefitFailed(f"refit v{version} cannot succeed: {one_line(str(err))}") from None

@@ -1,11 +1,13 @@
 """The engine side of the refit: join the trainer's group, receive flat buckets, load them by HF name.
 
-Two transports: the broadcast group (gloo/NCCL), or, for an engine on the trainer's own GPU or host,
-the trainer's shared slots (`ipc.py`: `init_info.backend = "ipc"`). The engine's HTTP routes call
-these methods from a worker thread while its scheduler is paused, so loading into the live
-parameters cannot race a decode step. A refused update (unknown name, wrong shape) still drains
-every bucket of a broadcast, so the sender and the other engines stay in step; over shared slots it
-is refused before any bucket is taken, and the sender sees the refusal while it waits.
+Three transports: the broadcast group (gloo/NCCL); for an engine on the trainer's own GPU or host,
+the trainer's shared slots (`ipc.py`: `init_info.backend = "ipc"`); or, on its GPU, the trainer's
+parameters themselves (`shared_params.py`: `init_info.ipc.params`, updates with `shared_params`).
+The engine's HTTP routes call these methods from a worker thread while its scheduler is paused, so
+loading into the live parameters cannot race a decode step. A refused update (unknown name, wrong
+shape) still drains every bucket of a broadcast, so the sender and the other engines stay in step;
+over shared slots it is refused before any bucket is taken, and the sender sees the refusal while it
+waits.
 """
 
 import threading
@@ -18,6 +20,7 @@ from molt_hpc.log import get_logger
 from molt_hpc.refit.buckets import Bucket, bucket_views, metas_from_info, plan_buckets
 from molt_hpc.refit.group import RefitGroup, buffer_device, connect_store, new_group
 from molt_hpc.refit.ipc import ChannelClosed, IpcInbox
+from molt_hpc.refit.shared_params import SharedParams
 
 INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size")
 
@@ -28,6 +31,8 @@ class RefitReceiver:
     def __init__(self) -> None:
         self.group: RefitGroup | None = None
         self.inbox: IpcInbox | None = None
+        self.shared: SharedParams | None = None
+        """The trainer's parameters, mapped: updates then copy from them in place."""
         self._reading: IpcInbox | None = None
         """The inbox a receive is reading now: a new init closes it only once that receive has ended."""
         self._lock = threading.Lock()
@@ -45,6 +50,13 @@ class RefitReceiver:
             if not isinstance(spec, dict):
                 raise ValueError("init_info.backend = 'ipc' needs the trainer's slot handles in init_info.ipc")
             t0 = time.perf_counter()
+            if "params" in spec:
+                self.shared = SharedParams(spec)
+                get_logger().info(
+                    "mapped the trainer's %d parameters (%.0f MiB, CUDA IPC): refits read them in place (%.2fs)",
+                    len(self.shared.names), self.shared.nbytes / 2**20, time.perf_counter() - t0,
+                )  # fmt: skip
+                return {"transport": "ipc", "params": len(self.shared.names)}
             self.inbox = IpcInbox(spec, timeout)
             get_logger().info(
                 "mapped the trainer's %d refit slots of %.0f MiB (%s, %.2fs)", len(self.inbox.buffers),
@@ -72,6 +84,9 @@ class RefitReceiver:
         """Drop the group or the mapped slots (their peers may be gone) before joining anew."""
         self.group = None
         self._views = {}  # views of the old buffers or slots
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
         with self._lock:
             old, self.inbox = self.inbox, None
             if old is not None:
@@ -84,6 +99,8 @@ class RefitReceiver:
 
         `params` maps HF names to the live tensors (tied weights may appear under two names).
         """
+        if update_info.get("shared_params"):
+            return self._copy_shared(update_info, params)
         if self.group is None and self.inbox is None:
             raise ValueError("no refit group: call /init_weight_transfer_engine before /update_weights")
         if not update_info.get("packed", False):
@@ -116,6 +133,22 @@ class RefitReceiver:
         if problem is not None:
             raise ValueError(problem)
         return loaded
+
+    def _copy_shared(self, update_info: dict[str, Any], params: dict[str, torch.Tensor]) -> int:
+        """One multi-tensor copy from the trainer's mapped parameters into `params`, finished on the device
+        before this returns (the trainer may change its parameters once every engine answered)."""
+        shared = self.shared
+        if shared is None:
+            raise ValueError("no shared parameters: the trainer must share them (init with ipc.params) first")
+        metas = metas_from_info(update_info)
+        shared.check([m.name for m in metas])
+        problem = _check_targets(metas, params)
+        if problem is not None:
+            raise ValueError(problem)
+        with torch.no_grad():
+            torch._foreach_copy_([params[name] for name in shared.names], [t for _, t in shared.named])
+        torch.cuda.synchronize(shared.named[0][1].device)
+        return len(shared.names)
 
     def _receive_shared(self, plan: list[Bucket], first: Any, params: dict[str, torch.Tensor]) -> int:
         """Copy bucket k of `plan` out of slot (first + k) as soon as the trainer posts it."""

@@ -13,6 +13,10 @@ shares with them. `push` pauses the engines at a step boundary, streams the weig
 (broadcast, or posted in the shared slots) while the engines' `/update_weights` calls are in flight,
 then has them load, bump the version and resume. Call `connect` again when the set of engines
 changes (an engine restarted): it forms a new group under a new prefix, and shares new slots.
+
+`push(..., in_place=True)` says the tensors are the trainer's own parameters (whole, at fixed addresses):
+when every engine is on this trainer's GPU they then read them in place (`shared_params.py`), with no
+bucket packed at all; the parameters are shared again whenever their addresses change.
 """
 
 import functools
@@ -41,6 +45,7 @@ from molt_hpc.refit.calls import EngineCalls
 from molt_hpc.refit.group import RefitGroup, buffer_device, host_store, new_group, resolve_backend
 from molt_hpc.refit.handles import choose_transports, place
 from molt_hpc.refit.ipc import IpcChannel
+from molt_hpc.refit.shared_params import addresses, share, shareable
 from molt_hpc.rundir import RunDir, atomic_write
 
 STORE_FILE = "refit_store.json"
@@ -89,6 +94,8 @@ class RefitSender:
         self._store = None
         self._group: RefitGroup | None = None
         self._channel: IpcChannel | None = None
+        self._shared_key: tuple | None = None
+        """The addresses of the parameters the engines mapped (`shared_params.addresses`), or None."""
         self._logged: set[tuple[str, ...]] = set()
         self._generation = 0
         self._buffers: list[torch.Tensor] = []
@@ -139,6 +146,7 @@ class RefitSender:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+        self._shared_key = None  # the engines drop the mapped parameters at this init
         channel = IpcChannel(buffer_device(self.backend) if self.device.type == "cuda" else self.device,
                              slot_bytes, len(urls), self.cfg.timeout_s)  # fmt: skip
         self._buffers, self._views = [], {}
@@ -190,11 +198,13 @@ class RefitSender:
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         version: int,
         metas: Sequence[TensorMeta] | None = None,
+        in_place: bool = False,
     ) -> RefitStats:
         """Send full tensors (HF names) to every engine and make `version` their weight version.
 
         `named_tensors` may be a generator (e.g. gathering FSDP shards layer by layer); then pass
         `metas` (names, dtypes, shapes in the same order) so the bucket plan is known up front.
+        `in_place`: the tensors are the trainer's live parameters, unchanged until this returns.
         """
         if not self.urls:
             raise ValueError(
@@ -202,8 +212,14 @@ class RefitSender:
             )
         t0 = time.perf_counter()
         items: Iterable[tuple[str, torch.Tensor]] = named_tensors
+        if in_place and self.device.type == "cuda" and all(self.transports[u] == "ipc" for u in self.urls):
+            items = list(items)
+            for item, meta in zip(items, metas or [], strict=metas is not None):
+                _checked(item, meta)
+            if shareable(items):
+                return self._push_in_place(items, version, metas, t0)
         if metas is None:
-            items = list(named_tensors)
+            items = list(items)
             metas = [TensorMeta.of(name, t) for name, t in items]
         bucket_bytes = self.cfg.bucket_mb << 20
         plan = plan_buckets(metas, bucket_bytes)
@@ -239,6 +255,47 @@ class RefitSender:
         )
         return stats
 
+    def _push_in_place(self, items: list[tuple[str, torch.Tensor]], version: int, metas, t0: float) -> RefitStats:
+        """Every engine reads `items` where they are: share them (again, if their addresses moved), wait
+        for this device, then start → update → finish."""
+        wire = list(metas) if metas is not None else [TensorMeta.of(n, t) for n, t in items]
+        try:
+            key = addresses(items)
+            if key != self._shared_key:
+                self._share_params(items)
+                self._shared_key = key
+            torch.cuda.current_stream(self.device).synchronize()  # the optimizer's writes land before any read
+            self._calls.round(self.urls, "/start_weight_update")
+            info = {**update_info([TensorMeta.of(n, t) for n, t in items], self.cfg.bucket_mb << 20, version),
+                    "shared_params": True}  # fmt: skip
+            self._calls.round(self.urls, "/update_weights", {"update_info": info})
+            self._calls.round(self.urls, "/finish_weight_update", {"version": version})
+        except BaseException:
+            self._drop()
+            raise
+        total = sum(m.nbytes for m in wire)
+        stats = RefitStats(version, time.perf_counter() - t0, total, 0, len(self.urls))
+        get_logger().info(
+            "refit v%d: %d parameters (%.1f MB as sent) read in place by %d engines, %.3fs", version, len(items),
+            total / 1e6, len(self.urls), stats.seconds,
+        )  # fmt: skip
+        return stats
+
+    def _share_params(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """Share the CUDA IPC handles of `items` with every engine (each maps them before this returns)."""
+        if self._channel is not None:  # the engines drop their slots at this init
+            self._channel.close()
+            self._channel = None
+        self._shared_key = None
+        t0 = time.perf_counter()
+        spec = {"params": share(items), "device_uuid": place(self.device)["device_uuids"][0]}
+        body = {"init_info": {"backend": "ipc", "ipc": spec, "timeout_s": self.cfg.timeout_s}}
+        self._calls.round(self.urls, "/init_weight_transfer_engine", body)
+        get_logger().info(
+            "shared %d parameters with %d engines through CUDA IPC (%.2fs): refits read them in place",
+            len(items), len(self.urls), time.perf_counter() - t0,
+        )  # fmt: skip
+
     def close(self) -> None:
         self._drop()
         self._store = None
@@ -247,6 +304,7 @@ class RefitSender:
     def _drop(self) -> None:
         self._group = None
         self.urls = []
+        self._shared_key = None
         if self._channel is not None:
             self._channel.close()
             self._channel = None
