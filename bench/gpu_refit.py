@@ -294,7 +294,7 @@ def ipc_refit(out: Path | None, shape: str, dry: bool) -> None:
                 times.setdefault("refit end to end, the engine reads the trainer's parameters in place", []).append(dt)
         engine_sync.close()
         if not dry:  # on the CPU a world of one still refits through /dev/shm slots
-            assert "read in place" in (run.logs / "engine-0.log").read_text(), "the engine mapped the parameters"
+            assert "read them in place" in (run.logs / "engine-0.log").read_text(), "the engine mapped the parameters"
         after_in_place, served = trainer_diff(model, url, token, world.device)
         assert served == version, f"the engine serves version {served}, not {version}"
         times["refit, the same sender's slot path (256 MiB buckets)"], version = slot_refits(
@@ -342,6 +342,9 @@ def main() -> int:
         return engine_main(Path(args.engine[0]), int(args.engine[1]), "tiny" if args.dry_run else "7b", args.dry_run)
     if args.ipc_engine:
         return ipc_engine_main(Path(args.ipc_engine[0]), args.ipc_engine[1], args.dry_run)
+    from molt_hpc.log import setup_logging
+
+    setup_logging("trainer")  # the sender's lines: how long each part of a refit took
     gpus = torch.cuda.device_count()
     if not (args.dry_run or gpus):
         print("gpu_refit: needs a CUDA GPU (two for the NCCL refit); --dry-run on a CPU")

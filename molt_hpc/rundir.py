@@ -19,19 +19,23 @@ from pathlib import Path
 TOKEN_HEADER = "Authorization"
 
 
-def atomic_write(path: str | Path, data: bytes | str, mode: int = 0o600) -> None:
-    """Write `path` so readers see the old file or the whole new one: temp name, fsync, rename."""
+def atomic_write(path: str | Path, data: bytes | str, mode: int = 0o600, durable: bool = True) -> None:
+    """Write `path` so readers see the old file or the whole new one: temp name, fsync, rename.
+    `durable=False` skips the two fsyncs, for what need not outlive the machine (a live process's
+    registration), where they would cost milliseconds on every write."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     payload = data.encode() if isinstance(data, str) else data
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
         os.write(fd, payload)
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def fsync_dir(path: str | Path) -> None:

@@ -76,7 +76,7 @@ def gather_experts(p: DTensor, dtype: torch.dtype | None = None, device="cpu") -
     return out if out is not None else torch.empty(0, dtype=dtype or p.dtype)
 
 
-def _split(model: nn.Module) -> set[str]:
+def refit_split(model: nn.Module) -> set[str]:
     """Names of the EP-sharded parameters that go out per expert."""
     names = set()
     for mod_name, m in model.named_modules():
@@ -87,9 +87,10 @@ def _split(model: nn.Module) -> set[str]:
     return names
 
 
-def refit_metas(model: nn.Module, dtype: torch.dtype) -> list[TensorMeta]:
-    """What a refit of `model` sends, in order: whole parameters, EP experts per expert."""
-    split, metas = _split(model), []
+def refit_metas(model: nn.Module, dtype: torch.dtype, split: set[str] | None = None) -> list[TensorMeta]:
+    """What a refit of `model` sends, in order: whole parameters, EP experts per expert (`split`: the
+    EP-sharded names, `refit_split(model)` when not given)."""
+    split, metas = refit_split(model) if split is None else split, []
     for name, p in model.named_parameters():
         if name not in split:
             metas.append(TensorMeta(name, dtype_name(dtype), tuple(p.shape)))
@@ -100,13 +101,15 @@ def refit_metas(model: nn.Module, dtype: torch.dtype) -> list[TensorMeta]:
     return metas
 
 
-def refit_tensors(model: nn.Module, dtype: torch.dtype | None, whole) -> Iterator[tuple[str, torch.Tensor]]:
+def refit_tensors(
+    model: nn.Module, dtype: torch.dtype | None, whole, split: set[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) in `refit_metas` order on rank 0 (a collective: every rank iterates to the end);
     `whole(p, dtype)` gathers a parameter that is not split."""
-    split = _split(model)
+    split = refit_split(model) if split is None else split
     for name, p in model.named_parameters():
-        if name not in split:
-            yield name, whole(p.detach(), dtype)
+        if name not in split:  # (under no_grad a DTensor's detach is one more dispatch per tensor, for nothing)
+            yield name, whole(p if not torch.is_grad_enabled() else p.detach(), dtype)
             continue
         for start, part in expert_slices(p.detach(), dtype):
             for i in range(part.shape[0]):

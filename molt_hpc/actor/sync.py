@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from molt_hpc.actor.expert_gather import refit_metas, refit_tensors
+from molt_hpc.actor.expert_gather import refit_metas, refit_split, refit_tensors
 from molt_hpc.actor.weights import full_tensor
 from molt_hpc.actor.world import World, share
 from molt_hpc.config import MoltConfig
@@ -49,6 +49,10 @@ def refit_fix(error: str, cfg: MoltConfig) -> str:
             "of trainer rank 0's node that the engine nodes reach (and check that no firewall blocks its port)"
         )
     return "see the engines' logs (logs/engine-*.log) for why they fail"
+
+
+def _whole(p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return full_tensor(p, dtype)[0]
 
 
 def one_line(text: str, limit: int = 600) -> str:
@@ -94,6 +98,10 @@ class EngineSync:
         self.timeout_s = cfg.refit.timeout_s
         self.cfg = cfg
         self.sender = None
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="refit-health")
+        self._layout: tuple[tuple[int, ...], set[str], list] = ((), set(), [])
+        """The parameters (ids) a refit's EP-split names and metadata were computed for, and those: walking
+        the modules for them each refit costs milliseconds at hundreds of tensors."""
         if world.is_main and cfg.engines.kind == "vllm":
             from molt_hpc.refit.vllm_sender import VllmRefitSender
 
@@ -114,8 +122,7 @@ class EngineSync:
     def _live_engines(self) -> list[Engine]:
         self.seen = registered_engines(self.run)
         token = self.run.token()
-        with ThreadPoolExecutor(max_workers=16) as pool:
-            alive = list(pool.map(lambda e: answers(e[1], token), self.seen))
+        alive = list(self._pool.map(lambda e: answers(e[1], token), self.seen))
         return [e for e, ok in zip(self.seen, alive, strict=True) if ok]
 
     def refit(self, model: nn.Module, version: int) -> float | None:
@@ -133,15 +140,20 @@ class EngineSync:
         # bytes on the link); a world of one hands its fp32 weights over as they are and the sender casts
         # them while packing (one pass instead of two).
         dtype = self.dtype if self.world.size > 1 else None
-        tensors = refit_tensors(model, dtype, lambda p, d: full_tensor(p, d)[0])  # EP experts: per expert
         ok, fatal = True, None
-        if self.sender is not None:
-            try:
-                ok = self._push(engines, model, tensors, version)
-            except RefitFailed as err:
-                ok, fatal = False, str(err)
-        for _ in tensors:  # the other ranks (and rank 0 after a failed push) finish every gather
-            pass
+        key = tuple(map(id, model.parameters()))
+        if key != self._layout[0]:
+            split = refit_split(model)
+            self._layout = (key, split, refit_metas(model, self.dtype, split))
+        with torch.no_grad():  # plain views of the parameters (no autograd op per tensor)
+            tensors = refit_tensors(model, dtype, _whole, self._layout[1])  # EP experts: per expert
+            if self.sender is not None:
+                try:
+                    ok = self._push(engines, model, tensors, version)
+                except RefitFailed as err:
+                    ok, fatal = False, str(err)
+            for _ in tensors:  # the other ranks (and rank 0 after a failed push) finish every gather
+                pass
         ok, fatal = share((ok, fatal))
         if fatal is not None:
             raise RefitFailed(fatal)
@@ -149,7 +161,7 @@ class EngineSync:
 
     def _push(self, engines: list[Engine], model: nn.Module, tensors, version: int) -> bool:
         assert self.sender is not None
-        metas = refit_metas(model, self.dtype)
+        metas = self._layout[2]
         started = time.monotonic()
         try:
             if engines != self.connected:
@@ -178,5 +190,6 @@ class EngineSync:
         return True
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False)
         if self.sender is not None:
             self.sender.close()

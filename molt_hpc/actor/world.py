@@ -163,6 +163,8 @@ def max_over_ranks(value: int) -> int:
 
 def share(obj: Any, src: int = 0) -> Any:
     """`obj` from rank `src` on every rank."""
+    if dist.get_world_size() == 1:  # nothing to send (over NCCL the object would go through the GPU)
+        return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]

@@ -42,7 +42,7 @@ def engine_file(run: RunDir, index: int) -> Path:
 def register_engine(run: RunDir, index: int, url: str, version: int, kind: str) -> None:
     """Write (atomically) the registration the router, the trainer and the launcher read."""
     record = {"url": url, "index": index, "pid": os.getpid(), "version": version, "kind": kind}
-    atomic_write(engine_file(run, index), json.dumps(record))
+    atomic_write(engine_file(run, index), json.dumps(record), durable=False)  # rewritten at every refit
 
 
 def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):

@@ -10,9 +10,6 @@ calls them through vLLM's dev route `POST /collective_rpc` (behind our front, wh
     molt_ipc_init(json init_info)   → map the trainer's slots (CUDA IPC handles, same fields as the builtin engine)
     molt_ipc_update(json update_info) → copy each bucket out of its slot into the model, as the trainer posts it
 
-With `ipc.params` instead of slots, init maps the trainer's parameters themselves, and an update with
-`shared_params` loads them all from there in one `load_weights` (`refit/shared_params.py`).
-
 Loading goes through the model's own `load_weights` (vLLM's name mapping, fused QKV and gate-up
 projections), one bucket at a time; the device is synchronised before a slot is handed back. vLLM's
 native start/finish session is not used here: its layerwise reload keeps references to loaded
@@ -28,7 +25,6 @@ import torch
 from molt_hpc.refit.buckets import metas_from_info, plan_buckets, unpack
 from molt_hpc.refit.handles import place
 from molt_hpc.refit.ipc import IpcInbox
-from molt_hpc.refit.shared_params import SharedParams
 
 
 class MoltWorkerExtension:
@@ -42,21 +38,15 @@ class MoltWorkerExtension:
         spec = info.get("ipc") if isinstance(info, dict) else None
         if not isinstance(spec, dict):
             raise ValueError("molt_ipc_init needs {'ipc': <the trainer's slot handles>, 'timeout_s': ...}")
-        for old in (getattr(self, "_molt_inbox", None), getattr(self, "_molt_shared", None)):
-            if old is not None:
-                old.close()
-        self._molt_inbox = self._molt_shared = None
+        old = getattr(self, "_molt_inbox", None)
+        if old is not None:
+            old.close()
         with _on(self.device):
-            if "params" in spec:
-                self._molt_shared = SharedParams(spec)
-                return {"transport": "ipc", "params": len(self._molt_shared.names)}
             self._molt_inbox = IpcInbox(spec, float(info.get("timeout_s", 600.0)))
         return {"transport": "ipc", "slots": len(self._molt_inbox.buffers)}
 
     def molt_ipc_update(self, update_info: str) -> dict[str, Any]:
         info = json.loads(update_info)
-        if isinstance(info, dict) and info.get("shared_params"):
-            return self._molt_load_shared(info)
         inbox = getattr(self, "_molt_inbox", None)
         if inbox is None:
             raise ValueError("no shared slots: call molt_ipc_init before molt_ipc_update")
@@ -80,19 +70,6 @@ class MoltWorkerExtension:
         if sent and not loaded:
             raise ValueError(f"vLLM's load_weights took none of the {sent} tensors sent: do the names match the model?")
         return {"loaded": sent, "parameters": len(loaded)}
-
-    def _molt_load_shared(self, info: dict[str, Any]) -> dict[str, Any]:
-        """Load every mapped parameter of the trainer in one `load_weights`, done on the device on return."""
-        shared = getattr(self, "_molt_shared", None)
-        if shared is None:
-            raise ValueError("no shared parameters: call molt_ipc_init with ipc.params first")
-        shared.check([m.name for m in metas_from_info(info)])
-        with _on(self.device), torch.no_grad():
-            loaded = set(self.get_model().load_weights(list(shared.named)) or ())
-            torch.cuda.synchronize(self.device)
-        if not loaded:
-            raise ValueError(f"vLLM's load_weights took none of the {len(shared.names)} shared tensors")
-        return {"loaded": len(shared.names), "parameters": len(loaded)}
 
 
 def _on(device: torch.device):

@@ -8,6 +8,7 @@ paused until a complete update arrives, so no token is ever sampled from a mix o
 """
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import torch
@@ -63,6 +64,7 @@ class WeightSync:
         if self.phase not in ("started", "loaded", "torn"):
             return error(409, "call /start_weight_update before /update_weights")
         before, self.phase = self.phase, "loading"
+        t0 = time.perf_counter()
         try:
             loaded = await asyncio.to_thread(self.receiver.receive, info, self.params)
         except ValueError:  # refused before anything was loaded (the buckets were drained)
@@ -72,7 +74,7 @@ class WeightSync:
             self.phase = "torn"
             raise
         self.phase = "loaded"
-        return web.json_response({"loaded": loaded})
+        return web.json_response({"loaded": loaded, "seconds": time.perf_counter() - t0})
 
     async def finish(self, request: web.Request) -> web.Response:
         body = await read_json(request)

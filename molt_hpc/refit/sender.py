@@ -20,6 +20,7 @@ bucket packed at all; the parameters are shared again whenever their addresses c
 """
 
 import functools
+import itertools
 import json
 import socket
 import time
@@ -265,19 +266,26 @@ class RefitSender:
                 self._share_params(items)
                 self._shared_key = key
             torch.cuda.current_stream(self.device).synchronize()  # the optimizer's writes land before any read
-            self._calls.round(self.urls, "/start_weight_update")
             info = {**update_info([TensorMeta.of(n, t) for n, t in items], self.cfg.bucket_mb << 20, version),
                     "shared_params": True}  # fmt: skip
-            self._calls.round(self.urls, "/update_weights", {"update_info": info})
+            marks = [time.perf_counter()]
+            self._calls.round(self.urls, "/start_weight_update")
+            marks.append(time.perf_counter())
+            answers = self._calls.round(self.urls, "/update_weights", {"update_info": info})
+            marks.append(time.perf_counter())
             self._calls.round(self.urls, "/finish_weight_update", {"version": version})
+            marks.append(time.perf_counter())
         except BaseException:
             self._drop()
             raise
         total = sum(m.nbytes for m in wire)
         stats = RefitStats(version, time.perf_counter() - t0, total, 0, len(self.urls))
+        ms = [1000 * (b - a) for a, b in itertools.pairwise(marks)]
         get_logger().info(
-            "refit v%d: %d parameters (%.1f MB as sent) read in place by %d engines, %.3fs", version, len(items),
-            total / 1e6, len(self.urls), stats.seconds,
+            "refit v%d: %d parameters (%.1f MB as sent) read in place by %d engines, %.1f ms (before the calls "
+            "%.1f, start %.1f, update %.1f of which the engines' copy %.1f, finish %.1f)", version, len(items),
+            total / 1e6, len(self.urls), 1000 * stats.seconds, 1000 * (marks[0] - t0), ms[0], ms[1],
+            1000 * max(float(a.get("seconds", 0.0)) for a in answers), ms[2],
         )  # fmt: skip
         return stats
 

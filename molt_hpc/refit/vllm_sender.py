@@ -21,9 +21,7 @@ An engine on this trainer's own GPU (its `/health` `device_uuids`, from our work
 join an NCCL group with it. It gets the shared-memory refit instead: the trainer shares CUDA IPC
 handles of its bucket slots once (`/collective_rpc molt_ipc_init`), and each push packs the buckets
 into them while the engine's `molt_ipc_update` copies them into vLLM's weights (`engine/vllm_ipc.py`).
-One push can serve both kinds: each tensor goes to the slots and on to vLLM's NCCL packer. When every
-engine is on this GPU and the push is `in_place` (the trainer's own whole parameters), the workers
-map the parameters themselves once and each push loads straight from them (`shared_params.py`).
+One push can serve both kinds: each tensor goes to the slots and on to vLLM's NCCL packer.
 """
 
 import functools
@@ -44,7 +42,6 @@ from molt_hpc.refit.calls import HTTP_GRACE_S, EngineCalls
 from molt_hpc.refit.handles import choose_transports, place
 from molt_hpc.refit.ipc import IpcChannel, SlotWriter
 from molt_hpc.refit.sender import RefitStats, advertised_host
-from molt_hpc.refit.shared_params import addresses, share, shareable
 
 NUM_BUFFERS = 2
 """Packed buffers in flight (vLLM's double buffering); both ends must agree, so it travels in update_info."""
@@ -96,8 +93,6 @@ class VllmRefitSender:
         self.transports: dict[str, str] = {}
         self._group = None
         self._channel: IpcChannel | None = None
-        self._shared_key: tuple | None = None
-        """The addresses of the parameters the workers mapped (`shared_params.addresses`), or None."""
         self._calls = EngineCalls(token, cfg.timeout_s)
 
     def connect(self, engine_urls: Sequence[str]) -> None:
@@ -143,7 +138,6 @@ class VllmRefitSender:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
-        self._shared_key = None  # the workers drop the mapped parameters at this init
         channel = IpcChannel(torch.device("cuda", self.device_index), slot_bytes, len(urls), self.cfg.timeout_s)
         try:
             calls = [
@@ -181,16 +175,15 @@ class VllmRefitSender:
         in_place: bool = False,
     ) -> RefitStats:
         """Send full tensors (HF names) to every engine and make `version` what they serve next.
-        `in_place`: the tensors are the trainer's live parameters, unchanged until this returns."""
+
+        `in_place` (the tensors are the trainer's own parameters) changes nothing here: vLLM's workers on
+        this GPU load from the shared slots, bucket by bucket, as from any other sender."""
+        del in_place
         if not self.urls:
             raise ValueError("VllmRefitSender.push() without a group: call connect(engine_urls) first")
         items: Iterable[tuple[str, torch.Tensor]] = named_tensors
-        if in_place and all(self.transports[u] == "ipc" for u in self.urls):
-            items = list(_checked(iter(named_tensors), metas)) if metas is not None else list(named_tensors)
-            if shareable(items):
-                return self._push_in_place(items, version)
         if metas is None:
-            items = list(items)
+            items = list(named_tensors)
             metas = [TensorMeta.of(name, t) for name, t in items]
         bucket_bytes = self.cfg.bucket_mb << 20
         grouped = [u for u in self.urls if self.transports[u] != "ipc"]
@@ -235,45 +228,6 @@ class VllmRefitSender:
         )
         return stats
 
-    def _push_in_place(self, items: list[tuple[str, torch.Tensor]], version: int) -> RefitStats:
-        """Every worker loads `items` from where they are: share them (again, if their addresses moved),
-        wait for this device, then pause → load → version → reset → resume."""
-        t0 = time.perf_counter()
-        metas = [TensorMeta.of(n, t) for n, t in items]
-        try:
-            key = addresses(items)
-            if key != self._shared_key:
-                self._share_params(items)
-                self._shared_key = key
-            torch.cuda.synchronize(self.device_index)  # the optimizer's writes land before any read
-            self._calls.round(self.urls, "/pause?mode=keep")
-            info = {**update_info(metas, self.cfg.bucket_mb << 20, version), "shared_params": True}
-            self._calls.wait([self._rpc(u, "molt_ipc_update", info) for u in self.urls], self.urls, "molt_ipc_update")
-            self._calls.round(self.urls, "/finish_weight_update", {"version": version})
-            self._calls.round(self.urls, "/reset_prefix_cache?reset_running_requests=true")
-            self._calls.round(self.urls, "/resume")
-        except BaseException:
-            self._drop()
-            raise
-        stats = RefitStats(version, time.perf_counter() - t0, sum(m.nbytes for m in metas), 0, len(self.urls))
-        get_logger().info(
-            "refit v%d: %d parameters read in place by %d vLLM engines, %.3fs", version, len(items), len(self.urls),
-            stats.seconds,
-        )  # fmt: skip
-        return stats
-
-    def _share_params(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        """The CUDA IPC handles of `items`, mapped by every worker before this returns."""
-        if self._channel is not None:  # the workers drop their slots at this init
-            self._channel.close()
-            self._channel = None
-        self._shared_key = None
-        uuid = place(torch.device("cuda", self.device_index))["device_uuids"][0]
-        spec = {"params": share(items), "device_uuid": uuid}
-        calls = [self._rpc(u, "molt_ipc_init", {"ipc": spec, "timeout_s": self.cfg.timeout_s}) for u in self.urls]
-        self._calls.wait(calls, self.urls, "molt_ipc_init")
-        get_logger().info("shared %d parameters with %d vLLM engines through CUDA IPC", len(items), len(self.urls))
-
     def _updates(self, grouped, shared, metas, bucket_bytes: int, version: int) -> tuple[list[Future], list[str]]:
         """The engines' receiving calls, in flight while the weights go: vLLM's native `/update_weights` for
         the NCCL group (after its `/start_weight_update`), our extension's `molt_ipc_update` for the others."""
@@ -313,7 +267,6 @@ class VllmRefitSender:
     def _drop(self) -> None:
         self._group = None
         self.urls = []
-        self._shared_key = None
         if self._channel is not None:
             self._channel.close()
             self._channel = None
