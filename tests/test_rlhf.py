@@ -8,10 +8,8 @@ loss and rollout reward) are measured in the same runs.
 """
 
 import json
-import math
 import os
 import signal
-import statistics
 import subprocess
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import pytest
 from molt_hpc.config import load_config
 from molt_hpc.log import read_metrics
 from tests.conftest import BIN, ROOT
-from tests.test_e2e import ledger, wait_for_step
+from tests.test_e2e import ledger, quarters, wait_for_step
 
 pytestmark = pytest.mark.slow
 
@@ -95,17 +93,6 @@ def rl_with_scorer_killed(runs, sft, rm) -> tuple[Path, str]:
     wait_for_step(run_dir, 4, proc)
     os.kill(json.loads((run_dir / "rendezvous" / "scorer-0.json").read_text())["pid"], signal.SIGKILL)
     return run_dir, finish(proc)
-
-
-def quarters(values: list[float]) -> tuple[float, float, float]:
-    """(first-quarter mean, last-quarter mean, standard error of their difference)."""
-    q = len(values) // 4
-    first, last = values[:q], values[-q:]
-    return (
-        statistics.fmean(first),
-        statistics.fmean(last),
-        math.sqrt((statistics.variance(first) + statistics.variance(last)) / q),
-    )
 
 
 def test_rl_with_the_reward_model_alone_raises_its_score(rl_with_scorer_killed) -> None:
