@@ -5,7 +5,6 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 CONFIG  ?= configs/tiny_cpu.toml
 PYTEST_ARGS ?=
-TEST_WORKERS ?= 2
 
 .PHONY: demo rlhf-demo test test-fast test-gpu check-onegpu lint fmt golden bench bench-gpu bench-gpu-speed clean venv
 
@@ -29,11 +28,8 @@ rlhf-demo: $(STAMP)
 	$(BIN)/molt-hpc rm train configs/tiny_rm.toml
 	$(BIN)/molt-hpc run configs/tiny_rlhf.toml
 
-# Two pytest workers, a test file each at a time (module fixtures such as the Slurm cluster stay in one
-# worker), in collection order, where tests/conftest.py puts the longest files first: both workers
-# then finish together (xdist's own order, by test count, left the few-test long files for the end).
 test: $(STAMP)
-	$(BIN)/pytest -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/pytest -m "not gpu" $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -m "not gpu and not slow and not slurm" -x $(PYTEST_ARGS)

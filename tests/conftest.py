@@ -11,17 +11,6 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-LONGEST_FIRST = ("test_rlhf.py", "test_vision_task.py", "test_e2e.py", "test_actor_exit.py", "test_slurm_jobs.py",
-                 "test_e2e_moe.py")  # fmt: skip
-"""The files that take minutes (`--durations`): collected first, so that with two workers (`make test`,
-one file per worker at a time) neither is left running one of them alone at the end."""
-
-
-def pytest_collection_modifyitems(items: list) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: the rest keep their order
-
-
 def gpu_count() -> int:
     import torch
 
