@@ -4,9 +4,11 @@ Both senders (the built-in engines' and vLLM's) drive their engines through thes
 over the communicator meanwhile, so a call that blocks (`/update_weights`) runs in a thread.
 """
 
+import http.client
 import json
-import urllib.error
-import urllib.request
+import select
+import threading
+import urllib.parse
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -16,30 +18,65 @@ HTTP_GRACE_S = 30.0
 which says why it failed, gets this much longer to arrive."""
 
 
+_local = threading.local()
+"""Each thread's open connections by `host:port`: a refit makes a few calls per engine and step, and a
+new TCP connection for each would cost more than the call."""
+
+
+def _connection(netloc: str, timeout_s: float) -> http.client.HTTPConnection:
+    """This thread's keep-alive connection to `netloc`, opened anew when the engine closed the old one."""
+    conns: dict[str, http.client.HTTPConnection] = _local.__dict__.setdefault("conns", {})
+    conn = conns.get(netloc)
+    if conn is not None and conn.sock is not None and _readable(conn.sock):
+        conn.close()  # an idle connection with something to read was closed by the server (its idle timeout)
+    if conn is None:
+        conn = conns[netloc] = http.client.HTTPConnection(netloc, timeout=timeout_s)
+    conn.timeout = timeout_s
+    if conn.sock is not None:
+        conn.sock.settimeout(timeout_s)
+    return conn
+
+
+def _readable(sock) -> bool:
+    poll = select.poll()
+    poll.register(sock, select.POLLIN)
+    return bool(poll.poll(0))
+
+
+def _call(method: str, url: str, body: dict[str, Any] | None, token: str, timeout_s: float) -> dict[str, Any]:
+    """One request with the run's token on a kept-alive connection; a non-2xx answer raises `RuntimeError`
+    with its message. A request that fails on the way is never sent again: it may have been carried out."""
+    parts = urllib.parse.urlsplit(url)
+    assert parts.scheme == "http", f"engines answer plain HTTP on their private network, not {url}"
+    conn = _connection(parts.netloc, timeout_s)
+    headers = {"Authorization": f"Bearer {token}"}
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    try:
+        conn.request(method, parts.path + (f"?{parts.query}" if parts.query else ""), body=data, headers=headers)
+        resp = conn.getresponse()
+        raw = resp.read()
+    except http.client.HTTPException as err:  # a garbled answer: this connection is done
+        conn.close()
+        raise RuntimeError(f"{url}: {type(err).__name__}: {err}") from None
+    except OSError:
+        conn.close()
+        raise
+    if not 200 <= resp.status < 300:
+        raise RuntimeError(f"{url}: HTTP {resp.status}: {raw.decode(errors='replace')}")
+    return json.loads(raw or b"{}")
+
+
 def post_json(url: str, body: dict[str, Any], token: str, timeout_s: float) -> dict[str, Any]:
     """POST `body` to `url` with the run's token; a non-2xx answer raises `RuntimeError` with its message."""
-    req = urllib.request.Request(
-        url,
-        data=json.dumps(body).encode(),
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as err:
-        detail = err.read().decode(errors="replace")
-        raise RuntimeError(f"{url}: HTTP {err.code}: {detail}") from None
+    return _call("POST", url, body, token, timeout_s)
 
 
 def get_json(url: str, token: str, timeout_s: float) -> dict[str, Any]:
     """GET `url` with the run's token; a non-2xx answer raises `RuntimeError` with its message."""
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as err:
-        raise RuntimeError(f"{url}: HTTP {err.code}: {err.read().decode(errors='replace')}") from None
+    return _call("GET", url, None, token, timeout_s)
 
 
 class EngineCalls:

@@ -140,15 +140,19 @@ class RefitReceiver:
         shared = self.shared
         if shared is None:
             raise ValueError("no shared parameters: the trainer must share them (init with ipc.params) first")
-        metas = metas_from_info(update_info)
-        shared.check([m.name for m in metas])
-        problem = _check_targets(metas, params)
-        if problem is not None:
-            raise ValueError(problem)
+        if update_info.get("names") != shared.names or update_info.get("shapes") != shared.shapes:
+            shared.check([m.name for m in metas_from_info(update_info)])  # says which field or name is wrong
+            raise ValueError("the update's shapes are not those of the tensors shared at init")
+        if shared.targets is None or shared.targets[0] is not params:  # checked once per mapping and model
+            problem = _check_targets(shared.metas(), params)
+            if problem is not None:
+                raise ValueError(problem)
+            shared.targets = (params, [params[name] for name in shared.names], [t for _, t in shared.named])
+        _, into, source = shared.targets
         with torch.no_grad():
-            torch._foreach_copy_([params[name] for name in shared.names], [t for _, t in shared.named])
-        torch.cuda.synchronize(shared.named[0][1].device)
-        return len(shared.names)
+            torch._foreach_copy_(into, source)
+        torch.cuda.synchronize(source[0].device)
+        return len(into)
 
     def _receive_shared(self, plan: list[Bucket], first: Any, params: dict[str, torch.Tensor]) -> int:
         """Copy bucket k of `plan` out of slot (first + k) as soon as the trainer posts it."""

@@ -95,8 +95,8 @@ class RefitSender:
         self._store = None
         self._group: RefitGroup | None = None
         self._channel: IpcChannel | None = None
-        self._shared_key: tuple | None = None
-        """The addresses of the parameters the engines mapped (`shared_params.addresses`), or None."""
+        self._in_place: _InPlace | None = None
+        """What the engines mapped and the update that names it, or None when they mapped nothing."""
         self._logged: set[tuple[str, ...]] = set()
         self._generation = 0
         self._buffers: list[torch.Tensor] = []
@@ -147,7 +147,7 @@ class RefitSender:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
-        self._shared_key = None  # the engines drop the mapped parameters at this init
+        self._in_place = None  # the engines drop the mapped parameters at this init
         channel = IpcChannel(buffer_device(self.backend) if self.device.type == "cuda" else self.device,
                              slot_bytes, len(urls), self.cfg.timeout_s)  # fmt: skip
         self._buffers, self._views = [], {}
@@ -215,10 +215,13 @@ class RefitSender:
         items: Iterable[tuple[str, torch.Tensor]] = named_tensors
         if in_place and self.device.type == "cuda" and all(self.transports[u] == "ipc" for u in self.urls):
             items = list(items)
+            mapped = self._in_place
+            if mapped is not None and mapped.metas is metas and mapped.key == addresses(items):
+                return self._push_in_place(items, version, mapped, t0)  # checked when it was mapped
             for item, meta in zip(items, metas or [], strict=metas is not None):
                 _checked(item, meta)
             if shareable(items):
-                return self._push_in_place(items, version, metas, t0)
+                return self._push_in_place(items, version, None, t0, metas)
         if metas is None:
             items = list(items)
             metas = [TensorMeta.of(name, t) for name, t in items]
@@ -256,18 +259,16 @@ class RefitSender:
         )
         return stats
 
-    def _push_in_place(self, items: list[tuple[str, torch.Tensor]], version: int, metas, t0: float) -> RefitStats:
-        """Every engine reads `items` where they are: share them (again, if their addresses moved), wait
-        for this device, then start → update → finish."""
-        wire = list(metas) if metas is not None else [TensorMeta.of(n, t) for n, t in items]
+    def _push_in_place(
+        self, items: list[tuple[str, torch.Tensor]], version: int, mapped: "_InPlace | None", t0: float, metas=None
+    ) -> RefitStats:
+        """Every engine reads `items` where they are: share them first unless `mapped` says the engines
+        hold exactly these, wait for this device, then start → update → finish."""
         try:
-            key = addresses(items)
-            if key != self._shared_key:
-                self._share_params(items)
-                self._shared_key = key
+            if mapped is None:
+                mapped = self._share_params(items, metas)
             torch.cuda.current_stream(self.device).synchronize()  # the optimizer's writes land before any read
-            info = {**update_info([TensorMeta.of(n, t) for n, t in items], self.cfg.bucket_mb << 20, version),
-                    "shared_params": True}  # fmt: skip
+            info = {**mapped.info, "version": version}
             marks = [time.perf_counter()]
             self._calls.round(self.urls, "/start_weight_update")
             marks.append(time.perf_counter())
@@ -278,23 +279,22 @@ class RefitSender:
         except BaseException:
             self._drop()
             raise
-        total = sum(m.nbytes for m in wire)
-        stats = RefitStats(version, time.perf_counter() - t0, total, 0, len(self.urls))
+        stats = RefitStats(version, time.perf_counter() - t0, mapped.wire_bytes, 0, len(self.urls))
         ms = [1000 * (b - a) for a, b in itertools.pairwise(marks)]
         get_logger().info(
             "refit v%d: %d parameters (%.1f MB as sent) read in place by %d engines, %.1f ms (before the calls "
             "%.1f, start %.1f, update %.1f of which the engines' copy %.1f, finish %.1f)", version, len(items),
-            total / 1e6, len(self.urls), 1000 * stats.seconds, 1000 * (marks[0] - t0), ms[0], ms[1],
+            mapped.wire_bytes / 1e6, len(self.urls), 1000 * stats.seconds, 1000 * (marks[0] - t0), ms[0], ms[1],
             1000 * max(float(a.get("seconds", 0.0)) for a in answers), ms[2],
         )  # fmt: skip
         return stats
 
-    def _share_params(self, items: list[tuple[str, torch.Tensor]]) -> None:
+    def _share_params(self, items: list[tuple[str, torch.Tensor]], metas) -> "_InPlace":
         """Share the CUDA IPC handles of `items` with every engine (each maps them before this returns)."""
         if self._channel is not None:  # the engines drop their slots at this init
             self._channel.close()
             self._channel = None
-        self._shared_key = None
+        self._in_place = None
         t0 = time.perf_counter()
         spec = {"params": share(items), "device_uuid": place(self.device)["device_uuids"][0]}
         body = {"init_info": {"backend": "ipc", "ipc": spec, "timeout_s": self.cfg.timeout_s}}
@@ -303,6 +303,11 @@ class RefitSender:
             "shared %d parameters with %d engines through CUDA IPC (%.2fs): refits read them in place",
             len(items), len(self.urls), time.perf_counter() - t0,
         )  # fmt: skip
+        wire = list(metas) if metas is not None else [TensorMeta.of(n, t) for n, t in items]
+        info = {**update_info([TensorMeta.of(n, t) for n, t in items], self.cfg.bucket_mb << 20, 0),
+                "shared_params": True}  # fmt: skip
+        self._in_place = _InPlace(addresses(items), metas, info, sum(m.nbytes for m in wire))
+        return self._in_place
 
     def close(self) -> None:
         self._drop()
@@ -312,7 +317,7 @@ class RefitSender:
     def _drop(self) -> None:
         self._group = None
         self.urls = []
-        self._shared_key = None
+        self._in_place = None
         if self._channel is not None:
             self._channel.close()
             self._channel = None
@@ -351,6 +356,18 @@ class RefitSender:
         for work in pending:
             if work is not None:
                 work.wait()
+
+
+@dataclass(frozen=True)
+class _InPlace:
+    """The parameters the engines mapped: their addresses (`shared_params.addresses`), the metadata the
+    caller announced with them (the same object at each push: the caller caches it), the update that
+    names them (its version set per push) and their size as the engines' dtype."""
+
+    key: tuple
+    metas: Sequence[TensorMeta] | None
+    info: dict
+    wire_bytes: int
 
 
 def _checked(item: tuple[str, torch.Tensor], meta: TensorMeta) -> torch.Tensor:

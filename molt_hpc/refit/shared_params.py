@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from molt_hpc.refit.buckets import dtype_from_name, dtype_name
+from molt_hpc.refit.buckets import TensorMeta, dtype_from_name, dtype_name
 from molt_hpc.refit.handles import cuda_handle, open_cuda_handle
 
 MAX_TENSORS = 1 << 20
@@ -95,6 +95,10 @@ class SharedParams:
             raise ValueError("ipc.params needs the trainer's 'device_uuid'")
         self.named = [open_one(r, uuid) for r in records]
         self.names = [name for name, _ in self.named]
+        self.shapes = [list(t.shape) for _, t in self.named]
+        """As an update's `shapes` list writes them: an update in place must name exactly these."""
+        self.targets: tuple[dict, list[torch.Tensor], list[torch.Tensor]] | None = None
+        """(the engine's parameters, the tensors to copy into, the shared ones): set once they were checked."""
         self.nbytes = sum(t.numel() * t.element_size() for _, t in self.named)
 
     def check(self, names: Sequence[str]) -> None:
@@ -105,5 +109,8 @@ class SharedParams:
                 "(the trainer must share its parameters again)"
             )
 
+    def metas(self) -> list[TensorMeta]:
+        return [TensorMeta.of(name, t) for name, t in self.named]
+
     def close(self) -> None:
-        self.named, self.names = [], []
+        self.named, self.names, self.shapes, self.targets = [], [], [], None
