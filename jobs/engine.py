@@ -15,8 +15,9 @@ from pathlib import Path
 def run_engine(cfg, run_dir: Path, args: argparse.Namespace) -> int:
     if cfg.engines.kind == "vllm":
         from molt_hpc.engine.vllm_main import main
-    else:
-        from molt_hpc.engine.main import main
+
+        return main(cfg, run_dir, args.index, args.engine_node)
+    from molt_hpc.engine.main import main
 
     return main(cfg, run_dir, args.index)
 
@@ -50,6 +51,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("run_dir", type=Path, help="the run directory (holds config.toml and rendezvous/)")
     parser.add_argument("--role", choices=sorted(ROLES), required=True)
     parser.add_argument("--index", type=int, default=0, help="engine or scorer index (roles engine, scorer)")
+    parser.add_argument(
+        "--engine-node", type=int, default=0,
+        help="this node's rank in its engine (role engine; 0 serves it, others join it: engines.nodes_per_engine)",
+    )  # fmt: skip
     parser.add_argument(
         "--node-rank",
         type=int,

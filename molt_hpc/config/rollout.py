@@ -81,7 +81,8 @@ class EnginesConfig(Section):
     """`builtin`: the PyTorch + transformers engine that runs anywhere (CPU included);
     `vllm`: `vllm serve` processes (GPU clusters; needs the `gpu` extra)."""
     count: PositiveInt = 1
-    """Engines in local mode; on Slurm, engines per engine-pool node."""
+    """Engines in local mode; on Slurm, engines per engine-pool node, or the job's engines when
+    `nodes_per_engine > 1` (one engine then spans several nodes)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Engine device; `auto` picks CUDA when available."""
     max_batch: PositiveInt = 64
@@ -95,6 +96,13 @@ class EnginesConfig(Section):
     `tensor_parallel` GPUs, behind the engine's one address; an engine takes
     `tensor_parallel × data_parallel` GPUs. With `expert_parallel`, the MoE layers' experts spread over
     all of them and tokens move between replicas by `all2all_backend`."""
+    nodes_per_engine: PositiveInt = 1
+    """vLLM on Slurm: nodes one engine spans (vLLM's multi-node data parallelism, no Ray). The engine's
+    `data_parallel × tensor_parallel` GPUs are all of its nodes' GPUs, `data_parallel / nodes_per_engine`
+    replicas of `tensor_parallel` GPUs on each node (tensor parallelism stays inside a node); with
+    `expert_parallel`, the experts spread over every GPU of the engine. The engine's first node runs the
+    serving `vllm serve` (the engine's one address, its registration); the others run it `--headless`.
+    The engine het group then has `count × nodes_per_engine` nodes (`slurm.engines.nodes`)."""
     expert_parallel: bool = False
     """vLLM: expert parallelism for MoE layers (`--enable-expert-parallel`): each of the engine's
     `tensor_parallel × data_parallel` GPUs holds whole experts (E / that many) instead of a slice of
@@ -145,7 +153,29 @@ class EnginesConfig(Section):
                 "(or 'auto'), or use engines.kind = 'builtin' on a CPU"
             )
         self._check_vllm_parallel()
+        self._check_span()
         return self
+
+    def _check_span(self) -> None:
+        n = self.nodes_per_engine
+        if n == 1:
+            return
+        if self.kind != "vllm":
+            raise ValueError(
+                f"engines.nodes_per_engine = {n} spans an engine over several nodes, which only vLLM engines "
+                "do: set engines.kind = 'vllm', or engines.nodes_per_engine = 1"
+            )
+        if self.data_parallel % n:
+            raise ValueError(
+                f"engines.data_parallel = {self.data_parallel} does not split evenly over engines.nodes_per_engine "
+                f"= {n} nodes (each node hosts data_parallel / nodes_per_engine replicas): make data_parallel a "
+                f"multiple of {n}"
+            )
+        if self.host in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(
+                f"engines.nodes_per_engine = {n} but engines.host = {self.host!r} is loopback: the engine's other "
+                "nodes must reach its first one; set engines.host = '0.0.0.0'"
+            )
 
     def _check_vllm_parallel(self) -> None:
         default = type(self).model_fields["all2all_backend"].default
@@ -174,6 +204,11 @@ class EnginesConfig(Section):
     @property
     def gpus_per_engine(self) -> int:
         return self.tensor_parallel * self.data_parallel
+
+    @property
+    def gpus_per_engine_node(self) -> int:
+        """GPUs an engine takes on each of its nodes."""
+        return self.gpus_per_engine // self.nodes_per_engine
 
 
 class RouterConfig(Section):

@@ -172,6 +172,25 @@ class MoltConfig(Section):
                 "actor.router_replay = false"
             )
 
+    def _check_engine_span(self) -> None:
+        """An engine over several nodes fills them: its het group has `count × nodes_per_engine` nodes of
+        `tensor_parallel × data_parallel / nodes_per_engine` GPUs each."""
+        eng, group = self.engines, self.slurm.engines
+        want = eng.count * eng.nodes_per_engine
+        if group.nodes != want:
+            raise ValueError(
+                f"slurm.engines.nodes = {group.nodes} but engines.count × engines.nodes_per_engine = {eng.count} × "
+                f"{eng.nodes_per_engine} = {want}: set slurm.engines.nodes = {want} (or change engines.count, the "
+                "job's engines when an engine spans nodes)"
+            )
+        if group.gpus_per_node and group.gpus_per_node != eng.gpus_per_engine_node:
+            raise ValueError(
+                f"an engine of engines.tensor_parallel × engines.data_parallel = {eng.gpus_per_engine} GPUs over "
+                f"engines.nodes_per_engine = {eng.nodes_per_engine} nodes takes {eng.gpus_per_engine_node} GPUs per "
+                f"node but slurm.engines.gpus_per_node = {group.gpus_per_node}: make data_parallel × tensor_parallel"
+                f" = {eng.nodes_per_engine * group.gpus_per_node}"
+            )
+
     def _check_tiny_model(self) -> None:
         tiny = self.model.tiny
         if tiny.hidden_size % tiny.num_heads:
@@ -206,7 +225,9 @@ class MoltConfig(Section):
                 "expert-parallel group stays inside a node, so pick an ep that divides the GPUs per node"
             )
         engine_gpus = sl.engines.gpus_per_node
-        if engine_gpus and engine_gpus % self.engines.gpus_per_engine:
+        if self.engines.nodes_per_engine > 1:
+            self._check_engine_span()
+        elif engine_gpus and engine_gpus % self.engines.gpus_per_engine:
             raise ValueError(
                 f"slurm.engines.gpus_per_node ({engine_gpus}) is not a multiple of engines.tensor_parallel × "
                 f"engines.data_parallel ({self.engines.gpus_per_engine})"

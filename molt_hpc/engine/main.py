@@ -29,10 +29,13 @@ def pick_device(setting: str) -> str:
     return setting
 
 
+def public_host(host: str) -> str:
+    """The address others use: the bind address, or this node's hostname when listening on all interfaces."""
+    return socket.gethostname() if host in ("0.0.0.0", "::") else host
+
+
 def public_url(host: str, port: int) -> str:
-    """The URL others use: the bind address, or this node's hostname when listening on all interfaces."""
-    name = socket.gethostname() if host in ("0.0.0.0", "::") else host
-    return f"http://{name}:{port}"
+    return f"http://{public_host(host)}:{port}"
 
 
 def engine_file(run: RunDir, index: int) -> Path:

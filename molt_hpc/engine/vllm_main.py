@@ -7,6 +7,8 @@ narrowed to its GPUs). It checks that vLLM is installed and matches torch from p
 not token-guarded), waits for its `/health`, then serves the front (`vllm_front.py`) on
 `engines.host` and registers `rendezvous/engine-<index>.json`.
 SIGTERM/SIGINT: unregister, stop vLLM, exit 0. vLLM dying: unregister, exit 1 (the pool restarts us).
+An engine over several nodes (`vllm_span.py`) runs this process on each: the head as above, the
+others a headless `vllm serve` that joins the head and serves nothing.
 """
 
 import asyncio
@@ -28,7 +30,8 @@ from pathlib import Path
 import aiohttp
 
 from molt_hpc.config import MoltConfig
-from molt_hpc.engine.main import engine_file, public_url, register_engine
+from molt_hpc.engine.main import engine_file, public_host, public_url, register_engine
+from molt_hpc.engine.vllm_span import Span, head_file, publish_head, read_head, span_flags, span_of, wait_head
 from molt_hpc.log import get_logger, log_tail, setup_logging
 from molt_hpc.net import free_port
 from molt_hpc.rundir import RunDir
@@ -91,16 +94,23 @@ def check_all2all(eng) -> None:
         )
 
 
-def vllm_command(cfg: MoltConfig, model_dir: str | Path, port: int, index: int) -> list[str]:
-    """`vllm serve` for engine `index` on 127.0.0.1:`port`. The token goes in the environment
+def vllm_command(cfg: MoltConfig, model_dir: str | Path, port: int, index: int, span: Span | None = None) -> list[str]:
+    """`vllm serve` for engine `index` on 127.0.0.1:`port`, or for this node's part `span` of a multi-node
+    engine (a headless part serves no HTTP: `port` is unused). The token goes in the environment
     (`vllm_env`), not here: a command line is readable by every user of the node."""
     eng, model = cfg.engines, cfg.model
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", model.path, "--dtype", model.dtype]
+    if span is not None and not span.head:  # the API server module has no headless mode; the CLI's serve has
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--model", str(model_dir)]
+    else:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+        cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--served-model-name", model.path, "--dtype", model.dtype]
     cmd += ["--tensor-parallel-size", str(eng.tensor_parallel), "--max-model-len", str(eng.max_model_len)]
     cmd += ["--gpu-memory-utilization", str(eng.gpu_memory_utilization), "--max-num-seqs", str(eng.max_batch)]
     cmd += ["--seed", str(cfg.run.seed * 1000 + index)]
-    if eng.data_parallel > 1:
+    if span is not None:
+        cmd += span_flags(span)
+    elif eng.data_parallel > 1:
         cmd += ["--data-parallel-size", str(eng.data_parallel)]
     if eng.expert_parallel:
         cmd += ["--enable-expert-parallel", "--all2all-backend", eng.all2all_backend]
@@ -162,8 +172,8 @@ def stop_vllm(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int:
     raise AssertionError("unreachable: wait() without a timeout returns")
 
 
-def vllm_log(run: RunDir, index: int) -> Path:
-    return run.logs / f"vllm-{index}.log"
+def vllm_log(run: RunDir, index: int, rank: int = 0) -> Path:
+    return run.logs / (f"vllm-{index}.log" if rank == 0 else f"vllm-{index}-node{rank}.log")
 
 
 async def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float, stop: asyncio.Event) -> bool:
@@ -244,23 +254,39 @@ async def serve_front(
         await runner.cleanup()
 
 
-async def serve(cfg: MoltConfig, run: RunDir, index: int) -> int:
-    """Check vLLM, start it, wait for it, serve its front; the process's exit code."""
-    from molt_hpc.models import resolve_model
-
-    log = get_logger()
-    version = check_vllm()  # before anything slow: a missing vLLM fails in seconds
-    check_all2all(cfg.engines)
-    if version != TESTED_VLLM:
-        log.warning("vLLM %s: the engine protocol and the refit were verified with vLLM %s", version, TESTED_VLLM)
-    model_dir = resolve_model(cfg.model, run.models)
+def _stop_event() -> asyncio.Event:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def _checked_model(cfg: MoltConfig, run: RunDir) -> tuple[str, Path]:
+    """(vLLM's version, the model directory) once vLLM is checked; a `ValueError` naming the fix if not."""
+    from molt_hpc.models import resolve_model
+
+    version = check_vllm()  # before anything slow: a missing vLLM fails in seconds
+    check_all2all(cfg.engines)
+    if version != TESTED_VLLM:
+        get_logger().warning("vLLM %s: the engine protocol and the refit were verified with vLLM %s", version,
+                             TESTED_VLLM)  # fmt: skip
+    return version, resolve_model(cfg.model, run.models)
+
+
+async def serve(cfg: MoltConfig, run: RunDir, index: int) -> int:
+    """Check vLLM, start it, wait for it, serve its front; the process's exit code. The head of a
+    multi-node engine first publishes where its other nodes join it."""
+    log = get_logger()
+    version, model_dir = _checked_model(cfg, run)
+    stop = _stop_event()
     port = free_port("127.0.0.1")
     upstream = f"http://127.0.0.1:{port}"
-    proc = start_vllm(vllm_command(cfg, model_dir, port, index), vllm_env(run.token()), vllm_log(run, index))
+    span = None
+    if cfg.engines.nodes_per_engine > 1:
+        span = span_of(cfg.engines, 0, public_host(cfg.engines.host), free_port(""))
+        publish_head(run, index, span.address, span.rpc_port)
+    proc = start_vllm(vllm_command(cfg, model_dir, port, index, span), vllm_env(run.token()), vllm_log(run, index))
     log.info("started vLLM %s (pid %d) on %s, log %s", version, proc.pid, upstream, vllm_log(run, index))
     try:
         if not await wait_healthy(proc, upstream, vllm_log(run, index), cfg.engines.startup_timeout_s, stop):
@@ -268,10 +294,46 @@ async def serve(cfg: MoltConfig, run: RunDir, index: int) -> int:
         log.info("vLLM is ready")
         return await serve_front(cfg, run, index, proc, upstream, stop)
     finally:
+        if span is not None:
+            with contextlib.suppress(FileNotFoundError):  # already removed
+                os.unlink(head_file(run, index))
         log.info("vLLM stopped (exit %s)", stop_vllm(proc))
 
 
-def main(cfg: MoltConfig, run_dir: str | Path, index: int) -> int:
-    """Run vLLM engine `index` of the run in `run_dir` until SIGTERM (0) or vLLM's death (1)."""
-    setup_logging(f"engine {index}", cfg.logging.level)
-    return asyncio.run(serve(cfg, RunDir(Path(run_dir)), index))
+async def serve_headless(cfg: MoltConfig, run: RunDir, index: int, rank: int) -> int:
+    """Node `rank` of engine `index`: join its head with a headless vLLM until a stop (0), or until vLLM
+    dies or the head goes or is replaced (1: the pool restarts us and we join the new head)."""
+    log = get_logger()
+    version, model_dir = _checked_model(cfg, run)
+    stop = _stop_event()
+    head = await wait_head(run, index, cfg.engines.startup_timeout_s, stop)
+    if head is None:
+        return 0
+    span = span_of(cfg.engines, rank, head["address"], int(head["rpc_port"]))
+    log_path = vllm_log(run, index, rank)
+    proc = start_vllm(vllm_command(cfg, model_dir, 0, index, span), vllm_env(run.token()), log_path)
+    log.info("started headless vLLM %s (pid %d), data-parallel ranks %d-%d of engine %d (head %s:%d), log %s",
+             version, proc.pid, span.start_rank, span.start_rank + span.local - 1, index, span.address,
+             span.rpc_port, log_path)  # fmt: skip
+    try:
+        while not stop.is_set():
+            if proc.poll() is not None:
+                log.error("headless vLLM exited with %s; end of its log:\n%s", proc.returncode, log_tail(log_path))
+                return 1
+            if (read_head(run, index) or {}).get("nonce") != head["nonce"]:
+                log.warning("engine %d's head is gone or was replaced: leaving, to join the next one", index)
+                return 1
+            with contextlib.suppress(TimeoutError):  # a second passed: look again
+                await asyncio.wait_for(stop.wait(), 1.0)
+        return 0
+    finally:
+        log.info("vLLM stopped (exit %s)", stop_vllm(proc))
+
+
+def main(cfg: MoltConfig, run_dir: str | Path, index: int, rank: int = 0) -> int:
+    """Run vLLM engine `index` of the run in `run_dir` (node `rank` of it) until SIGTERM (0) or vLLM's death (1)."""
+    if rank == 0:
+        setup_logging(f"engine {index}", cfg.logging.level)
+        return asyncio.run(serve(cfg, RunDir(Path(run_dir)), index))
+    setup_logging(f"engine {index} node {rank}", cfg.logging.level)
+    return asyncio.run(serve_headless(cfg, RunDir(Path(run_dir)), index, rank))

@@ -96,6 +96,11 @@ def run_local(cfg: MoltConfig) -> int:
             f"actor.ranks ({cfg.actor.ranks}) is not a multiple of actor.cp ({cfg.actor.cp}): each CP group "
             "needs cp trainer ranks"
         )
+    if cfg.engines.nodes_per_engine > 1:
+        raise ValueError(
+            f"engines.nodes_per_engine = {cfg.engines.nodes_per_engine} spans an engine over several nodes but a "
+            "local run has one: submit it to Slurm (`molt-hpc submit`), or set engines.nodes_per_engine = 1"
+        )
     run = prepare_run(cfg)
     log.info("run directory %s", run.path)
     resumed = _latest(run)

@@ -8,6 +8,10 @@ orchestrator retries the requests it lost at the new address); one that keeps dy
 `engines.max_restarts` ends the pool with the cause recorded for the run, and an orchestrator that
 fails ends the pool with an error, which ends the run. The pool itself ends only when its launcher
 stops it (SIGTERM), so engines still answer after training is done.
+
+An engine over several nodes (`engines.nodes_per_engine > 1`) is one engine process per node: node
+`n` hosts part `n mod nodes_per_engine` of engine `n // nodes_per_engine` (its nodes are consecutive
+in the het group), and only part 0 serves and registers it.
 """
 
 import os
@@ -21,13 +25,22 @@ from molt_hpc.log import get_logger
 from molt_hpc.rundir import RunDir
 
 
+def node_engines(cfg: MoltConfig, node_rank: int) -> list[tuple[int, int]]:
+    """(engine index, this node's rank in that engine) of each engine process node `node_rank` runs."""
+    eng = cfg.engines
+    if eng.nodes_per_engine == 1:
+        return [(node_rank * eng.count + local, 0) for local in range(eng.count)]
+    return [divmod(node_rank, eng.nodes_per_engine)]
+
+
 def engine_env(cfg: MoltConfig, local_index: int) -> dict[str, str]:
-    """Threads and GPUs of one engine process: GPUs are split evenly across the node's engines."""
+    """Threads and GPUs of one engine process: GPUs are split evenly across the node's engines (a
+    multi-node engine takes its share of every one of its nodes)."""
     env = {"OMP_NUM_THREADS": str(cfg.engines.threads or 1)}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible:
         gpus = visible.split(",")
-        n = cfg.engines.gpus_per_engine
+        n = cfg.engines.gpus_per_engine_node
         mine = gpus[local_index * n : (local_index + 1) * n]
         if len(mine) < n:
             raise ValueError(
@@ -48,7 +61,7 @@ def scorer_env(cfg: MoltConfig, index: int) -> dict[str, str]:
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif visible:
         gpus = visible.split(",")
-        after = cfg.engines.count * cfg.engines.gpus_per_engine + index
+        after = len(node_engines(cfg, 0)) * cfg.engines.gpus_per_engine_node + index
         env["CUDA_VISIBLE_DEVICES"] = gpus[after] if after < len(gpus) else gpus[-1]
     return env
 
@@ -57,10 +70,13 @@ def pool_children(cfg: MoltConfig, run: RunDir, node_rank: int) -> tuple[list[Ch
     """(engines, services) this node runs: engines (and on node 0 the reward-model scorers) are restarted
     when they die; services are the router and orchestrator on node 0."""
     engines = []
-    for local in range(cfg.engines.count):
-        index = node_rank * cfg.engines.count + local
+    for local, (index, part) in enumerate(node_engines(cfg, node_rank)):
         cmd = job_command("engine.py", str(run.path), "--role", "engine", "--index", str(index))
-        engines.append(Child(f"engine {index}", cmd, run.logs / f"engine-{index}.log", engine_env(cfg, local)))
+        name, log = f"engine {index}", run.logs / f"engine-{index}.log"
+        if part:  # a headless part of a multi-node engine
+            cmd += ["--engine-node", str(part)]
+            name, log = f"engine {index} node {part}", run.logs / f"engine-{index}-node{part}.log"
+        engines.append(Child(name, cmd, log, engine_env(cfg, local)))
     if node_rank == 0 and cfg.reward_model is not None:
         for index in range(cfg.reward_model.count):
             cmd = job_command("engine.py", str(run.path), "--role", "scorer", "--index", str(index))
@@ -79,9 +95,22 @@ def pool_children(cfg: MoltConfig, run: RunDir, node_rank: int) -> tuple[list[Ch
     return engines, services
 
 
+def check_pool_nodes(cfg: MoltConfig, nnodes: str | None) -> None:
+    """Multi-node engines need exactly `count × nodes_per_engine` pool nodes (`SLURM_NNODES` of the step):
+    one more or fewer would leave an engine without a part, or a part without an engine."""
+    eng = cfg.engines
+    want = eng.count * eng.nodes_per_engine
+    if eng.nodes_per_engine > 1 and nnodes is not None and int(nnodes) != want:
+        raise ValueError(
+            f"the engine pool runs on {nnodes} nodes but engines.count × engines.nodes_per_engine = {want}: "
+            f"set slurm.engines.nodes = {want}"
+        )
+
+
 def run_pool(cfg: MoltConfig, run: RunDir, node_rank: int, max_restarts: int) -> int:
     """Start and supervise this node's pool until SIGTERM (exit 0) or a fatal child death (exit 1)."""
     log = get_logger()
+    check_pool_nodes(cfg, os.environ.get("SLURM_NNODES"))
     engines, services = pool_children(cfg, run, node_rank)
     children = engines + services
     # The router holds no state: restarted like an engine (the orchestrator follows it to its new port).
