@@ -89,6 +89,23 @@ def test_the_seeds_405b_counts_do_not_fit_and_the_first_fix_does() -> None:
     assert again.fits and again.check("trainer GPU").need == suggestions[0].plan.check("trainer GPU").need
 
 
+def test_a_multi_node_engine_replicates_the_dense_part_and_splits_the_experts() -> None:
+    cfg = load_config(ROOT / "configs" / "1t_moe.toml")
+    plan, _ = plan_config(cfg, local=False)
+    a, eng, e = plan.arch, cfg.engines, plan.engines
+    dense = a.params - a.expert_params
+    assert e.weights == 2 * (dense / eng.tensor_parallel + a.expert_params / (eng.tensor_parallel * eng.data_parallel))
+    assert (plan.placement.engines, e.gpus_per_engine, e.replicas) == (4, 32, 4)
+    assert e.kv_bytes_per_token == a.kv_bytes_per_token(eng.tensor_parallel, 2)  # each replica its own cache
+    assert e.wanted_sequences == -(-cfg.rollout.groups_in_flight * cfg.rollout.n_samples // (4 * 4))
+    one_node = ["engines.nodes_per_engine=1", "engines.data_parallel=1", "engines.count=1", "slurm.engines.nodes=16"]
+    alone, suggestions = plan_config(load_config(ROOT / "configs" / "1t_moe.toml", one_node), local=False)
+    assert alone.engines.weights == 2 * a.params / 8 and not alone.check("engine GPU").ok
+    assert not alone.blockers  # spanning nodes is a change of config now, not a missing feature
+    assert suggestions[0].fits and "engines.nodes_per_engine=2" in suggestions[0].changes
+    assert suggestions[0].plan.placement.engine_gpus == alone.placement.engine_gpus  # the same engine GPUs
+
+
 def test_architecture_must_agree_with_the_model_directory(tmp_path: Path) -> None:
     shape = json.loads((MODELS / "smollm2-135m" / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(shape))

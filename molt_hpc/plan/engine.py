@@ -3,7 +3,11 @@
 vLLM takes `gpu_memory_utilization` of the GPU and fills what its weights, its profiling forward and
 its CUDA graphs leave with KV cache; it refuses to start when that cache cannot hold one sequence of
 `max_model_len` tokens. KV bytes per token are `layers · 2 · max(1, kv_heads / TP) · head_dim` in the
-model dtype (one latent vector per layer for multi-head latent attention, on every TP rank). The
+model dtype (one latent vector per layer for multi-head latent attention, on every TP rank). A vLLM
+engine of `data_parallel × tensor_parallel` GPUs (on one node or `nodes_per_engine`) replicates
+attention and the dense layers per data-parallel replica, split over its TP ranks, and splits the
+routed experts over all its GPUs (whole experts under expert parallelism; vLLM's MoE layers shard
+them over TP × DP without it); each replica keeps its own KV cache for its own sequences. The
 built-in engine holds its weights and a dynamic cache that grows to `max_batch × max_model_len`.
 """
 
@@ -43,7 +47,9 @@ class EngineMemory:
     kv_bytes_per_token: int
     max_model_len: int
     wanted_sequences: int
-    """Sequences in flight per engine (groups_in_flight × n_samples over the engines)."""
+    """Sequences in flight per replica (groups_in_flight × n_samples over the engines' replicas)."""
+    replicas: int = 1
+    """Data-parallel replicas per engine, each with its own KV cache."""
 
     @property
     def kv_cache(self) -> float:
@@ -66,17 +72,25 @@ class EngineMemory:
 def engine_memory(arch: Arch, cfg: MoltConfig, engines: int, gpu_bytes: float) -> EngineMemory:
     eng, ro = cfg.engines, cfg.rollout
     b = dtype_bytes(cfg)
-    wanted = math.ceil(ro.groups_in_flight * ro.n_samples / max(1, engines))
     if eng.kind == "vllm":
-        tp = eng.tensor_parallel
+        tp, dp = eng.tensor_parallel, eng.data_parallel
+        wanted = math.ceil(ro.groups_in_flight * ro.n_samples / max(1, engines * dp))
         other = VLLM_PROFILE_BYTES + (0.0 if eng.enforce_eager else CUDA_GRAPH_BYTES)
-        return EngineMemory("vllm", engines, tp, b * arch.params / tp, other, eng.gpu_memory_utilization * gpu_bytes,
-                            arch.kv_bytes_per_token(tp, b), eng.max_model_len, wanted)  # fmt: skip
+        return EngineMemory("vllm", engines, eng.gpus_per_engine, b * vllm_params_per_gpu(arch, tp, dp), other,
+                            eng.gpu_memory_utilization * gpu_bytes, arch.kv_bytes_per_token(tp, b),
+                            eng.max_model_len, wanted, dp)  # fmt: skip
+    wanted = math.ceil(ro.groups_in_flight * ro.n_samples / max(1, engines))
     kv_token = arch.kv_bytes_per_token(1, b)
     cache = kv_token * eng.max_batch * eng.max_model_len
     logits = 4 * eng.max_batch * arch.vocab * 2  # fp32 sampling logits and their softmax
     return EngineMemory("builtin", engines, 1, b * arch.params, logits, b * arch.params + logits + cache,
                         kv_token, eng.max_model_len, wanted)  # fmt: skip
+
+
+def vllm_params_per_gpu(arch: Arch, tp: int, dp: int) -> float:
+    """Parameters one GPU of a vLLM engine holds: the dense part over its replica's TP ranks, the routed
+    experts over all `tp × dp` GPUs."""
+    return (arch.params - arch.expert_params) / tp + arch.expert_params / (tp * dp)
 
 
 @dataclass

@@ -92,13 +92,14 @@ def _tokens(plan: Plan) -> int:
 def _engine_lines(plan: Plan) -> list[str]:
     e = plan.engines
     per = "GPU" if plan.placement.engine_device == "cuda" else "engine"
-    lines = [f"engines ({e.kind}), per {per}:", f"  weights{'' if e.gpus_per_engine == 1 else ' per TP rank':<27} "
+    lines = [f"engines ({e.kind}), per {per}:", f"  weights{'' if e.gpus_per_engine == 1 else ' per GPU':<27} "
              f"{gib(e.weights):>14}", f"  profile, graphs, sampling          {gib(e.other):>14}",
              f"  KV cache                           {gib(e.kv_cache):>14}  = {e.kv_tokens:,} tokens "
              f"({e.kv_bytes_per_token:,} B/token)"]  # fmt: skip
     need = e.wanted_sequences * e.max_model_len
+    each = "engine" if e.replicas == 1 else f"replica ({e.replicas} replicas per engine)"
     lines.append(f"  holds {e.full_sequences:,} sequences of max_model_len {e.max_model_len:,} at once; the rollout "
-                 f"keeps {e.wanted_sequences:,} per engine in flight ({need:,} tokens at full length)")  # fmt: skip
+                 f"keeps {e.wanted_sequences:,} per {each} in flight ({need:,} tokens at full length)")  # fmt: skip
     if e.kv_tokens < need:
         lines.append(
             "  (engines will queue or preempt sequences at full length: more engines, or fewer groups in flight)"

@@ -22,6 +22,7 @@ COST = {
     "actor.cp": 2,
     "actor.ep": 2,
     "engines.tensor_parallel": 2,
+    "engines.nodes_per_engine": 2,
     "actor.offload": 3,
     "slurm.actor.nodes": 4,
     "slurm.engines.nodes": 4,
@@ -72,6 +73,20 @@ def candidates(cfg: MoltConfig, arch: Arch) -> list[str]:
     return out
 
 
+def span_candidate(cfg: MoltConfig, arch: Arch) -> list[str]:
+    """A vLLM MoE engine that fills its nodes: twice the nodes per engine, the experts over all of them
+    (as many engine GPUs as before, in half as many engines); [] when it does not apply."""
+    eng, group = cfg.engines, cfg.slurm.engines
+    fills = bool(group.gpus_per_node) and eng.gpus_per_engine_node >= group.gpus_per_node
+    if eng.kind != "vllm" or not arch.is_moe or not fills:
+        return []
+    nodes = 2 * eng.nodes_per_engine
+    count = max(1, group.nodes // nodes)
+    out = [f"engines.nodes_per_engine={nodes}", f"engines.data_parallel={2 * eng.data_parallel}"]
+    out += ["engines.expert_parallel=true", f"engines.count={count}", f"slurm.engines.nodes={count * nodes}"]
+    return out + (["engines.host='0.0.0.0'"] if eng.host in ("127.0.0.1", "localhost", "::1") else [])
+
+
 def with_changes(cfg: MoltConfig, changes: list[str]) -> MoltConfig | None:
     """`cfg` with `key=value` overrides, or None when the config tree refuses the result."""
     data = cfg.model_dump(exclude_none=True)
@@ -89,8 +104,8 @@ def suggest(plan: Plan, *, local: bool = False, gpus: int | None = None, limit: 
         return []
     failing = [c.what for c in plan.checks if not c.ok]
     found = []
-    for change in candidates(plan.cfg, plan.arch):
-        s = _evaluate(plan, [change], failing, local, gpus)
+    for changes in [*([c] for c in candidates(plan.cfg, plan.arch)), span_candidate(plan.cfg, plan.arch)]:
+        s = _evaluate(plan, changes, failing, local, gpus) if changes else None
         if s is not None:
             found.append(s)
     cheapest_fit = min((s.cost for s in found if s.fits), default=None)

@@ -4,8 +4,7 @@ A GPU fits when the trainer's predicted peak (what `torch.cuda.max_memory_alloca
 allocator's slack, plus the CUDA context and NCCL buffers, is within `plan.gpu_memory_gib`; an
 engine GPU when its weights and working memory leave KV cache for one `max_model_len` sequence; a
 node when the host memory the trainer ranks take (loading, offloaded state) is within
-`plan.host_memory_gib`. Blockers are what no amount of memory fixes: shapes a parallelism cannot split,
-and an engine bigger than a node.
+`plan.host_memory_gib`. Blockers are what no amount of memory fixes: shapes a parallelism cannot split.
 """
 
 import math
@@ -52,15 +51,16 @@ def placement_of(cfg: MoltConfig, local: bool, gpus: int | None = None) -> Place
     if not local:
         agpu, egpu = sl.actor.gpus_per_node, sl.engines.gpus_per_node
         ranks = sl.actor.nodes * agpu if agpu else act.ranks
-        engines = sl.engines.nodes * eng.count  # engines.count is per engine-pool node on Slurm
+        # engines.count is per engine-pool node on Slurm, or the job's engines when one spans nodes
+        engines = sl.engines.nodes * eng.count if eng.nodes_per_engine == 1 else eng.count
         return Placement("slurm", ranks, sl.actor.nodes, _device(act.device, agpu > 0),
                          engines, sl.engines.nodes * egpu, _device(eng.device, egpu > 0))  # fmt: skip
     if gpus is None:
         gpus = _visible_gpus()
     adev, edev = _device(act.device, gpus > 0), _device(eng.device, gpus > 0)
-    want = (act.ranks if adev == "cuda" else 0) + (eng.count * eng.tensor_parallel if edev == "cuda" else 0)
+    want = (act.ranks if adev == "cuda" else 0) + (eng.count * eng.gpus_per_engine if edev == "cuda" else 0)
     shared = adev == edev == "cuda" and gpus < want
-    return Placement("local", act.ranks, 1, adev, eng.count, eng.count * eng.tensor_parallel, edev, shared)
+    return Placement("local", act.ranks, 1, adev, eng.count, eng.count * eng.gpus_per_engine, edev, shared)
 
 
 def _device(setting: str, has_gpus: bool) -> str:
@@ -138,21 +138,8 @@ def make_plan(cfg: MoltConfig, arch: Arch, *, local: bool = False, gpus: int | N
     host = _host(arch, cfg, where, trainer)
     plan = Plan(cfg, arch, where, trainer, engines, refit, _refit_phase(arch, cfg, trainer), host)
     plan.checks = _checks(plan, gpu)
-    plan.blockers = _engine_span(plan)
-    plan.blockers += _shape_blockers(arch, cfg)
+    plan.blockers = _shape_blockers(arch, cfg)
     return plan
-
-
-def _engine_span(plan: Plan) -> list[str]:
-    """An engine that fills a whole node and still does not fit needs GPUs of several nodes."""
-    eng, egpu = plan.cfg.engines, plan.cfg.slurm.engines.gpus_per_node
-    failed = any(c.what == "engine GPU" and not c.ok for c in plan.checks)
-    if not (failed and eng.kind == "vllm" and plan.placement.mode == "slurm" and eng.tensor_parallel >= egpu):
-        return []
-    return [
-        f"engines: {plan.engines.weights / GIB:,.0f} GiB of weights per GPU with tensor_parallel = "
-        f"{eng.tensor_parallel}, a whole node; an engine spanning several nodes is not supported by the engine pool yet"
-    ]
 
 
 def _refit_phase(arch: Arch, cfg: MoltConfig, trainer: TrainerMemory) -> Phase:
@@ -213,8 +200,9 @@ def _shape_blockers(arch: Arch, cfg: MoltConfig) -> list[str]:
     if act.ep > 1 and arch.is_moe and arch.experts % act.ep:
         out.append(f"actor.ep = {act.ep} does not divide the model's {arch.experts} experts")
     egpu = cfg.slurm.engines.gpus_per_node
-    if engines and egpu and eng.count * eng.tensor_parallel > egpu:
-        out.append(f"engines.count × tensor_parallel = {eng.count * eng.tensor_parallel} GPUs per engine node but "
+    per_node = eng.count * eng.gpus_per_engine if eng.nodes_per_engine == 1 else eng.gpus_per_engine_node
+    if engines and egpu and per_node > egpu:
+        out.append(f"engines take {per_node} GPUs per engine node (count × tensor_parallel × data_parallel) but "
                    f"slurm.engines.gpus_per_node = {egpu}")  # fmt: skip
     if engines and eng.kind == "vllm" and not arch.mla and arch.heads % eng.tensor_parallel:
         out.append(f"engines.tensor_parallel = {eng.tensor_parallel} does not divide the {arch.heads} attention heads")

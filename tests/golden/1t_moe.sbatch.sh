@@ -1,0 +1,37 @@
+#!/bin/bash
+# molt-hpc: one heterogeneous Slurm job, rendered from slurm/het_job.sbatch by `molt-hpc sbatch`.
+# Het group 0 is the actor pool (this script runs on its first node), het group 1 the engine pool.
+# Do not edit a rendered copy: change the config's [slurm] section and render again.
+
+# het group 0: actor pool
+#SBATCH --job-name=molt-moe-1t
+#SBATCH --partition=gpu
+#SBATCH --nodes=16
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=96
+#SBATCH --gpus-per-node=8
+#SBATCH --mem=0
+#SBATCH --time=1-00:00:00
+#SBATCH --exclusive
+#SBATCH --signal=B:USR1@1800
+#SBATCH --requeue
+#SBATCH --chdir=<ROOT>
+#SBATCH --open-mode=append
+#SBATCH hetjob
+# het group 1: engine pool
+#SBATCH --job-name=molt-moe-1t
+#SBATCH --partition=gpu
+#SBATCH --nodes=16
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=96
+#SBATCH --gpus-per-node=8
+#SBATCH --mem=0
+#SBATCH --time=1-00:00:00
+#SBATCH --exclusive
+
+# The driver (jobs/driver.py) is this shell's process, so the --signal warning (B:USR1) reaches it.
+# It writes the run directory from the resolved config below on the first start and reuses it on
+# every requeue.
+exec <PYTHON> -u <ROOT>/jobs/driver.py <ROOT>/runs/moe-1t --config - <<'MOLT_CONFIG'
+<CONFIG>
+MOLT_CONFIG
