@@ -5,6 +5,8 @@ Run as `SCRIPT RUN_DIR --role pool` on every node of het group 1; it records whe
 Fault injection: MOLT_STANDIN_ENGINE_FAIL_AFTER=S exits with code 3 after S seconds (every launch);
 MOLT_STANDIN_ENGINE_CONFIG_ERROR=TEXT records TEXT as the run's failure, a config error, the way the real
 orchestrator records one it finds at run time (`molt_hpc.fault`), and exits with code 2.
+Its start event also records the children the real pool would start on this node (`pool_children` of
+the run's config at `SLURM_NODEID`): each engine process's `--index ...` arguments and the services.
 """
 
 import json
@@ -38,9 +40,20 @@ def record(event: str, **fields) -> None:
         f.write(json.dumps(line) + "\n")
 
 
+def children() -> dict:
+    """What the real pool runs on this node: engine processes (their arguments from `--index`), services."""
+    from molt_hpc.config import load_config
+    from molt_hpc.launch.pool import pool_children
+    from molt_hpc.rundir import RunDir
+
+    run = RunDir(RUN)
+    engines, services = pool_children(load_config(run.config), run, int(os.environ.get("SLURM_NODEID", "0")))
+    return {"engines": [c.cmd[c.cmd.index("--index") :] for c in engines], "services": [c.name for c in services]}
+
+
 def main() -> int:
     assert sys.argv[2:] == ["--role", "pool"], sys.argv
-    record("start")
+    record("start", **children())
     if CONFIG_ERROR:
         from molt_hpc.fault import fail
 
