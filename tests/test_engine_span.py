@@ -8,7 +8,16 @@ import pytest
 
 from molt_hpc.config import ConfigError, load_config
 from molt_hpc.engine.vllm_main import vllm_command
-from molt_hpc.engine.vllm_span import Span, head_file, publish_head, read_head, span_flags, span_of, wait_head
+from molt_hpc.engine.vllm_span import (
+    Span,
+    head_address,
+    head_file,
+    publish_head,
+    read_head,
+    span_flags,
+    span_of,
+    wait_head,
+)
 from molt_hpc.launch.local import run_local
 from molt_hpc.launch.pool import check_pool_nodes, engine_env, node_engines, pool_children
 from molt_hpc.rundir import RunDir
@@ -143,3 +152,15 @@ def test_head_record_round_trip(tmp_path) -> None:
     assert read_head(run, 1)["rpc_port"] == 4243
     with raises("did not publish", RuntimeError):
         asyncio.run(wait_head(run, 2, 0.5, asyncio.Event()))
+
+
+def test_the_head_publishes_a_numeric_address(monkeypatch) -> None:
+    import socket
+
+    assert head_address("10.1.2.3") == "10.1.2.3"
+    resolved = [("127.0.1.1", 0), ("10.0.0.7", 0)]  # a Debian-style /etc/hosts line first, then the network
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a: [(socket.AF_INET, 1, 6, "", ip) for ip in resolved])
+    assert head_address("0.0.0.0") == "10.0.0.7"
+    resolved.pop()
+    with raises("resolves only to loopback (127.0.1.1)", RuntimeError):
+        head_address("0.0.0.0")

@@ -30,8 +30,17 @@ from pathlib import Path
 import aiohttp
 
 from molt_hpc.config import MoltConfig
-from molt_hpc.engine.main import engine_file, public_host, public_url, register_engine
-from molt_hpc.engine.vllm_span import Span, head_file, publish_head, read_head, span_flags, span_of, wait_head
+from molt_hpc.engine.main import engine_file, public_url, register_engine
+from molt_hpc.engine.vllm_span import (
+    Span,
+    head_address,
+    head_file,
+    publish_head,
+    read_head,
+    span_flags,
+    span_of,
+    wait_head,
+)
 from molt_hpc.log import get_logger, log_tail, setup_logging
 from molt_hpc.net import free_port
 from molt_hpc.rundir import RunDir
@@ -284,7 +293,7 @@ async def serve(cfg: MoltConfig, run: RunDir, index: int) -> int:
     upstream = f"http://127.0.0.1:{port}"
     span = None
     if cfg.engines.nodes_per_engine > 1:
-        span = span_of(cfg.engines, 0, public_host(cfg.engines.host), free_port(""))
+        span = span_of(cfg.engines, 0, head_address(cfg.engines.host), free_port(""))
         publish_head(run, index, span.address, span.rpc_port)
     proc = start_vllm(vllm_command(cfg, model_dir, port, index, span), vllm_env(run.token()), vllm_log(run, index))
     log.info("started vLLM %s (pid %d) on %s, log %s", version, proc.pid, upstream, vllm_log(run, index))

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -56,6 +57,22 @@ class Span:
 
 def span_of(eng: EnginesConfig, rank: int, address: str, rpc_port: int) -> Span:
     return Span(eng.nodes_per_engine, rank, eng.data_parallel, address, rpc_port)
+
+
+def head_address(host: str) -> str:
+    """This node's address for the engine's other nodes, in numeric form: vLLM binds its handshake socket
+    on it with ZeroMQ, which binds IP addresses and interface names, never host names."""
+    if host not in ("0.0.0.0", "::"):
+        return host
+    name = socket.gethostname()
+    ips = [info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)]
+    routable = [ip for ip in ips if not ip.startswith("127.")]
+    if not routable:
+        raise RuntimeError(
+            f"this node's hostname {name} resolves only to loopback ({', '.join(ips)}): the engine's other nodes "
+            "could not reach it; make the hostname resolve to the node's network address"
+        )
+    return routable[0]
 
 
 def span_flags(span: Span) -> list[str]:
