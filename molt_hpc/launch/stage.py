@@ -8,6 +8,7 @@ trained model is, and the plot.
 """
 
 import json
+import os
 import time
 
 from molt_hpc.config import MoltConfig
@@ -50,6 +51,8 @@ def run_stage_local(cfg: MoltConfig) -> int:
     run = prepare_run(cfg)
     log.info("run directory %s", run.path)
     actor = actor_child(cfg, run)
+    # Alone on the machine (no engine pool beside it), the trainer's ranks share every core it may use.
+    actor.env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // cfg.actor.ranks))
     gpus = visible_gpus()
     if gpus:
         mine = [] if cfg.actor.device == "cpu" else gpus[: cfg.actor.ranks]
