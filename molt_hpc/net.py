@@ -7,6 +7,17 @@ import signal
 import socket
 from pathlib import Path
 
+ALL_INTERFACES = ("0.0.0.0", "::")
+"""Bind addresses that listen everywhere: others reach such a server at this node's name."""
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+"""Addresses no other node reaches."""
+
+
+def public_host(host: str) -> str:
+    """The address others use for a server bound to `host`: `host`, or this node's hostname when it
+    listens on all interfaces."""
+    return socket.gethostname() if host in ALL_INTERFACES else host
+
 
 def free_port(host: str = "") -> int:
     """A TCP port free on `host` right now (`""`: every interface) for a server that binds it next."""

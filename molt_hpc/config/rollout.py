@@ -5,6 +5,7 @@ from typing import Literal
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from molt_hpc.config.base import Section
+from molt_hpc.net import LOOPBACK
 
 
 class RolloutConfig(Section):
@@ -171,7 +172,7 @@ class EnginesConfig(Section):
                 f"= {n} nodes (each node hosts data_parallel / nodes_per_engine replicas): make data_parallel a "
                 f"multiple of {n}"
             )
-        if self.host in ("127.0.0.1", "localhost", "::1"):
+        if self.host in LOOPBACK:
             raise ValueError(
                 f"engines.nodes_per_engine = {n} but engines.host = {self.host!r} is loopback: the engine's other "
                 "nodes must reach its first one; set engines.host = '0.0.0.0'"

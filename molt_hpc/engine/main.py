@@ -15,7 +15,7 @@ from pathlib import Path
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import get_logger, setup_logging
-from molt_hpc.net import serve_until_signal
+from molt_hpc.net import public_host, serve_until_signal
 from molt_hpc.rundir import RunDir, atomic_write
 
 
@@ -27,11 +27,6 @@ def pick_device(setting: str) -> str:
     if setting == "cuda" and not torch.cuda.is_available():
         raise ValueError("engines.device = 'cuda' but no GPU is visible; use 'cpu' or 'auto'")
     return setting
-
-
-def public_host(host: str) -> str:
-    """The address others use: the bind address, or this node's hostname when listening on all interfaces."""
-    return socket.gethostname() if host in ("0.0.0.0", "::") else host
 
 
 def public_url(host: str, port: int) -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from molt_hpc.config.rollout import EnginesConfig
+from molt_hpc.net import ALL_INTERFACES
 from molt_hpc.rundir import RunDir, atomic_write
 
 
@@ -62,7 +63,7 @@ def span_of(eng: EnginesConfig, rank: int, address: str, rpc_port: int) -> Span:
 def head_address(host: str) -> str:
     """This node's address for the engine's other nodes, in numeric form: vLLM binds its handshake socket
     on it with ZeroMQ, which binds IP addresses and interface names, never host names."""
-    if host not in ("0.0.0.0", "::"):
+    if host not in ALL_INTERFACES:
         return host
     name = socket.gethostname()
     ips = [info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.config.load import apply_override
+from molt_hpc.net import LOOPBACK
 from molt_hpc.plan.arch import Arch
 from molt_hpc.plan.verdict import Plan, make_plan
 
@@ -84,7 +85,7 @@ def span_candidate(cfg: MoltConfig, arch: Arch) -> list[str]:
     count = max(1, group.nodes // nodes)
     out = [f"engines.nodes_per_engine={nodes}", f"engines.data_parallel={2 * eng.data_parallel}"]
     out += ["engines.expert_parallel=true", f"engines.count={count}", f"slurm.engines.nodes={count * nodes}"]
-    return out + (["engines.host='0.0.0.0'"] if eng.host in ("127.0.0.1", "localhost", "::1") else [])
+    return out + (["engines.host='0.0.0.0'"] if eng.host in LOOPBACK else [])
 
 
 def with_changes(cfg: MoltConfig, changes: list[str]) -> MoltConfig | None:

@@ -22,6 +22,7 @@ from molt_hpc.config import MoltConfig
 from molt_hpc.engine.client import SESSION_HEADER
 from molt_hpc.engine.http import error, errors_middleware, token_middleware
 from molt_hpc.log import get_logger, setup_logging
+from molt_hpc.net import public_host
 from molt_hpc.router.pool import Engine, EnginePool
 from molt_hpc.rundir import RunDir, atomic_write
 
@@ -124,8 +125,7 @@ async def serve(cfg: MoltConfig, run: RunDir) -> None:
     await runner.setup()
     sock = socket.create_server((cfg.engines.host, 0))  # port 0: the kernel picks a free one
     await web.SockSite(runner, sock).start()
-    host = socket.gethostname() if cfg.engines.host in ("0.0.0.0", "::") else cfg.engines.host
-    url = f"http://{host}:{sock.getsockname()[1]}"
+    url = f"http://{public_host(cfg.engines.host)}:{sock.getsockname()[1]}"
     record = run.rendezvous / "router.json"
     atomic_write(record, json.dumps({"url": url, "pid": os.getpid()}))
     log.info("routing to %d engine(s) at %s", pool.metrics()["healthy"], url)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import get_logger, setup_logging
-from molt_hpc.net import free_port
+from molt_hpc.net import ALL_INTERFACES, free_port
 from molt_hpc.router.pool import ENGINE_FILE
 from molt_hpc.rundir import RunDir, atomic_write
 
@@ -82,7 +82,7 @@ class Supervisor:
         self.port = free_port(cfg.engines.host)
         self.urls: list[str] = []
         self.child: subprocess.Popen | None = None
-        host = cfg.engines.host if cfg.engines.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        host = cfg.engines.host if cfg.engines.host not in ALL_INTERFACES else "127.0.0.1"
         self.url = f"http://{host}:{self.port}"
 
     def start(self, urls: list[str]) -> None:
