@@ -7,7 +7,7 @@ import torch
 
 from molt_hpc.config.infra import RefitConfig
 from molt_hpc.refit import RefitSender
-from molt_hpc.refit.buckets import ALIGN, TensorMeta, pack_into, plan_buckets, unpack
+from molt_hpc.refit.buckets import ALIGN, LARGE, CopyPlan, TensorMeta, pack_into, plan_buckets, unpack
 
 
 def test_bucket_plan_is_deterministic_aligned_and_capped() -> None:
@@ -48,6 +48,23 @@ def test_bucket_plan_is_deterministic_aligned_and_capped() -> None:
         flat = pack_into(buf, bucket, [by_name[m.name] for m in bucket.metas])
         for name, view in unpack(flat.clone(), bucket):
             assert view.dtype == by_name[name].dtype and torch.equal(view, by_name[name])
+
+
+def test_a_copy_plan_copies_and_casts_every_tensor_large_or_small() -> None:
+    """Large tensors get a kernel each, the rest one multi-tensor copy: every target ends equal to its
+    source cast to the target's dtype, whichever group it fell in."""
+    gen = torch.Generator().manual_seed(1)
+    sizes = [LARGE + 3, 5, LARGE, 1, LARGE - 1, 64]
+    source = [torch.randn(n, generator=gen) for n in sizes]
+    into = [torch.zeros(n, dtype=torch.bfloat16 if i % 2 else torch.float32) for i, n in enumerate(sizes)]
+    plan = CopyPlan(into, source)
+    assert [d.numel() for d, _ in plan.large] == [LARGE + 3, LARGE] and len(plan.small[0]) == 4
+    plan.run()
+    for dst, src in zip(into, source, strict=True):
+        assert torch.equal(dst, src.to(dst.dtype))
+    source[0].add_(1.0)  # a plan is kept across refits: it reads the sources as they are now
+    plan.run()
+    assert torch.equal(into[0], source[0])
 
 
 def test_sender_refuses_misuse_with_clear_errors(tmp_path) -> None:

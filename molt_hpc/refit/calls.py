@@ -88,7 +88,10 @@ class EngineCalls:
         self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="refit-http")
 
     def post(self, url: str, path: str, body: dict[str, Any]) -> Future:
-        return self.pool.submit(post_json, url.rstrip("/") + path, body, self.token, self.timeout_s + HTTP_GRACE_S)
+        return self.pool.submit(self._post_now, url, path, body)
+
+    def _post_now(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return post_json(url.rstrip("/") + path, body, self.token, self.timeout_s + HTTP_GRACE_S)
 
     def wait(self, calls: list[Future], urls: Sequence[str], what: str) -> list[dict[str, Any]]:
         """Every call's answer, or one `RuntimeError` listing each engine that failed."""
@@ -109,7 +112,14 @@ class EngineCalls:
         return [a if "device_uuids" in a else None for a in answers]
 
     def round(self, urls: Sequence[str], path: str, body: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        """The same POST to every engine, waited for."""
+        """The same POST to every engine, waited for (one engine: from this thread, with no hand-off)."""
+        if len(urls) == 1:
+            done: Future = Future()
+            try:
+                done.set_result(self._post_now(urls[0], path, body or {}))
+            except (RuntimeError, OSError) as err:  # reported as `wait` reports a pool call's failure
+                done.set_exception(err)
+            return self.wait([done], urls, path.lstrip("/"))
         return self.wait([self.post(url, path, body or {}) for url in urls], urls, path.lstrip("/"))
 
     def check(self, calls: list[Future], urls: Sequence[str]) -> None:

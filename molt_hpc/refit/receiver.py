@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from molt_hpc.log import get_logger
-from molt_hpc.refit.buckets import Bucket, bucket_views, metas_from_info, plan_buckets
+from molt_hpc.refit.buckets import Bucket, CopyPlan, bucket_views, copy_tensors, metas_from_info, plan_buckets
 from molt_hpc.refit.group import RefitGroup, buffer_device, connect_store, new_group
 from molt_hpc.refit.ipc import ChannelClosed, IpcInbox
 from molt_hpc.refit.shared_params import SharedParams
@@ -125,8 +125,8 @@ class RefitReceiver:
                 views = self._views.get((k % 2, bucket))
                 if views is None:
                     views = self._views[(k % 2, bucket)] = bucket_views(self._buffers[k % 2], bucket)
-                with torch.no_grad():  # one multi-tensor copy per bucket
-                    torch._foreach_copy_([params[m.name] for m in bucket.metas], views)
+                with torch.no_grad():  # a few kernels per bucket
+                    copy_tensors([params[m.name] for m in bucket.metas], views)
                 loaded += len(views)
         if self._buffers and self._buffers[0].is_cuda:  # "loaded": in the parameters, not queued on the GPU
             torch.cuda.current_stream(self._buffers[0].device).synchronize()
@@ -135,7 +135,7 @@ class RefitReceiver:
         return loaded
 
     def _copy_shared(self, update_info: dict[str, Any], params: dict[str, torch.Tensor]) -> int:
-        """One multi-tensor copy from the trainer's mapped parameters into `params`, finished on the device
+        """A few copy kernels (`CopyPlan`) from the trainer's mapped parameters into `params`, finished on the device
         before this returns (the trainer may change its parameters once every engine answered)."""
         shared = self.shared
         if shared is None:
@@ -147,12 +147,12 @@ class RefitReceiver:
             problem = _check_targets(shared.metas(), params)
             if problem is not None:
                 raise ValueError(problem)
-            shared.targets = (params, [params[name] for name in shared.names], [t for _, t in shared.named])
-        _, into, source = shared.targets
+            shared.targets = (params, CopyPlan([params[name] for name in shared.names], [t for _, t in shared.named]))
+        _, plan = shared.targets
         with torch.no_grad():
-            torch._foreach_copy_(into, source)
-        torch.cuda.synchronize(source[0].device)
-        return len(into)
+            plan.run()
+        torch.cuda.synchronize(plan.source[0].device)
+        return len(plan.into)
 
     def _receive_shared(self, plan: list[Bucket], first: Any, params: dict[str, torch.Tensor]) -> int:
         """Copy bucket k of `plan` out of slot (first + k) as soon as the trainer posts it."""
@@ -182,7 +182,7 @@ class RefitReceiver:
             if views is None:
                 views = inbox.views[key] = bucket_views(inbox.slot(g), bucket)
             with torch.no_grad():
-                torch._foreach_copy_([params[m.name] for m in bucket.metas], views)
+                copy_tensors([params[m.name] for m in bucket.metas], views)
             inbox.consumed(g)
             loaded += len(views)
         return loaded

@@ -2,7 +2,7 @@
 
 A trainer rank that holds whole parameters (a world of one: its FSDP shards are the tensors) keeps them
 at fixed addresses, since the optimizer updates them in place. It shares their CUDA IPC handles once;
-each refit is then one multi-tensor copy in the engine, from the trainer's parameters straight into
+each refit is then a few copy kernels in the engine, from the trainer's parameters straight into
 its own, cast on the way. From fp32 master weights that is 6 bytes of memory traffic per parameter
 (read 4, write 2) against 4 for a plain copy of the engine's bf16 weights, where packing into shared
 slots and copying out (`ipc.py`) moves 10 (cast into the slot 6, copy out 4).
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from molt_hpc.refit.buckets import TensorMeta, dtype_from_name, dtype_name
+from molt_hpc.refit.buckets import CopyPlan, TensorMeta, dtype_from_name, dtype_name
 from molt_hpc.refit.handles import cuda_handle, open_cuda_handle
 
 MAX_TENSORS = 1 << 20
@@ -97,8 +97,8 @@ class SharedParams:
         self.names = [name for name, _ in self.named]
         self.shapes = [list(t.shape) for _, t in self.named]
         """As an update's `shapes` list writes them: an update in place must name exactly these."""
-        self.targets: tuple[dict, list[torch.Tensor], list[torch.Tensor]] | None = None
-        """(the engine's parameters, the tensors to copy into, the shared ones): set once they were checked."""
+        self.targets: tuple[dict, CopyPlan] | None = None
+        """(the engine's parameters, the copy from the shared tensors into them): set once they were checked."""
         self.nbytes = sum(t.numel() * t.element_size() for _, t in self.named)
 
     def check(self, names: Sequence[str]) -> None:
