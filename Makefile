@@ -5,6 +5,8 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 CONFIG  ?= configs/tiny_cpu.toml
 PYTEST_ARGS ?=
+# Test processes side by side, each taking whole files (module fixtures are built once); 0 runs serially.
+TEST_WORKERS ?= 2
 
 .PHONY: demo rlhf-demo test test-fast test-gpu check-onegpu lint fmt golden bench bench-gpu bench-gpu-speed clean venv
 
@@ -29,7 +31,7 @@ rlhf-demo: $(STAMP)
 	$(BIN)/molt-hpc run configs/tiny_rlhf.toml
 
 test: $(STAMP)
-	$(BIN)/pytest -m "not gpu" $(PYTEST_ARGS)
+	$(BIN)/pytest -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -m "not gpu and not slow and not slurm" -x $(PYTEST_ARGS)

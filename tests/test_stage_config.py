@@ -5,10 +5,12 @@ own rows on the actor pool alone."""
 
 import dataclasses
 import json
+import os
 
 import pytest
 
 from molt_hpc.config import ConfigError, load_config
+from molt_hpc.launch.stage import stage_threads
 from molt_hpc.models.resolve import run_model
 from molt_hpc.plan import plan_config
 from molt_hpc.plan.arch import arch_of
@@ -123,3 +125,15 @@ def test_the_plan_of_a_stage_is_its_rows_on_the_actor_pool_alone() -> None:
     sft_shape = shape_of(sft, 1, "cpu", plan.arch)
     assert chunk(sft_shape, 10**5) > chunk(sft_shape, plan.arch.vocab)
     assert plan.runnable
+
+
+def test_a_stage_shares_the_cores_unless_omp_num_threads_says(monkeypatch) -> None:
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert stage_threads(1) == str(cores)
+    assert stage_threads(2) == str(max(1, cores // 2))
+    assert stage_threads(4 * cores) == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert stage_threads(2) == "3"
+    monkeypatch.setenv("OMP_NUM_THREADS", "4,2")  # a nested-parallelism list: not a count of ours
+    assert stage_threads(1) == str(cores)

@@ -45,14 +45,23 @@ def stage_summary(run: RunDir, stage: str) -> list[str]:
     return lines
 
 
+def stage_threads(ranks: int) -> str:
+    """Threads per trainer rank of a stage. Alone on the machine (no engine pool beside it), the ranks
+    share every core they may use; `OMP_NUM_THREADS` in the environment says otherwise, for a machine
+    shared with other work (more busy threads than cores can make each step several times slower)."""
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return given
+    return str(max(1, len(os.sched_getaffinity(0)) // ranks))
+
+
 def run_stage_local(cfg: MoltConfig) -> int:
     """Run (or continue) `cfg`'s SFT or reward-model run on this machine; the process exit code."""
     log = get_logger()
     run = prepare_run(cfg)
     log.info("run directory %s", run.path)
     actor = actor_child(cfg, run)
-    # Alone on the machine (no engine pool beside it), the trainer's ranks share every core it may use.
-    actor.env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // cfg.actor.ranks))
+    actor.env["OMP_NUM_THREADS"] = stage_threads(cfg.actor.ranks)
     gpus = visible_gpus()
     if gpus:
         mine = [] if cfg.actor.device == "cpu" else gpus[: cfg.actor.ranks]
