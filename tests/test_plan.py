@@ -4,6 +4,7 @@ make before anything starts (refusal in one line, exit 2; `--no-plan` skips it).
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,18 @@ def test_a_multi_node_engine_replicates_the_dense_part_and_splits_the_experts() 
     assert not alone.blockers  # spanning nodes is a change of config now, not a missing feature
     assert suggestions[0].fits and "engines.nodes_per_engine=2" in suggestions[0].changes
     assert suggestions[0].plan.placement.engine_gpus == alone.placement.engine_gpus  # the same engine GPUs
+
+
+def test_host_memory_is_this_machines_for_a_local_run_unless_set() -> None:
+    def host_limit(sets: list[str], local: bool) -> float:
+        plan, _ = plan_config(load_config(ROOT / "configs/tiny_cpu.toml", sets), local=local)
+        return next(c.limit for c in plan.checks if c.what == "host memory per actor node")
+
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert host_limit([], local=True) == machine
+    assert host_limit([], local=False) == 1800 * GIB  # a Slurm node, whatever this machine has
+    assert host_limit(["plan.host_memory_gib=3.5"], local=True) == 3.5 * GIB
+    assert host_limit(["plan.host_memory_gib=3.5"], local=False) == 3.5 * GIB
 
 
 def test_architecture_must_agree_with_the_model_directory(tmp_path: Path) -> None:

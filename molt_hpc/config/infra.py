@@ -185,8 +185,9 @@ class PlanConfig(Section):
     gpu_memory_gib: PositiveFloat = 139.8
     """Memory of one GPU as torch reports it (`torch.cuda.get_device_properties(0).total_memory`):
     H200 139.8 GiB, H100 79.6 GiB, A100-80GB 79.2 GiB."""
-    host_memory_gib: PositiveFloat = 1800.0
-    """Host memory per node that the job may use (a DGX H100/H200 node has 2 TB: leave room for the
+    host_memory_gib: PositiveFloat | None = None
+    """Host memory per node that the run may use. Unset: this machine's memory for a run on it (`molt-hpc
+    run`, `plan --local`), 1800 GiB for a Slurm job (a DGX H100/H200 node has 2 TB: room is left for the
     OS and the page cache)."""
     network_gb_per_s: PositiveFloat = 45.0
     """Bandwidth between nodes, per GPU's NIC, in GB/s (400 Gb/s InfiniBand NDR reaches ~45): the refit

@@ -4,7 +4,8 @@ A GPU fits when the trainer's predicted peak (what `torch.cuda.max_memory_alloca
 allocator's slack, plus the CUDA context and NCCL buffers, is within `plan.gpu_memory_gib`; an
 engine GPU when its weights and working memory leave KV cache for one `max_model_len` sequence; a
 node when the host memory the trainer ranks take (loading, offloaded state) is within
-`plan.host_memory_gib`. Blockers are what no amount of memory fixes: shapes a parallelism cannot split.
+`plan.host_memory_gib` (unset: this machine's memory for a local run). Blockers are what no amount of
+memory fixes: shapes a parallelism cannot split.
 """
 
 import math
@@ -164,9 +165,24 @@ def _host(arch: Arch, cfg: MoltConfig, where: Placement, trainer: TrainerMemory)
     return out
 
 
+SLURM_NODE_HOST_GIB = 1800.0
+"""A Slurm node's host memory when `plan.host_memory_gib` is unset: a DGX H100/H200 node's 2 TB, less room
+for the OS and the page cache."""
+
+
+def host_limit(cfg: MoltConfig, where: Placement) -> float:
+    """Host bytes per actor node the plan allows: `plan.host_memory_gib` when it is set; else, for a run on
+    this machine, the memory it has, and for a Slurm job `SLURM_NODE_HOST_GIB`."""
+    if cfg.plan.host_memory_gib is not None:
+        return cfg.plan.host_memory_gib * GIB
+    if where.mode == "local":
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return SLURM_NODE_HOST_GIB * GIB
+
+
 def _checks(plan: Plan, gpu: float) -> list[Check]:
     where, cfg, eng = plan.placement, plan.cfg, plan.engines
-    host_limit = cfg.plan.host_memory_gib * GIB
+    host = host_limit(cfg, where)
     out = []
     if where.actor_device == "cuda":
         need = gpu_need(plan.trainer_peak.total)
@@ -181,7 +197,7 @@ def _checks(plan: Plan, gpu: float) -> list[Check]:
             out.append(Check("engine GPU", eng.weights + eng.other + one, eng.budget))
     load = plan.host.get("loading (own shards)", 0.0)
     steady = sum(v for k, v in plan.host.items() if not k.startswith("loading"))
-    out.append(Check("host memory per actor node", max(load, steady), host_limit))
+    out.append(Check("host memory per actor node", max(load, steady), host))
     return out
 
 
