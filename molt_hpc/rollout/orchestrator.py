@@ -284,9 +284,11 @@ class Orchestrator:
         if self.eval_task is not None and self.eval_task.done():
             record = self.eval_task.result()
             self.eval_task = None
+            # The record first: killed between the two, a restart evaluates this version again, whereas
+            # the state saved first would say it was evaluated and its record would never be written.
+            self.metrics.write(record)
             self.state.last_eval_version = record["eval_version"]
             self.state.save(self.state_path)
-            self.metrics.write(record)
             self.log.info("eval at version %d: reward %.3f", record["eval_version"], record["eval_reward"])
         version = self.link.version
         if self.eval_task is None and version // ev.every > self.state.last_eval_version // ev.every:
