@@ -18,7 +18,7 @@ from molt_hpc.data import Position, PromptDataset
 from molt_hpc.models import load_tokenizer
 from molt_hpc.rollout.chat_server import ChatServer
 from molt_hpc.rollout.group import run_group
-from tests.test_rollout import with_link
+from tests.rollout_support import with_link
 from tests.test_rollout_procs import ROOT, shared_pool
 
 openai = pytest.importorskip("openai")  # the `chat` extra; `make test` installs it (dev extra)

@@ -4,17 +4,11 @@ One engine pool (2 engines + the router) serves the whole module; the runners an
 this process against it, exactly as the orchestrator drives them.
 """
 
-import asyncio
 import contextlib
-import json
 import math
 import signal
 import socket
-import textwrap
-import time
-from pathlib import Path
 
-import aiohttp
 import pytest
 import torch
 
@@ -29,10 +23,10 @@ from molt_hpc.rollout.chat_server import ChatServer
 from molt_hpc.rollout.engines import EngineLink
 from molt_hpc.rollout.evaluation import evaluate
 from molt_hpc.rollout.group import run_group
+from tests.rollout_support import NO_STOP, check_logprobs, env_file, long_group, with_link
 from tests.test_rollout_procs import ROOT, router_metrics, shared_pool
 
 pytestmark = pytest.mark.timeout(300)
-NO_STOP = {"ignore_eos": True, "stop_token_ids": []}  # fixed-length samples: every turn uses its whole cap
 
 
 @pytest.fixture(scope="module")
@@ -54,38 +48,6 @@ def model(tiny_model_dir):
 @pytest.fixture(scope="module")
 def dataset(pool, tok):
     return PromptDataset.load(pool.cfg.data, tok, limit=16)
-
-
-def with_link(pool, fn):
-    """Run `fn(link)` in a fresh event loop with a link to the pool's router."""
-
-    async def main():
-        router = json.loads((pool.run.rendezvous / "router.json").read_text())["url"]
-        async with aiohttp.ClientSession() as http:
-            link = EngineLink(http, router, pool.run.token(), pool.run, timeout_s=60)
-            return await fn(link)
-
-    return asyncio.run(main())
-
-
-def teacher_forced(model, tokens: list[int]) -> torch.Tensor:
-    """log p(token t | tokens < t) for every t >= 1, from one plain forward pass (temperature 1)."""
-    with torch.no_grad():
-        logits = model(torch.tensor([tokens])).logits[0].double()
-    return torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
-
-
-def check_logprobs(model, traj) -> None:
-    want = teacher_forced(model, traj.tokens)
-    positions = [t for start, end in traj.action_ranges for t in range(start, end)]
-    got = torch.tensor(traj.action_logprobs, dtype=torch.float64)
-    assert torch.allclose(got, want[torch.tensor(positions) - 1], atol=1e-4), (got, want[torch.tensor(positions) - 1])
-
-
-def env_file(tmp_path: Path, body: str) -> str:
-    path = tmp_path / "env_under_test.py"
-    path.write_text("import time\nfrom molt_hpc.agents import Env, Result\n" + textwrap.dedent(body))
-    return str(path)
 
 
 def test_single_turn_group_is_exact(pool, tok, model, dataset) -> None:
@@ -289,58 +251,6 @@ def test_env_failures_fail_only_their_sample(pool, tok, dataset, tmp_path, mode,
     assert (outcome.group is None) == (failure is not None)
     # A hung env costs its timeout, not its hang: the group came back while the step still hung.
     assert still_hanging == (mode == "hang")
-
-
-async def wait_until(condition, timeout: float = 60.0) -> None:
-    """Poll the coroutine `condition()` until it is true (a test waits for what it needs, not a time)."""
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        assert time.monotonic() < deadline, "the condition was not reached in time"
-        await asyncio.sleep(0.05)
-
-
-async def requests_held(link, urls: list[str]) -> int:
-    """Requests the engines at `urls` hold (running or waiting)."""
-    total = 0
-    for url in urls:
-        status = await client.health(link.session, url, token=link.token)
-        total += status["running"] + status["waiting"]
-    return total
-
-
-def long_group(pool, tok, dataset, during):
-    """A group of long samples (200 tokens each, EOS ignored); `during(link)` runs while every one of its
-    requests is held by a paused engine, so the fault it injects always finds them in flight."""
-    cfg = pool.cfg.rollout.model_copy(update={"n_samples": 4, "max_new_tokens": 200, "max_total_tokens": 256})
-    env_cls = load_agent(str(ROOT / "envs" / "reverse.py"))
-
-    async def go(link):
-        urls = [pool.engine_url(i) for i in range(len(pool.engines)) if pool.engines[i].proc.poll() is None]
-        for url in urls:
-            await client.pause(link.session, url, token=link.token, mode="keep")
-        runner = StepEnvRunner(env_cls, tok, cfg, _ignore_eos(link.generate))
-        task = asyncio.create_task(run_group(runner, dataset[2], Position(0, 2), cfg))
-        try:
-            await wait_until(lambda: _all_held(link, urls, cfg.n_samples))
-            await during(link)
-        finally:
-            for url in urls:  # a killed engine does not answer: the others go on
-                with contextlib.suppress(aiohttp.ClientError, OSError, RuntimeError):
-                    await client.resume(link.session, url, token=link.token, timeout=5)
-        return await task
-
-    return with_link(pool, go)
-
-
-async def _all_held(link, urls: list[str], n: int) -> bool:
-    return await requests_held(link, urls) == n
-
-
-def _ignore_eos(generate):
-    async def wrapped(token_ids, params, session_id):
-        return await generate(token_ids, {**params, **NO_STOP}, session_id)
-
-    return wrapped
 
 
 def test_an_aborted_request_restarts_its_sample(pool, tok, model, dataset) -> None:

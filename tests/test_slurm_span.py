@@ -6,7 +6,7 @@ start on its node, from the run's config and the node's `SLURM_NODEID` in the en
 
 import pytest
 
-from tests.test_slurm_jobs import events, submit
+from tests.slurm_support import events, submit
 
 pytest_plugins = ["tests.slurm_cluster"]
 pytestmark = pytest.mark.slurm
