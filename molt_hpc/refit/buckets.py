@@ -118,9 +118,13 @@ class CopyPlan:
 
     def __post_init__(self) -> None:
         assert len(self.into) == len(self.source), "a copy pairs each target with one source"
-        pairs = list(zip(self.into, self.source, strict=True))
-        self.large = [(d, s) for d, s in pairs if d.numel() >= LARGE]
-        self.small = ([d for d, _ in pairs if d.numel() < LARGE], [s for d, s in pairs if d.numel() < LARGE])
+        self.large, self.small = [], ([], [])
+        for dst, src in zip(self.into, self.source, strict=True):
+            if dst.numel() >= LARGE:
+                self.large.append((dst, src))
+            else:
+                self.small[0].append(dst)
+                self.small[1].append(src)
 
     def run(self) -> None:
         for dst, src in self.large:

@@ -112,15 +112,17 @@ class EngineCalls:
         return [a if "device_uuids" in a else None for a in answers]
 
     def round(self, urls: Sequence[str], path: str, body: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        """The same POST to every engine, waited for (one engine: from this thread, with no hand-off)."""
-        if len(urls) == 1:
-            done: Future = Future()
-            try:
-                done.set_result(self._post_now(urls[0], path, body or {}))
-            except (RuntimeError, OSError) as err:  # reported as `wait` reports a pool call's failure
-                done.set_exception(err)
-            return self.wait([done], urls, path.lstrip("/"))
-        return self.wait([self.post(url, path, body or {}) for url in urls], urls, path.lstrip("/"))
+        """The same POST to every engine, waited for: the first from this thread (one hand-off fewer per
+        round), the others from the pool meanwhile."""
+        if not urls:
+            return []
+        rest = [self.post(url, path, body or {}) for url in urls[1:]]
+        first: Future = Future()
+        try:
+            first.set_result(self._post_now(urls[0], path, body or {}))
+        except (RuntimeError, OSError) as err:  # reported with the others' failures by `wait`
+            first.set_exception(err)
+        return self.wait([first, *rest], urls, path.lstrip("/"))
 
     def check(self, calls: list[Future], urls: Sequence[str]) -> None:
         """An engine that refused the update early would leave the broadcast hanging: fail now instead."""
