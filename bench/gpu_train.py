@@ -239,7 +239,15 @@ def run_trainer(shape: str, world, group: Group, cfg, profile: bool, out: Path |
     return result
 
 
-def bench_shape(shape: str, seq: int, prompt: int, world, out: Path | None, profile: bool = False) -> None:
+def bench_shape(
+    shape: str,
+    seq: int,
+    prompt: int,
+    world,
+    out: Path | None,
+    profile: bool = False,
+    kernels: tuple[str, ...] = ("auto",),
+) -> None:
     from transformers import AutoModelForCausalLM
 
     from molt_hpc.actor.batch import my_rows
@@ -266,8 +274,11 @@ def bench_shape(shape: str, seq: int, prompt: int, world, out: Path | None, prof
                   f"{seq} tokens)", value=cpu_s, unit="ms")  # fmt: skip
     results = run_reference(shape, world, mb, exp, cfg, global_token_count(mb.action_mask))
     free()
-    results["trainer train_step (molt_hpc.actor)"] = run_trainer(shape, world, group, cfg, profile, out)
-    free()
+    for kernel in kernels:  # the trainer's step with each log-prob kernel (`actor.logprob_kernel`)
+        kcfg = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"logprob_kernel": kernel})})
+        name = f"trainer train_step (molt_hpc.actor), logprob_kernel {kernel}"
+        results[name] = run_trainer(shape, world, group, kcfg, profile and kernel == kernels[0], out)
+        free()
     tokens = world.size * mb_rows * seq
     flops = flops_per_token(shape, params, seq) * tokens
     base = results["reference FSDP2 step (CE)"][0]
@@ -362,6 +373,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b", "7b"])
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--kernels", nargs="+", default=["auto"], help="time the trainer step with each log-prob kernel")
     ap.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU over gloo: checks the script")
     args = ap.parse_args()
     from molt_hpc.actor.world import init_world
@@ -374,7 +386,15 @@ def main() -> int:
     world = init_world(ActorConfig(device="cpu" if dry else "cuda"))
     seq, prompt = (64, 8) if dry else (4096, 512)
     for i, shape in enumerate(["tiny"] if dry else args.shapes):
-        bench_shape(shape, seq, prompt, world, args.out, profile=i == 0)
+        bench_shape(
+            shape,
+            seq,
+            prompt,
+            world,
+            args.out,
+            profile=i == 0,
+            kernels=tuple(k for k in args.kernels if not dry or k in ("auto", "torch")),
+        )
     if world.is_main:
         v, h = (1000, 128) if dry else (151936, 896)
         loss_kernels(seq, prompt, MICRO["tiny" if dry else "0.5b"], world.device, args.out, v, h)

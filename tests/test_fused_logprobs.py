@@ -9,6 +9,7 @@
   and gradients at a temperature, with chunks that cut through rows and a mask.
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -228,3 +229,14 @@ def test_triton_kernel_is_refused_on_a_cpu_trainer():
         pytest.skip("the interpreter runs Triton on the CPU")
     with pytest.raises(ValueError, match="runs on CUDA GPUs"):
         check_kernel("triton", torch.device("cpu"))
+
+
+def test_auto_kernel_is_triton_on_cuda_with_triton_and_torch_elsewhere():
+    from molt_hpc.algorithm import logprob_kernels as lk
+
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert lk.resolve_kernel("auto", "cpu") == "torch"
+    assert lk.resolve_kernel("auto", "cuda") == ("triton" if has_triton else "torch")
+    assert lk.resolve_kernel("compile", "cuda") == "compile"
+    assert lk.kernel_fns("auto", torch.float32, "cpu") == (lk.torch_stats, lk.torch_grad)
+    lk.check_kernel("auto", torch.device("cpu"))  # `auto` runs anywhere

@@ -10,6 +10,9 @@ model produced), never modified. Every kernel gives
   caller no longer needs: the kernel may then write over it or return a buffer of its own).
 
 Kernels (`actor.logprob_kernel`):
+- `auto` (the default): `triton` where the chunk is on a CUDA GPU and the triton package is installed,
+  `torch` elsewhere. On one H200 the triton kernels are the fastest of the three (`bench/gpu_train.py`
+  times the trainer step with each), and all three compute the same function;
 - `torch`: eager ops on an fp32 copy of the chunk (several passes over `[n, V]` fp32); runs anywhere;
 - `compile`: the same math as one `torch.compile`d function per pass (inductor fuses each into one or
   two kernels reading `raw` in its own dtype); any device with a compiler;
@@ -24,7 +27,7 @@ import os
 import torch
 from torch import Tensor
 
-KERNELS = ("torch", "compile", "triton")
+KERNELS = ("auto", "torch", "compile", "triton")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -129,13 +132,26 @@ def _check_kernel(kernel: str, device_type: str) -> None:
             f"actor.logprob_kernel = 'triton' runs on CUDA GPUs, this trainer is on {device_type}: "
             "set actor.logprob_kernel = 'torch' (or 'compile')"
         )
-    if importlib.util.find_spec("triton") is None:
+    if not _has_triton():
         raise ValueError("actor.logprob_kernel = 'triton' needs the triton package: pip install triton, or use 'torch'")
 
 
-def kernel_fns(kernel: str, dtype: torch.dtype):
-    """(stats, grad) of `kernel` for chunks of `dtype`; fp64 chunks always take the torch kernel
-    (the fused kernels accumulate in fp32)."""
+def resolve_kernel(kernel: str, device_type: str) -> str:
+    """The kernel that `auto` means on `device_type`; any other kernel is itself."""
+    if kernel != "auto":
+        return kernel
+    return "triton" if device_type == "cuda" and _has_triton() else "torch"
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def kernel_fns(kernel: str, dtype: torch.dtype, device_type: str = "cpu"):
+    """(stats, grad) of `kernel` for chunks of `dtype` on `device_type`; fp64 chunks always take the
+    torch kernel (the fused kernels accumulate in fp32)."""
+    kernel = resolve_kernel(kernel, device_type)
     if kernel == "torch" or dtype == torch.float64:
         return torch_stats, torch_grad
     if kernel == "compile":

@@ -8,7 +8,8 @@ its fp32 temporaries under the `torch` kernel) are the only vocabulary-sized ten
 *and* the backward pass (a custom autograd function recomputes each chunk's logits in backward instead
 of saving them, and accumulates the LM head's gradient chunk by chunk in fp32). Entropy comes from the
 same pass. The per-chunk math has three implementations (`logprob_kernels.py`: torch, compile,
-triton). The distribution is the sampling one, `softmax(logits / temperature)`, as the engines report it.
+triton; `auto` picks triton on CUDA GPUs). The distribution is the sampling one,
+`softmax(logits / temperature)`, as the engines report it.
 
 Alignment (see `experience.py`): the output is `[B, T]` at the token's own index — `logp[b, t]` is
 log p(sequences[b, t] | hidden[b, t-1]) — and column 0, which nothing predicts, is 0. With
@@ -29,7 +30,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, source, weight, idx, targets, temperature, chunk, kernel):
         n, dtype = idx.shape[0], compute_dtype((source if weight is None else weight).dtype)
-        stats, _ = kernel_fns(kernel, dtype)
+        stats, _ = kernel_fns(kernel, dtype, source.device.type)
         logp, lse, mean_z = (torch.empty(n, dtype=dtype, device=source.device) for _ in range(3))
         spans = _spans(idx, chunk)
         for s, rows in spans:
@@ -45,7 +46,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
     def backward(ctx, g_logp, g_ent):
         source, weight, targets, lse, mean_z = ctx.saved_tensors
         temperature = ctx.temperature
-        _, grad_fn = kernel_fns(ctx.kernel, lse.dtype)
+        _, grad_fn = kernel_fns(ctx.kernel, lse.dtype, lse.device.type)
         grad_src = torch.zeros_like(source) if ctx.needs_input_grad[0] else None
         grad_w = None
         if weight is not None and ctx.needs_input_grad[1]:
@@ -141,7 +142,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk: int = 1024,
     action_mask: Tensor | None = None,
-    kernel: str = "torch",
+    kernel: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """(log-prob of each token, entropy of the distribution that predicted it), both `[B, T]` float32.
 
@@ -165,7 +166,7 @@ def logprobs_from_logits(
     temperature: float = 1.0,
     chunk: int = 1024,
     action_mask: Tensor | None = None,
-    kernel: str = "torch",
+    kernel: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """As `token_logprobs`, from logits `[B, T, V]` (any dtype; only `chunk` rows at a time go to fp32)."""
     _check(sequences, temperature, chunk, kernel)
@@ -196,7 +197,7 @@ def target_logprobs(
     temperature: float = 1.0,
     chunk: int = 1024,
     mask: Tensor | None = None,
-    kernel: str = "torch",
+    kernel: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """As `logprobs_from_logits`, with the targets given instead of shifted: `[B, S]` log p(targets[b, j]
     | logits[b, j]) and the entropy of that distribution, at the logits' index (0 off `mask`). For a
@@ -216,7 +217,7 @@ def target_token_logprobs(
     temperature: float = 1.0,
     chunk: int = 1024,
     mask: Tensor | None = None,
-    kernel: str = "torch",
+    kernel: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """As `target_logprobs`, from hidden states `[B, S, H]` and the LM head (as `token_logprobs`)."""
     _check(targets, temperature, chunk, kernel)

@@ -124,8 +124,9 @@ class ActorConfig(Section):
     """Recompute each decoder block's activations in the backward pass."""
     logprob_chunk: PositiveInt = 1024
     """Tokens per chunk when computing log-probs and entropy, so fp32 [B, T, V] is never materialised."""
-    logprob_kernel: Literal["torch", "compile", "triton"] = "torch"
-    """How each chunk's log-probs, entropy and gradient are computed: `torch` (eager ops, any device),
+    logprob_kernel: Literal["auto", "torch", "compile", "triton"] = "auto"
+    """How each chunk's log-probs, entropy and gradient are computed: `auto` (`triton` on CUDA GPUs with
+    the triton package, the fastest there; `torch` elsewhere), `torch` (eager ops, any device),
     `compile` (the same math fused by `torch.compile`; compiles once per run), `triton` (hand-written
     kernels, CUDA GPUs with the triton package). All compute the same function (`bench/gpu_train.py`
     times them side by side)."""
