@@ -51,10 +51,19 @@ def main() -> None:
 @click.argument("config", required=False)
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)
 @click.option("--docs", is_flag=True, help="Write each field's description above it.")
-def config_cmd(config: str | None, overrides: tuple[str, ...], docs: bool) -> None:
-    """Print the resolved config (CONFIG, or the embedded defaults) as TOML."""
-    from molt_hpc.config import to_toml
+@click.option("--format", "fmt", type=click.Choice(["toml", "markdown"]), default="toml", show_default=True,
+              help="markdown (with --docs): the reference of every config field (docs/config.md).")  # fmt: skip
+def config_cmd(config: str | None, overrides: tuple[str, ...], docs: bool, fmt: str) -> None:
+    """Print the resolved config (CONFIG, or the embedded defaults) as TOML, or the config reference."""
+    from molt_hpc.config import MoltConfig, to_toml
 
+    if fmt == "markdown":
+        if not docs or config or overrides:
+            raise click.UsageError("--format markdown is the reference of the whole tree: use it with --docs alone")
+        from molt_hpc.config.reference import reference_markdown
+
+        click.echo(reference_markdown(MoltConfig), nl=False)
+        return
     click.echo(to_toml(_load(config, overrides), docs=docs), nl=False)
 
 
