@@ -1,0 +1,53 @@
+"""The mismatch observatory against a batch worked out by hand with plain Python floats."""
+
+import math
+
+import torch
+
+from molt_hpc.algorithm.mismatch import finish, observe
+
+# One packed row holding sample 0 (prompt 2 tokens, turn 1: 2 actions, feedback 1 token, turn 2: 1 action)
+# and sample 1 (prompt 1, 3 actions), then a padded row: sample 2 (prompt 1, 2 actions, 1 pad).
+MASK = [[0, 0, 1, 1, 0, 1, 0, 1, 1, 1], [0, 1, 1, 0, 0, 0, 0, 0, 0, 0]]
+SEQ = [[0, 0, 0, 0, 0, 0, 1, 1, 1, 1], [2, 2, 2, -1, -1, -1, -1, -1, -1, -1]]
+VER = [[-1, -1, 3, 3, -1, 2, -1, 3, 3, 3], [-1, 3, 3, -1, -1, -1, -1, -1, -1, -1]]
+TRAINER = [[0, 0, -1.0, -2.0, 0, -0.5, 0, -0.2, -3.0, -1.5], [0, -0.7, -0.1, 0, 0, 0, 0, 0, 0, 0]]
+ENGINE = [[0, 0, -1.1, -1.0, 0, -0.9, 0, -0.2, -2.0, float("nan")], [0, -0.4, -0.1, 0, 0, 0, 0, 0, 0, 0]]
+
+
+def test_observatory_matches_the_hand_computed_batch():
+    t = lambda x, dt=torch.float64: torch.tensor(x, dtype=dt)  # noqa: E731
+    parts = observe(t(TRAINER), t(ENGINE), t(MASK, torch.bool), t(VER, torch.long), 3, t(SEQ, torch.long), 2.0)
+    # same-version tokens with an engine log-prob: (0,2) (0,3) [sample 0 turn 1], (0,7) (0,8) [sample 1],
+    # (1,1) (1,2) [sample 2]; (0,5) is version 2 and (0,9) has no engine log-prob
+    d = [-1.0 + 1.1, -2.0 + 1.0, -0.2 + 0.2, -3.0 + 2.0, -0.7 + 0.4, -0.1 + 0.1]
+    n = len(d)
+    overall, tokens = parts[0]
+    assert tokens == n
+    assert math.isclose(float(overall["mismatch_abs_mean"]), sum(abs(x) for x in d) / n, rel_tol=1e-12)
+    assert math.isclose(float(overall["mismatch_abs_max"]), 1.0, rel_tol=1e-12)
+    assert math.isclose(float(overall["mismatch_k3"]), sum(math.exp(x) - 1 - x for x in d) / n, rel_tol=1e-12)
+    assert math.isclose(float(overall["mismatch_over_threshold"]), 2 / n)  # |d| = 1.0 twice > log 2
+    got = finish({"mismatch_log_ppl_ratio": float(overall["mismatch_log_ppl_ratio"])})["mismatch_ppl_ratio"]
+    ppl_trainer = math.exp(-sum([-1.0, -2.0, -0.2, -3.0, -0.7, -0.1]) / n)
+    ppl_engine = math.exp(-sum([-1.1, -1.0, -0.2, -2.0, -0.4, -0.1]) / n)
+    assert math.isclose(got, ppl_trainer / ppl_engine, rel_tol=1e-12)
+    # every sample has fewer than 256 action tokens: one length bucket, the overall tokens
+    named = {k: (float(v), w) for m, w in parts[1:] for k, v in m.items()}
+    assert named["mismatch_abs_mean_len_lt_256"] == (float(overall["mismatch_abs_mean"]), n)
+    # turns: sample 0's first span is turn 1, its second (version 2: not counted) turn 2; samples 1, 2 turn 1
+    assert math.isclose(named["mismatch_abs_mean_turn_1"][0], sum(abs(x) for x in d) / n)
+    assert named["mismatch_abs_mean_turn_1"][1] == n and "mismatch_abs_mean_turn_2" not in named
+
+
+def test_turns_count_spans_within_each_packed_sample():
+    from molt_hpc.algorithm.mismatch import turn_numbers
+
+    got = turn_numbers(torch.tensor(MASK, dtype=torch.bool), torch.tensor(SEQ))
+    assert got.tolist() == [[0, 0, 1, 1, 0, 2, 0, 1, 1, 1], [0, 1, 1, 0, 0, 0, 0, 0, 0, 0]]
+
+
+def test_no_same_version_token_reports_nothing():
+    z = torch.zeros(1, 4, dtype=torch.float64)
+    mask = torch.tensor([[False, True, True, True]])
+    assert observe(z, z, mask, torch.full((1, 4), 1), 2, torch.zeros(1, 4, dtype=torch.long), 2.0) == []
