@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from molt_hpc.algorithm.loss import global_token_count, policy_loss, value_loss
+from molt_hpc.algorithm.loss import LossScale, global_token_count, policy_loss, value_loss
 from molt_hpc.algorithm.moe import load_balancing_loss, router_z_loss
 from molt_hpc.config.train import AlgorithmConfig
 
@@ -45,7 +45,7 @@ def test_ppo_clip_higher_and_dual_clip_hand_worked():
 
 
 def test_gspo_uses_the_sequence_geometric_mean_ratio():
-    cfg = AlgorithmConfig(policy_loss="gspo", eps_low=0.2, eps_high=0.28, **NO_IS)
+    cfg = AlgorithmConfig(policy_loss="gspo", eps_low=0.2, eps_high=0.28, loss_agg="token-mean", **NO_IS)
     # two samples in one packed row: mean log-ratio 0.2 (unclipped) and 0.6 (clipped at 1.28)
     loss, grad, m = run(cfg, [0.1, 0.3, 0.5, 0.7], [1.0] * 4, seq_index=[0, 0, 1, 1])
     s0 = math.exp(0.2)
@@ -64,28 +64,35 @@ def test_cispo_keeps_a_gradient_on_clipped_tokens():
 
 @pytest.mark.parametrize(
     ("correction", "expected_loss", "expected_grad"),
-    [("none", 3.0, 3.0), ("truncate", 2.0, 2.0), ("mask", 0.0, 0.0)],
+    [("none", 1.0, 1.0), ("truncate", 2.0, 2.0), ("mask", 0.0, 0.0)],
 )
-def test_token_is_correction(correction, expected_loss, expected_grad):
+def test_token_is_correction_is_a_factor_of_old_over_engine(correction, expected_loss, expected_grad):
     cfg = AlgorithmConfig(is_correction=correction, is_threshold=2.0, eps_low=0.2, eps_high=0.28)
-    # r = 3 > threshold 2 with A = -1: unclipped PPO loss r·|A| = 3, gradient weight r
-    loss, grad, m = run(cfg, [math.log(3.0), 0.0], [-1.0, 0.0])
-    assert loss == pytest.approx(expected_loss / 2)
-    assert grad[0] == pytest.approx(expected_grad / 2)
+    # the loss's ratio p / p_old is 1 (on the old policy); w = p_old / p_engine = 3 > C = 2 on token 0, A = -1
+    logp = leaf([[math.log(3.0), 0.0]])
+    old = logp.detach().clone()
+    adv, mask = torch.tensor([[-1.0, 0.0]], dtype=torch.float64), torch.ones(1, 2, dtype=torch.bool)
+    loss, m = policy_loss(logp, torch.zeros(1, 2, dtype=torch.float64), adv, mask, cfg, 2, old_log_probs=old)
+    loss.backward()
+    # PPO at r = 1: loss |A| = 1 per token, gradient weight r = 1; truncate: x min(3, 2); mask: dropped
+    assert loss.item() == pytest.approx(expected_loss / 2)
+    assert logp.grad[0, 0].item() == pytest.approx(expected_grad / 2)
     assert m["is_over_threshold_frac"].item() == pytest.approx(0.5)
     assert m["is_weight_max"].item() == pytest.approx(3.0)
 
 
 def test_sequence_is_correction_weighs_every_token_of_the_sample():
     cfg = AlgorithmConfig(is_correction="truncate", is_level="sequence", is_threshold=2.0, eps_high=0.28)
-    # sample 0: geometric mean ratio sqrt(9 · 1) = 3 -> both tokens scaled by 2/3; sample 1 is on-policy
-    log_ratio = [math.log(9.0), 0.0, 0.0]
-    loss, grad, _ = run(cfg, log_ratio, [-1.0, -1.0, -1.0], seq_index=[0, 0, 1])
-    assert loss == pytest.approx((9.0 * 2 / 3 + 1.0 * 2 / 3 + 1.0) / 3)
-    assert grad == pytest.approx([9.0 * 2 / 3 / 3, 2 / 3 / 3, 1 / 3])
-    masked = AlgorithmConfig(is_correction="mask", is_level="sequence", is_threshold=2.0, eps_high=0.28)
-    loss, grad, _ = run(masked, log_ratio, [-1.0, -1.0, -1.0], seq_index=[0, 0, 1])
-    assert loss == pytest.approx(1.0 / 3) and grad == pytest.approx([0.0, 0.0, 1 / 3])
+    # sample 0: geometric mean of w sqrt(9 · 1) = 3 -> both tokens x min(3, 2) = 2; sample 1 has w = 1
+    old = torch.tensor([[math.log(9.0), 0.0, 0.0]], dtype=torch.float64)
+    engine = torch.zeros(1, 3, dtype=torch.float64)
+    adv, seq = torch.tensor([[-1.0, -1.0, -1.0]], dtype=torch.float64), torch.tensor([[0, 0, 1]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    logp = leaf(old.tolist())
+    loss, _ = policy_loss(logp, engine, adv, mask, cfg, 3, seq_index=seq, old_log_probs=old)
+    loss.backward()
+    assert loss.item() == pytest.approx((2.0 + 2.0 + 1.0) / 3)
+    assert logp.grad[0].tolist() == pytest.approx([2 / 3, 2 / 3, 1 / 3])
 
 
 def test_kl_in_the_loss_and_the_entropy_bonus():
@@ -174,7 +181,7 @@ def test_tokens_without_rollout_logprobs_are_on_policy(policy_loss_kind):
     results = []
     for rollout in (torch.full_like(adv, float("nan")), torch.tensor(logp_values, dtype=torch.float64)):
         logp = leaf(logp_values)
-        loss, _ = policy_loss(logp, rollout, adv, mask, cfg, 4, seq_index=seq, n_samples=2)
+        loss, _ = policy_loss(logp, rollout, adv, mask, cfg, LossScale(4, 2), seq_index=seq, n_samples=2)
         loss.backward()
         results.append((loss.item(), logp.grad[0].tolist()))
     assert results[0][0] == pytest.approx(results[1][0]) and not math.isnan(results[0][0])

@@ -1,12 +1,18 @@
-"""One training step: the step's groups → experience → reference log-probs, values, advantages →
-micro-batched policy updates (and critic updates) with the global token mean.
+"""One training step: the step's groups → experience → reference log-probs, values, advantages, the
+old policy's log-probs → micro-batched policy updates (and critic updates) aggregated over the global batch.
 
 A step is `ppo_epochs × mini_batches` optimizer updates of the policy on `actor.groups_per_step`
-groups (and `critic_epochs × mini_batches` of the critic). Each update's loss is a sum over action
-tokens divided by the token count of that mini-batch over *all* ranks; FSDP averages gradients
-over ranks, so each rank scales its loss by the world size to turn that average into the sum.
-With context parallelism the ranks of a CP group share rows: the token count runs over data-parallel
-ranks only and the scale is the data-parallel size (`molt_hpc.actor.context_parallel`).
+groups (and `critic_epochs × mini_batches` of the critic). Each update's loss is a weighted sum over
+action tokens whose denominators (tokens, samples; `algorithm.loss_agg`) are those of that mini-batch
+over *all* micro-batches and ranks (`global_loss_scale`); FSDP averages gradients over ranks, so each
+rank scales its loss by the world size to turn that average into the sum. With context parallelism
+the ranks of a CP group share rows: the counts run over data-parallel ranks only and the scale is the
+data-parallel size (`molt_hpc.actor.context_parallel`).
+
+When `algorithm.recompute_old` holds (`ppo_epochs > 1`, or an IS correction), one no-grad forward of
+the policy over the step's batch, before its first update, gives the PPO old policy's log-probs
+(`Experience.old_log_probs`); nothing else adds a forward. With `algorithm.kl_target` the KL
+coefficient adapts after every step (`Models.kl_coef`, saved with the checkpoint's run state).
 """
 
 import contextlib
@@ -28,11 +34,12 @@ from molt_hpc.algorithm import (
     Experience,
     compute_advantages,
     experience_from_groups,
-    global_token_count,
     kl_estimate,
     policy_loss,
     value_loss,
 )
+from molt_hpc.algorithm.kl import adaptive_kl_coef
+from molt_hpc.algorithm.loss import global_loss_scale, policy_mask
 from molt_hpc.config import MoltConfig
 from molt_hpc.trajectory import Group
 
@@ -54,6 +61,8 @@ class Models:
     """The policy's MoE routers (replay, aux losses, routing metrics); None for a dense policy."""
     images: ImageInputs | None = None
     """A vision-language policy's image inputs (`molt_hpc.actor.vision`); None for a text model."""
+    kl_coef: float | None = None
+    """The adaptive KL coefficient now (`algorithm.kl_target`); None: `algorithm.kl_coef` as configured."""
 
 
 @dataclass
@@ -133,7 +142,19 @@ def build_experience(groups: list[Group], cfg: MoltConfig, models: Models, world
     if models.critic is not None:
         critic = models.critic.model
         exp.values = rows_forward(lambda mb: critic_values(critic, mb), exp, rows, *shape, world)
+    if cfg.algorithm.recompute_old(act.ppo_epochs):
+        exp.old_log_probs = rows_forward(lambda mb: _old_logprobs(mb, cfg, models), exp, rows, *shape, world)
     return compute_advantages(exp, cfg.algorithm)
+
+
+def _old_logprobs(mb: Experience, cfg: MoltConfig, models: Models) -> torch.Tensor:
+    """The policy's log-probs of one micro-batch before any update (the PPO old policy), routed as in training."""
+    act = cfg.actor
+    with models.moe.micro_batch(mb) if models.moe else contextlib.nullcontext():
+        return policy_logprobs(
+            models.policy.model, mb, cfg.rollout.temperature, act.logprob_chunk, act.logprob_kernel,
+            images=models.images,
+        )[0]  # fmt: skip
 
 
 def optimizer_step(part: Trainable, max_norm: float) -> float:
@@ -148,22 +169,31 @@ def optimizer_step(part: Trainable, max_norm: float) -> float:
     return norm
 
 
-def _updates(exp: Experience, cfg: MoltConfig, world: World, epochs: int, pack_tokens: int | None):
-    """(micro-batches, global token count) of every update of `epochs` passes over the mini-batches."""
+def train_mask(mb: Experience, cfg: MoltConfig, n_samples: int) -> torch.Tensor:
+    """The policy's training tokens of a micro-batch (`algorithm.is_correction = "mask"` drops some)."""
+    return policy_mask(mb.action_mask, mb.action_log_probs, cfg.algorithm, old_log_probs=mb.old_log_probs,
+                       seq_index=mb.seq_index, n_samples=n_samples)  # fmt: skip
+
+
+def _updates(exp: Experience, cfg: MoltConfig, world: World, epochs: int, pack_tokens: int | None, policy: bool):
+    """(micro-batches, global `LossScale`) of every update of `epochs` passes over the mini-batches; the
+    policy's counts its training tokens and samples, the critic's all action tokens."""
+    length = cfg.algorithm.loss_agg_length or cfg.rollout.max_new_tokens
     for _ in range(epochs):
         for rows in mini_batch_rows(exp, cfg.actor.mini_batches):
-            mbs = rank_micro_batches(exp, rows, cfg.actor.micro_batch_size, pack_tokens, world)
-            count = global_token_count([mb.batch.action_mask for mb in mbs], group=world.dp_group)
-            if count == 0:  # every rank agrees (a global count): nothing to train in this mini-batch
+            mbs = [mb.batch for mb in rank_micro_batches(exp, rows, cfg.actor.micro_batch_size, pack_tokens, world)]
+            masks = [train_mask(mb, cfg, exp.num_samples) if policy else mb.action_mask for mb in mbs]
+            scale = global_loss_scale(masks, [mb.seq_index for mb in mbs], length, group=world.dp_group)
+            if scale.tokens == 0:  # every rank agrees (a global count): nothing to train in this mini-batch
                 continue
-            yield [mb.batch for mb in mbs], count
+            yield mbs, scale
 
 
 def update_policy(exp: Experience, cfg: MoltConfig, models: Models, world: World, meter: Meter) -> list[float]:
     """The policy's updates of this step; returns the gradient norm of each."""
     part, alg, act = models.policy, cfg.algorithm, cfg.actor
     norms = []
-    for mbs, count in _updates(exp, cfg, world, act.ppo_epochs, models.pack_tokens):
+    for mbs, scale in _updates(exp, cfg, world, act.ppo_epochs, models.pack_tokens, policy=True):
         for host_mb in mbs:
             mb = host_mb.to(world.device)
             with models.moe.micro_batch(mb) if models.moe else contextlib.nullcontext():
@@ -172,11 +202,12 @@ def update_policy(exp: Experience, cfg: MoltConfig, models: Models, world: World
                     images=models.images,
                 )  # fmt: skip
                 loss, metrics = policy_loss(
-                    logp, mb.action_log_probs, mb.advantages, mb.action_mask, alg, count,
+                    logp, mb.action_log_probs, mb.advantages, mb.action_mask, alg, scale,
                     seq_index=mb.seq_index, n_samples=exp.num_samples, base_log_probs=mb.base_log_probs, entropy=ent,
+                    old_log_probs=mb.old_log_probs,
                 )  # fmt: skip
-                if models.moe:  # MoE aux losses, weighted like the policy loss (a share of the global tokens)
-                    loss = loss + models.moe.aux_loss(int(mb.action_mask.sum()) / count)
+                if models.moe:  # MoE aux losses, weighted by the micro-batch's share of the global tokens
+                    loss = loss + models.moe.aux_loss(int(mb.action_mask.sum()) / scale.tokens)
                 (loss * world.dp_size).backward()
             meter.add({**metrics, "loss": loss.detach()}, _reported_tokens(host_mb, world))
         norms.append(optimizer_step(part, act.grad_clip))
@@ -189,11 +220,11 @@ def update_critic(exp: Experience, cfg: MoltConfig, models: Models, world: World
     part, alg = models.critic, cfg.algorithm
     assert part is not None and exp.values is not None and exp.returns is not None
     norms = []
-    for mbs, count in _updates(exp, cfg, world, cfg.actor.critic_epochs, models.pack_tokens):
+    for mbs, scale in _updates(exp, cfg, world, cfg.actor.critic_epochs, models.pack_tokens, policy=False):
         for host_mb in mbs:
             mb = host_mb.to(world.device)
             values = critic_values(part.model, mb)
-            loss, metrics = value_loss(values, mb.values, mb.returns, mb.action_mask, count, alg.value_clip)
+            loss, metrics = value_loss(values, mb.values, mb.returns, mb.action_mask, scale.tokens, alg.value_clip)
             (loss * alg.value_coef * world.dp_size).backward()
             meter.add({**metrics, "value_loss": loss.detach()}, _reported_tokens(host_mb, world))
         norms.append(optimizer_step(part, cfg.actor.grad_clip))
@@ -209,6 +240,8 @@ def _reported_tokens(mb: Experience, world: World) -> int:
 
 def train_step(groups: list[Group], cfg: MoltConfig, models: Models, world: World, pad_id: int) -> dict[str, float]:
     """One training step on `groups` (the same on every rank); returns its metrics (the same on every rank)."""
+    if models.kl_coef is not None:  # the adaptive controller's coefficient replaces the configured one
+        cfg = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"kl_coef": models.kl_coef})})
     exp = build_experience(groups, cfg, models, world, pad_id)
     meter = Meter()
     norms = update_policy(exp, cfg, models, world, meter)
@@ -229,6 +262,10 @@ def train_step(groups: list[Group], cfg: MoltConfig, models: Models, world: Worl
     if "kl" not in out and exp.base_log_probs is not None:  # the KL went into the reward: report the rollout's
         kl = kl_estimate(exp.action_log_probs, exp.base_log_probs, cfg.algorithm.kl_estimator)
         out["kl"] = float(kl[exp.action_mask].mean()) if exp.num_action_tokens else 0.0
+    alg = cfg.algorithm
+    if alg.kl_target is not None and "kl" in out:
+        out["kl_coef"] = alg.kl_coef
+        models.kl_coef = adaptive_kl_coef(alg.kl_coef, out["kl"], alg.kl_target, alg.kl_horizon, exp.num_samples)
     return out
 
 

@@ -108,6 +108,7 @@ class Trainer:
             self.step, self.saved_step = rs["step"], rs["step"]
             self.feed.commit(rs["trained_groups"])  # a crash between publish and ack left them claimed
             self.feed.last_position = rs.get("data_position", {})
+            self.models.kl_coef = rs.get("kl_coef")  # the adaptive KL controller's (None: the configured one)
             self.log.info("resumed from %s: step %d", ckpt, self.step)
         self.control = Control(run.path, world.is_main)
         self.sync = EngineSync(cfg, run.path, world)
@@ -153,7 +154,8 @@ class Trainer:
             return
         t0 = time.perf_counter()
         covered = self.feed.state()
-        run_state = {"version": self.version, **covered, "buffer": self.feed.stats(), "model": str(self.base)}
+        run_state = {"version": self.version, **covered, "buffer": self.feed.stats(), "model": str(self.base),
+                     "kl_coef": self.models.kl_coef}  # fmt: skip
         c = self.cfg.checkpoint
         path = state.save(
             self.world, self.rundir.checkpoints, self.step, self.parts, run_state,

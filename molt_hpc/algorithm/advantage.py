@@ -12,12 +12,17 @@ Token estimators run a recursion over each sample's **action tokens only** (prom
 tokens are skipped: the next action token after a feedback span is the "next step"), with the
 sample's reward placed on its last action token (`token_rewards`):
 
-- `reinforce_pp_advantages`: discounted returns with a per-token KL penalty in the reward,
-  normalised over all action tokens of the batch;
+- `reinforce_pp_advantages`: discounted returns with a per-token KL penalty in the reward
+  (REINFORCE++, Hu 2025); `reinforce_pp_baseline` first subtracts the group-mean reward
+  (REINFORCE++-baseline);
 - `gae`: generalised advantage estimation with critic values; returns = advantages + values.
 
+`whiten` normalises advantages over all action tokens of the step's batch (masked mean, Bessel std),
+as REINFORCE++ does and as every reference PPO implementation does to GAE advantages
+(`AlgorithmConfig.whiten`: on for those three, off for the group estimators unless asked).
+
 `compute_advantages(exp, cfg)` picks the estimator from `ADVANTAGES`, keyed by
-`AlgorithmConfig.advantage`, and fills `exp.advantages` / `exp.returns`.
+`AlgorithmConfig.advantage`, whitens when configured, and fills `exp.advantages` / `exp.returns`.
 """
 
 from collections.abc import Callable
@@ -97,17 +102,23 @@ def discounted_returns(rewards: Tensor, seq_index: Tensor, action_mask: Tensor, 
     return from_sample_major(out, seq_index, action_mask)
 
 
+def whiten(advantages: Tensor, action_mask: Tensor, eps: float = 1e-6) -> Tensor:
+    """`(A - mean) / (std + eps)` over the action tokens (std with Bessel's correction), 0 elsewhere;
+    all zeros with fewer than two action tokens (no spread to normalise by)."""
+    x = advantages[action_mask]
+    if x.numel() < 2:
+        return torch.zeros_like(advantages)
+    out = (advantages - x.mean()) / (x.std() + eps)
+    return torch.where(action_mask, out, torch.zeros_like(out))
+
+
 def reinforce_pp_advantages(
     rewards: Tensor, seq_index: Tensor, action_mask: Tensor, n_samples: int, gamma: float, eps: float = 1e-6
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++: returns of `rewards [B, T]` (which carry the KL penalty), whitened over all action
     tokens of the batch. Returns (advantages, returns), both `[B, T]`."""
     returns = discounted_returns(rewards, seq_index, action_mask, n_samples, gamma)
-    x = returns[action_mask]
-    if x.numel() < 2:
-        return torch.zeros_like(returns), returns
-    adv = (returns - x.mean()) / (x.std() + eps)
-    return torch.where(action_mask, adv, torch.zeros_like(adv)), returns
+    return whiten(returns, action_mask, eps), returns
 
 
 def gae(
@@ -164,7 +175,16 @@ def _group_estimator(fn: Callable[[Tensor, Tensor, AlgorithmConfig], Tensor]) ->
 
 def _reinforce_pp(exp: Experience, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     rewards = token_rewards(exp.reward, exp.seq_index, exp.action_mask, _reward_kl(exp, cfg), cfg.kl_coef)
-    return reinforce_pp_advantages(rewards, exp.seq_index, exp.action_mask, exp.num_samples, cfg.gamma, cfg.adv_eps)
+    returns = discounted_returns(rewards, exp.seq_index, exp.action_mask, exp.num_samples, cfg.gamma)
+    return returns, returns  # whitened by `compute_advantages` (`cfg.whiten`)
+
+
+def _reinforce_pp_baseline(exp: Experience, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """REINFORCE++-baseline: the group-mean reward subtracted first (the KL penalty stays per token)."""
+    baselined = dr_grpo_advantages(exp.reward, exp.group_index)
+    rewards = token_rewards(baselined, exp.seq_index, exp.action_mask, _reward_kl(exp, cfg), cfg.kl_coef)
+    returns = discounted_returns(rewards, exp.seq_index, exp.action_mask, exp.num_samples, cfg.gamma)
+    return returns, returns
 
 
 def _gae(exp: Experience, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
@@ -180,11 +200,15 @@ ADVANTAGES: dict[AdvantageKind, AdvantageFn] = {
     "dr_grpo": _group_estimator(lambda r, g, cfg: dr_grpo_advantages(r, g)),
     "rloo": _group_estimator(lambda r, g, cfg: rloo_advantages(r, g)),
     "reinforce_pp": _reinforce_pp,
+    "reinforce_pp_baseline": _reinforce_pp_baseline,
     "gae": _gae,
 }
 
 
 def compute_advantages(exp: Experience, cfg: AlgorithmConfig) -> Experience:
-    """Fill `exp.advantages` and `exp.returns` (`[B, T]`, 0 off action tokens) with `cfg.advantage`."""
-    exp.advantages, exp.returns = ADVANTAGES[cfg.advantage](exp, cfg)
+    """Fill `exp.advantages` and `exp.returns` (`[B, T]`, 0 off action tokens) with `cfg.advantage`,
+    the advantages whitened over the batch's action tokens when `cfg.whiten` (returns never are:
+    they are the critic's targets)."""
+    advantages, exp.returns = ADVANTAGES[cfg.advantage](exp, cfg)
+    exp.advantages = whiten(advantages, exp.action_mask, cfg.adv_eps) if cfg.whiten else advantages
     return exp

@@ -46,6 +46,7 @@ TOKEN_FIELDS = (
     "seq_index",
     "action_mask",
     "action_log_probs",
+    "old_log_probs",
     "versions",
     "base_log_probs",
     "values",
@@ -82,6 +83,9 @@ class Experience:
     """`[N]` bool: the sample lost tokens to `max_len`."""
     base_log_probs: Tensor | None = None
     """`[B, T]`: reference-model log-probs (filled by the actor when the KL is used)."""
+    old_log_probs: Tensor | None = None
+    """`[B, T]`: the trainer's log-probs under the weights that start the step (the PPO old policy),
+    filled by the actor when `AlgorithmConfig.recompute_old` says so; None: the engine's are the old."""
     values: Tensor | None = None
     """`[B, T]`: critic values (GAE only)."""
     advantages: Tensor | None = None

@@ -20,7 +20,7 @@ from molt_hpc.config.rollout import EnginesConfig, RolloutConfig, RouterConfig
 from molt_hpc.config.stages import RewardModelConfig, RewardTrainConfig, SftConfig
 from molt_hpc.config.train import ActorConfig, AlgorithmConfig, CheckpointConfig
 
-GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")
+GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
 
 class MoltConfig(Section):

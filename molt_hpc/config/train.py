@@ -6,8 +6,12 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, Pos
 
 from molt_hpc.config.base import Section
 
-AdvantageKind = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"]
+AdvantageKind = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
 PolicyLossKind = Literal["ppo", "gspo", "cispo"]
+LossAggKind = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLEstimatorKind = Literal["k1", "k2", "k3", "abs", "mse"]
+WHITENED_BY_DEFAULT = ("reinforce_pp", "reinforce_pp_baseline", "gae")
+"""Estimators whose papers normalise the advantages over the batch's action tokens."""
 
 
 class AlgorithmConfig(Section):
@@ -15,11 +19,26 @@ class AlgorithmConfig(Section):
 
     advantage: AdvantageKind = "grpo"
     """Advantage estimator. `grpo`: group mean/std; `dr_grpo`: group mean, no std, no length
-    normalisation; `rloo`: leave-one-out baseline; `reinforce_pp`: token returns with KL penalty,
-    batch-normalised; `gae`: generalised advantage estimation with a critic."""
+    normalisation; `rloo`: leave-one-out baseline; `reinforce_pp`: token returns with KL penalty;
+    `reinforce_pp_baseline`: the same with the group-mean reward as baseline; `gae`: generalised
+    advantage estimation with a critic. See `whiten_advantages` for the batch normalisation."""
+    whiten_advantages: bool | None = None
+    """Normalise the advantages over all action tokens of the step's batch, `(A - mean) / (std +
+    adv_eps)` (masked mean, Bessel std). Unset: on for `reinforce_pp`, `reinforce_pp_baseline` and
+    `gae` (as their papers and the reference PPO implementations do), off for `grpo`, `dr_grpo` and
+    `rloo` (already normalised within each group; whitening Dr.GRPO would bring back the std it removes)."""
     policy_loss: PolicyLossKind = "ppo"
     """Policy loss: PPO-clip on the token ratio, GSPO (sequence-level ratio) or CISPO (clipped IS
     weight times the log-prob, gradient through every token)."""
+    loss_agg: LossAggKind | None = None
+    """How per-token losses become the step's loss, over the whole optimizer step (all micro-batches
+    and ranks): `token-mean` (sum / action tokens), `seq-mean-token-sum` (each sample's sum, averaged
+    over samples), `seq-mean-token-mean` (each sample's mean, averaged over samples: every sample weighs
+    the same whatever its length), `seq-mean-token-sum-norm` (sum / (samples x `loss_agg_length`),
+    Dr.GRPO's constant normaliser). Unset: `seq-mean-token-mean` for GSPO (its paper), else `token-mean`."""
+    loss_agg_length: PositiveInt | None = None
+    """The constant length of `seq-mean-token-sum-norm`; unset: `rollout.max_new_tokens` (Dr.GRPO's
+    generation budget)."""
     eps_low: float = Field(0.2, gt=0.0, lt=1.0)
     """Lower clip: the ratio is clipped at 1 - eps_low."""
     eps_high: PositiveFloat = 0.28
@@ -27,17 +46,37 @@ class AlgorithmConfig(Section):
     dual_clip: float | None = Field(None, gt=1.0)
     """Dual-clip bound c > 1 for negative advantages (the loss is at most c·|A|, 3.0 is usual);
     unset disables it."""
-    is_correction: Literal["none", "truncate", "mask"] = "truncate"
-    """Off-policy correction against the engine's log-probs: truncate the IS weight at
-    `is_threshold`, mask tokens (or sequences) whose weight exceeds it, or none."""
+    cispo_eps_low: float | None = Field(None, gt=0.0, lt=1.0)
+    """CISPO only: also clip its IS weight from below at 1 - cispo_eps_low. Unset: no lower clip (the
+    MiniMax-M1 setting, whose lower bound is effectively off)."""
+    old_log_probs: Literal["auto", "engine", "recompute"] = "auto"
+    """The "old" policy of the loss's ratio `r = p / p_old`. `engine`: the engine's log-probs of the
+    sampled tokens; `recompute`: the trainer's own log-probs under the weights that start the step,
+    one no-grad forward over the step's batch before its first update (the PPO old policy; the
+    engine's then only enter `is_correction`). `auto`: `recompute` when `actor.ppo_epochs > 1` or
+    `is_correction` is set, else `engine`."""
+    is_correction: Literal["none", "truncate", "mask"] = "none"
+    """Off-policy correction of the trainer-engine gap (decoupled PPO / truncated IS): a detached factor
+    from `w = p_old / p_engine` (the recomputed old policy over the engine's), separate from the loss's
+    own ratio. `truncate` multiplies each token's loss by `min(w, is_threshold)`; `mask` drops the
+    tokens (or samples) with `w > is_threshold` from the batch, out of every denominator of `loss_agg`
+    too. Needs `old_log_probs` `auto` or `recompute` (with the engine as old policy `w` is 1)."""
     is_level: Literal["token", "sequence"] = "token"
-    """Whether the IS weight of `is_correction` is taken per token or per sequence (geometric mean)."""
+    """Whether `w` of `is_correction` is taken per token or per sample (geometric mean over its action
+    tokens); GSPO, whose ratio is per sample, takes `sequence` only."""
     is_threshold: float = Field(2.0, gt=1.0)
-    """Threshold of the truncated / masked IS weight."""
+    """Threshold C of the truncated / masked IS weight."""
     kl_coef: NonNegativeFloat = 0.0
-    """Weight of the KL to the reference model; 0 disables the reference model entirely."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r (r = p_ref / p, sampled from p)."""
+    """Weight of the KL to the reference model (the initial one with `kl_target`); 0 disables the
+    reference model entirely."""
+    kl_target: PositiveFloat | None = None
+    """Adaptive KL controller (Ziegler et al. 2019): after each step `kl_coef *= 1 + clip(KL / kl_target
+    - 1, -0.2, 0.2) · samples / kl_horizon`, from the step's measured KL. Unset: `kl_coef` stays fixed."""
+    kl_horizon: PositiveInt = 10000
+    """Horizon (in samples) of the adaptive KL controller."""
+    kl_estimator: KLEstimatorKind = "k3"
+    """KL estimator, with `log r = log p_ref - log p` sampled from p: k1 = -log r, k2 = (log r)^2 / 2,
+    k3 = r - 1 - log r, abs = |log r|, mse = (log r)^2 / 2 (k2 under its name in other frameworks)."""
     kl_in_reward: bool = False
     """Put the KL penalty into the reward (REINFORCE++ style) instead of the loss."""
     entropy_coef: NonNegativeFloat = 0.0
@@ -51,7 +90,7 @@ class AlgorithmConfig(Section):
     value_coef: PositiveFloat = 0.5
     """Weight of the value loss (GAE only)."""
     adv_eps: PositiveFloat = 1e-6
-    """Added to the group std before dividing (GRPO)."""
+    """Added to the std before dividing (GRPO's group std, the batch std of `whiten_advantages`)."""
     dynamic_sampling: bool = True
     """Drop groups whose rewards are all equal (they carry no GRPO signal)."""
     dynamic_sampling_budget: PositiveFloat = 4.0
@@ -69,6 +108,49 @@ class AlgorithmConfig(Section):
     used, replayed ones included), from the trainer's fp32 router logits; MoE models only."""
     moe_z_coef: NonNegativeFloat = 0.0
     """Weight of the MoE router z-loss (mean `logsumexp(router logits)^2`); MoE models only."""
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "AlgorithmConfig":
+        if self.is_correction != "none" and self.old_log_probs == "engine":
+            raise ValueError(
+                "algorithm.is_correction corrects the gap between the trainer's old policy and the engine, "
+                "which is 1 when the engine's log-probs are the old policy: set algorithm.old_log_probs = "
+                "'recompute' (or 'auto'), or algorithm.is_correction = 'none'"
+            )
+        if self.is_correction != "none" and self.policy_loss == "gspo" and self.is_level == "token":
+            raise ValueError(
+                "algorithm.policy_loss = 'gspo' has a per-sample ratio: a per-token IS factor would undo it; "
+                "set algorithm.is_level = 'sequence'"
+            )
+        if self.kl_target is not None and self.kl_coef == 0:
+            raise ValueError("algorithm.kl_target adapts kl_coef from its start value: set algorithm.kl_coef > 0")
+        if self.cispo_eps_low is not None and self.policy_loss != "cispo":
+            raise ValueError("algorithm.cispo_eps_low clips CISPO's weight: set algorithm.policy_loss = 'cispo'")
+        if self.loss_agg_length is not None and self.aggregation != "seq-mean-token-sum-norm":
+            raise ValueError(
+                "algorithm.loss_agg_length is the constant of loss_agg = 'seq-mean-token-sum-norm': set that mode"
+            )
+        return self
+
+    @property
+    def aggregation(self) -> LossAggKind:
+        """`loss_agg`, its default resolved."""
+        if self.loss_agg is not None:
+            return self.loss_agg
+        return "seq-mean-token-mean" if self.policy_loss == "gspo" else "token-mean"
+
+    @property
+    def whiten(self) -> bool:
+        """`whiten_advantages`, its default resolved."""
+        if self.whiten_advantages is not None:
+            return self.whiten_advantages
+        return self.advantage in WHITENED_BY_DEFAULT
+
+    def recompute_old(self, ppo_epochs: int) -> bool:
+        """Whether the step recomputes the old policy's log-probs (`old_log_probs`, resolved)."""
+        if self.old_log_probs != "auto":
+            return self.old_log_probs == "recompute"
+        return ppo_epochs > 1 or self.is_correction != "none"
 
     @property
     def uses_critic(self) -> bool:
