@@ -23,8 +23,9 @@ settings_ = st.fixed_dictionaries(
         "kl_coef": st.sampled_from([0.0, 0.1]),
         "kl_estimator": st.sampled_from(["k1", "k2", "k3", "abs", "mse"]),
         "entropy_coef": st.sampled_from([0.0, 0.01]),
-        "loss_agg": st.sampled_from([None, "token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                     "seq-mean-token-sum-norm"]),
+        "loss_agg": st.sampled_from(
+            [None, "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+        ),
     }
 )
 
