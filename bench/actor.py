@@ -40,8 +40,10 @@ def groups(n_groups: int, size: int, prompt: int, response: int, vocab: int):
 
 def baseline_step(model, opt, exp, cfg):
     from molt_hpc.algorithm import policy_loss
+    from molt_hpc.algorithm.loss import LossScale
 
-    count = exp.num_action_tokens
+    samples = len(torch.unique(exp.seq_index[exp.action_mask]))
+    count = LossScale(exp.num_action_tokens, samples, cfg.rollout.max_new_tokens)
     for mb in exp.split(cfg.actor.micro_batch_size):
         logits = model(input_ids=mb.sequences, position_ids=mb.position_ids).logits
         from molt_hpc.algorithm import logprobs_from_logits

@@ -10,7 +10,7 @@ state), one optimizer update per step. A case that runs out of GPU memory is rep
 - reference loop + PPO loss: the same loop with the trainer's loss (`policy_logprobs` over action
   tokens, `policy_loss`) in place of the cross-entropy, to separate the loss from the framework;
 - trainer: `molt_hpc.actor.step.train_step` on a model built the trainer's way (`parallelize`,
-  `build_optimizer`, LR schedule): experience, advantages, global token count, PPO loss, clip, step.
+  `build_optimizer`, LR schedule): experience, advantages, global loss scale, PPO loss, clip, step.
 
 MFU counts 6·N + 12·L·H·T FLOPs per token against 989 TFLOP/s per GPU; 2 warm-up + 4 timed steps,
 median. A last section times the loss alone on one GPU (0.5B vocabulary): cross-entropy against the
@@ -84,7 +84,7 @@ def reference_step(model, opt, mb) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def ppo_loss_step(model, opt, mb, exp, cfg, count: int, world) -> None:
+def ppo_loss_step(model, opt, mb, exp, cfg, count, world) -> None:
     from molt_hpc.actor.batch import policy_logprobs
     from molt_hpc.algorithm import policy_loss
 
@@ -107,7 +107,7 @@ def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 
 
-def run_reference(shape: str, world, mb, exp, cfg, count: int) -> dict[str, tuple[float, float]]:
+def run_reference(shape: str, world, mb, exp, cfg, count) -> dict[str, tuple[float, float]]:
     """The plain step and the plain loop with the PPO loss: (seconds per step, peak GiB) each."""
     model, opt = reference_model(shape, world)
     free()
@@ -130,7 +130,7 @@ def guarded(fn) -> tuple[float, float]:
 
 PHASES = {
     "experience: groups -> tensors, advantages": ("step", "build_experience"),
-    "micro-batch cut + global token count": ("step", "rank_micro_batches", "global_token_count"),
+    "micro-batch cut + global loss scale": ("step", "rank_micro_batches", "global_loss_scale"),
     "forward: model + chunked log-probs": ("step", "policy_logprobs"),
     "policy loss": ("step", "policy_loss"),
     "gradient clip (local shards)": ("step", "clip_grad_norm"),
@@ -251,7 +251,8 @@ def bench_shape(
     from transformers import AutoModelForCausalLM
 
     from molt_hpc.actor.batch import my_rows
-    from molt_hpc.algorithm import compute_advantages, experience_from_groups, global_token_count
+    from molt_hpc.algorithm import compute_advantages, experience_from_groups
+    from molt_hpc.algorithm.loss import global_loss_scale
     from molt_hpc.config import load_config
 
     mb_rows = MICRO[shape] if world.size > 1 or shape != "7b" else 1  # one GPU holds all 122 GB of 7B state
@@ -272,7 +273,8 @@ def bench_shape(
         )
         write_row(out, bench="train", case=f"trainer step's CPU work: experience + advantages ({len(group.samples)} x "
                   f"{seq} tokens)", value=cpu_s, unit="ms")  # fmt: skip
-    results = run_reference(shape, world, mb, exp, cfg, global_token_count(mb.action_mask))
+    scale = global_loss_scale([mb.action_mask], [mb.seq_index], cfg.rollout.max_new_tokens)
+    results = run_reference(shape, world, mb, exp, cfg, scale)
     free()
     for kernel in kernels:  # the trainer's step with each log-prob kernel (`actor.logprob_kernel`)
         kcfg = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"logprob_kernel": kernel})})

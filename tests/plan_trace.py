@@ -74,7 +74,8 @@ def trace(spec: dict, world: int) -> dict:
     from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.state import Trainable
     from molt_hpc.actor.step import optimizer_step
-    from molt_hpc.algorithm import global_token_count, policy_loss
+    from molt_hpc.algorithm import policy_loss
+    from molt_hpc.algorithm.loss import global_loss_scale
     from molt_hpc.config import load_config
 
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
@@ -91,7 +92,7 @@ def trace(spec: dict, world: int) -> dict:
         opt = build.build_optimizer(model, cfg.actor, 1e-5)
         part = Trainable("policy", model, opt, build.build_scheduler(opt, cfg.actor, 100))
         mb = make_batch(spec["rows"], spec["seq"], spec["prompt"], spec["pad"], spec["vocab"])
-        count = global_token_count(mb.action_mask)
+        count = global_loss_scale([mb.action_mask], [mb.seq_index], cfg.rollout.max_new_tokens)
         tracker = FSDPMemTracker(model, opt)
         with tracker:
             for it in range(2):

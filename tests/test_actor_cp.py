@@ -18,6 +18,7 @@ import torch.distributed as dist
 from molt_hpc.actor.attention import DocumentAttention, use_document_attention
 from molt_hpc.actor.packing import packed, padded, rank_micro_batches
 from molt_hpc.algorithm import compute_advantages, experience_from_groups, logprobs_from_logits, policy_loss
+from molt_hpc.algorithm.loss import LossScale
 from molt_hpc.config import load_config
 from molt_hpc.trajectory import Group, Trajectory
 from tests.ranks import spawn_ranks
@@ -98,7 +99,7 @@ def test_packed_logprobs_equal_padded_ones() -> None:
     assert torch.allclose(got_ent[mask], want_ent[mask], atol=1e-6, rtol=0)
     assert (got_lp[~mask] == 0).all()
     # the sequence-level loss over the packed layout: the same value
-    count = int(mask.sum())
+    count = LossScale(int(mask.sum()), len(torch.unique(exp.seq_index[mask])))  # GSPO: the mean over samples
     want, _ = policy_loss(want_lp, exp.action_log_probs, exp.advantages, mask, cfg.algorithm, count,
                           seq_index=exp.seq_index, n_samples=exp.num_samples)  # fmt: skip
     mb = packed(exp, rows)
@@ -179,7 +180,8 @@ def reference_update(cfg, plain, ref_model, exp):
             exp.base_log_probs = reference_logprobs(ref_model, exp, cfg.rollout.temperature)[0]
     exp = compute_advantages(exp, cfg.algorithm)
     lp, ent = reference_logprobs(plain, exp, cfg.rollout.temperature)
-    count = int(exp.action_mask.sum())  # every token of the batch, on this one process
+    mask = exp.action_mask  # every token and sample of the batch, on this one process
+    count = LossScale(int(mask.sum()), len(torch.unique(exp.seq_index[mask])))
     loss, _ = policy_loss(lp, exp.action_log_probs, exp.advantages, exp.action_mask, cfg.algorithm, count,
                           seq_index=exp.seq_index, n_samples=exp.num_samples, base_log_probs=exp.base_log_probs,
                           entropy=ent)  # fmt: skip

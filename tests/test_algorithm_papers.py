@@ -123,7 +123,7 @@ def test_global_loss_scale_counts_samples_not_rows():
 def test_sequence_mask_drops_the_sample_from_every_denominator():
     # sample 2's geometric-mean w = exp(mean(-1+1.1, -0.8+0.6)) ~ 0.95; sample 0's exp((0.3-0.1+1.3)/3) = 1.65 > 1.5
     cfg = AlgorithmConfig(is_correction="mask", is_level="sequence", is_threshold=1.5, loss_agg="seq-mean-token-mean")
-    mask, seq, logp, old, engine, adv = tensors()
+    mask, seq, _, old, engine, _ = tensors()
     kept = policy_mask(mask, engine, cfg, old_log_probs=old, seq_index=seq, n_samples=3)
     assert kept[0].tolist() == [False, False, False, True, True, True, False]
     scale = global_loss_scale([kept], [seq])

@@ -4,9 +4,11 @@
   rollout log-probs, versions, rewards) and the alignment conventions everything here shares;
 - `advantage`: GRPO, Dr.GRPO, RLOO, REINFORCE++, GAE; `compute_advantages(exp, cfg)`;
 - `logprobs`: chunked per-token log-probs and entropy from hidden states or logits;
-- `loss`: PPO / GSPO / CISPO policy loss with IS correction, KL and entropy; clipped value loss;
-  `global_token_count` for the global token mean;
-- `kl`: k1/k2/k3 estimators; `moe`: load balancing and router z-loss; `filters`: dynamic sampling and
+- `loss`: PPO / GSPO / CISPO policy loss with a decoupled IS correction, KL and entropy, aggregated
+  over the global batch (`LossScale`, `global_loss_scale`; `global_token_count` for the token mean);
+  clipped value loss;
+- `kl`: k1/k2/k3/abs/mse estimators and the adaptive KL coefficient; `moe`: load balancing and router
+  z-loss; `filters`: dynamic sampling and
   the over-long penalty; `segments`: token <-> sample layout helpers; `vision`: which samples keep which
   images, the drops (`vlm_truncation`, `media_token`) and multimodal positions of a batch.
 """
@@ -16,17 +18,27 @@ from molt_hpc.algorithm.experience import Experience, experience_from_groups, ma
 from molt_hpc.algorithm.filters import apply_overlong_penalty, dynamic_sampling_filter, overlong_penalty
 from molt_hpc.algorithm.kl import kl_estimate
 from molt_hpc.algorithm.logprobs import logprobs_from_logits, target_logprobs, target_token_logprobs, token_logprobs
-from molt_hpc.algorithm.loss import POLICY_LOSSES, global_token_count, policy_loss, value_loss
+from molt_hpc.algorithm.loss import (
+    POLICY_LOSSES,
+    LossScale,
+    global_loss_scale,
+    global_token_count,
+    policy_loss,
+    policy_mask,
+    value_loss,
+)
 from molt_hpc.algorithm.moe import load_balancing_loss, router_z_loss
 
 __all__ = [
     "ADVANTAGES",
     "POLICY_LOSSES",
     "Experience",
+    "LossScale",
     "apply_overlong_penalty",
     "compute_advantages",
     "dynamic_sampling_filter",
     "experience_from_groups",
+    "global_loss_scale",
     "global_token_count",
     "kl_estimate",
     "load_balancing_loss",
@@ -34,6 +46,7 @@ __all__ = [
     "make_experience",
     "overlong_penalty",
     "policy_loss",
+    "policy_mask",
     "router_z_loss",
     "target_logprobs",
     "target_token_logprobs",

@@ -252,7 +252,7 @@ def policy_loss(
     """
     scale = scale if isinstance(scale, LossScale) else LossScale(scale)
     if scale.tokens <= 0:
-        raise ValueError(f"token_count (LossScale.tokens) must be the positive global action-token count, got {scale.tokens}")
+        raise ValueError(f"token_count (LossScale.tokens) must be the positive global token count, got {scale.tokens}")
     seq_index = row_seq_index(action_mask) if seq_index is None else seq_index
     n = n_samples if n_samples is not None else int(seq_index.max().item()) + 1
     # Chat-mode samples carry no engine log-probs (NaN): they are on-policy by definition, so ratio 1.
