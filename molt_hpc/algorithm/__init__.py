@@ -2,15 +2,15 @@
 
 - `experience`: `make_experience(trajectories) -> Experience` (padded or packed tensors, action mask,
   rollout log-probs, versions, rewards) and the alignment conventions everything here shares;
-- `advantage`: GRPO, Dr.GRPO, RLOO, REINFORCE++, GAE; `compute_advantages(exp, cfg)`;
+- `advantage`: GRPO, Dr.GRPO, RLOO, REINFORCE++(-baseline), GAE, batch whitening; `compute_advantages(exp, cfg)`;
 - `logprobs`: chunked per-token log-probs and entropy from hidden states or logits;
 - `loss`: PPO / GSPO / CISPO policy loss with a decoupled IS correction, KL and entropy, aggregated
   over the global batch (`LossScale`, `global_loss_scale`; `global_token_count` for the token mean);
   clipped value loss;
 - `kl`: k1/k2/k3/abs/mse estimators and the adaptive KL coefficient; `moe`: load balancing and router
-  z-loss; `filters`: dynamic sampling and
-  the over-long penalty; `segments`: token <-> sample layout helpers; `vision`: which samples keep which
-  images, the drops (`vlm_truncation`, `media_token`) and multimodal positions of a batch.
+  z-loss; `filters`: dynamic sampling and the over-long penalty; `segments`: token <-> sample layout
+  helpers; `vision`: which samples keep which images, the drops (`vlm_truncation`, `media_token`) and
+  multimodal positions of a batch.
 """
 
 from molt_hpc.algorithm.advantage import ADVANTAGES, compute_advantages
