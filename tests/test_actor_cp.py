@@ -170,6 +170,9 @@ CASES = {
                        "algorithm.entropy_coef=0.01"),
     # two data-parallel ranks packing: bins dealt to ranks, the global token mean over both
     "dp2 packed ppo": ("actor.packing='on'", "actor.max_tokens_per_micro_batch=64"),
+    # the step recomputes the old policy's log-probs (one no-grad forward) for a truncated IS factor
+    "dp2 packed ppo truncated IS": ("actor.packing='on'", "actor.max_tokens_per_micro_batch=64",
+                                    "algorithm.is_correction='truncate'", "algorithm.is_threshold=1.05"),
 }  # fmt: skip
 
 
@@ -182,9 +185,10 @@ def reference_update(cfg, plain, ref_model, exp):
     lp, ent = reference_logprobs(plain, exp, cfg.rollout.temperature)
     mask = exp.action_mask  # every token and sample of the batch, on this one process
     count = LossScale(int(mask.sum()), len(torch.unique(exp.seq_index[mask])))
+    old = lp.detach() if cfg.algorithm.recompute_old(cfg.actor.ppo_epochs) else None  # the weights before the step
     loss, _ = policy_loss(lp, exp.action_log_probs, exp.advantages, exp.action_mask, cfg.algorithm, count,
                           seq_index=exp.seq_index, n_samples=exp.num_samples, base_log_probs=exp.base_log_probs,
-                          entropy=ent)  # fmt: skip
+                          entropy=ent, old_log_probs=old)  # fmt: skip
     loss.backward()
     return {n: -p.grad for n, p in plain.named_parameters()}, lp.detach(), exp.base_log_probs, float(loss.detach())
 
@@ -234,7 +238,7 @@ def _rank_main(rank: int, port: int, out: str) -> None:
         results[name] = {
             "moved": moved, "want": want, "lp": lp, "want_lp": want_lp, "base": exp.base_log_probs,
             "want_base": want_base, "mask": exp.action_mask, "loss": meter.reduce()["loss"], "want_loss": want_loss,
-            "docs": docs,
+            "docs": docs, "old": exp.old_log_probs,
         }  # fmt: skip
     dist.destroy_process_group()
     if rank == 0:
@@ -268,6 +272,10 @@ def test_two_ranks_move_the_weights_as_one_plain_process(two_ranks, case) -> Non
     if r["want_base"] is not None:  # the reference model's log-probs, through rows_forward under CP
         assert torch.allclose(r["base"][mask], r["want_base"][mask], atol=1e-6, rtol=0)
     assert abs(r["loss"] - r["want_loss"]) < 1e-6  # the reported loss: counted once per CP group
+    if "IS" in case:  # the recomputed old policy: the weights' log-probs before the update
+        assert torch.allclose(r["old"][mask], r["want_lp"][mask], atol=1e-6, rtol=0)
+    else:
+        assert r["old"] is None  # no extra forward unless the config asks for it
 
 
 # ---- the hook, the checks and the config errors ---------------------------------------------------
