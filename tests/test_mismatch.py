@@ -1,6 +1,7 @@
 """The mismatch observatory against a batch worked out by hand with plain Python floats."""
 
 import math
+from pathlib import Path
 
 import torch
 
@@ -51,3 +52,55 @@ def test_no_same_version_token_reports_nothing():
     z = torch.zeros(1, 4, dtype=torch.float64)
     mask = torch.tensor([[False, True, True, True]])
     assert observe(z, z, mask, torch.full((1, 4), 1), 2, torch.zeros(1, 4, dtype=torch.long), 2.0) == []
+
+
+def _step_rank(rank: int, store: str, model_dir: str, groups, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from molt_hpc.actor import build
+    from molt_hpc.actor.state import Trainable
+    from molt_hpc.actor.step import Models, train_step
+    from molt_hpc.actor.world import World
+    from molt_hpc.config import load_config
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    world = World(0, 1, torch.device("cpu"), init_device_mesh("cpu", (1,)))
+    sets = ["actor.device='cpu'", "actor.micro_batch_size=2", "actor.groups_per_step=2", "rollout.n_samples=4",
+            "rollout.temperature=1.0", f"model.path='{model_dir}'"]  # fmt: skip
+    cfg = load_config(None, sets)
+    results = {}
+    for version in (0, 7):  # 0: the version the samples carry; 7: none of them
+        policy = build.load_model(Path(model_dir), cfg, world, "policy")
+        opt = build.build_optimizer(policy, cfg.actor, cfg.actor.lr)
+        models = Models(policy=Trainable("policy", policy, opt, build.build_scheduler(opt, cfg.actor, 2)))
+        results[version] = train_step(groups, cfg, models, world, pad_id=0, version=version)
+    torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def test_a_train_step_reports_the_mismatch_of_same_version_tokens(tiny_model_dir, tmp_path):
+    """The engine's log-probs are the model's own (HF generate, fp32), shifted by 0.25 on every other
+    sample: the step's mean |trainer - engine| is the shift's share, its max the shift."""
+    from tests.ranks import spawn_ranks
+    from tests.test_actor_support import sample_groups
+
+    groups = sample_groups(tiny_model_dir, 2, 4, seed=5)
+    shifted = total = 0
+    for g in groups:
+        for i, s in enumerate(g.samples):
+            total += len(s.action_logprobs)
+            if i % 2:
+                s.action_logprobs = [x - 0.25 for x in s.action_logprobs]
+                shifted += len(s.action_logprobs)
+    out = tmp_path / "out.pt"
+    spawn_ranks(_step_rank, (str(tmp_path / "store"), str(tiny_model_dir), groups, str(out)), 1)
+    got = torch.load(out)
+    same = got[0]
+    assert same["mismatch_tokens"] == total
+    assert abs(same["mismatch_abs_mean"] - 0.25 * shifted / total) < 1e-5
+    assert abs(same["mismatch_abs_max"] - 0.25) < 1e-5
+    assert abs(same["mismatch_over_threshold"]) == 0.0  # |d| <= 0.25 < log 2
+    assert abs(math.log(same["mismatch_ppl_ratio"]) - (-0.25 * shifted / total)) < 1e-5  # d = +0.25 shifted
+    assert not any(k.startswith("mismatch") for k in got[7]), "no token of version 7: nothing reported"

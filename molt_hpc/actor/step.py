@@ -35,6 +35,7 @@ from molt_hpc.algorithm import (
     compute_advantages,
     experience_from_groups,
     kl_estimate,
+    mismatch,
     policy_loss,
     value_loss,
 )
@@ -44,7 +45,8 @@ from molt_hpc.config import MoltConfig
 from molt_hpc.trajectory import Group
 
 SUMMED = {"loss", "policy_loss", "value_loss"}  # already divided by the global token count
-MAXED = {"ratio_max", "is_weight_max"}
+COUNTED = {"mismatch_tokens"}  # counts, summed over micro-batches and ranks
+MAXED = {"ratio_max", "is_weight_max", "mismatch_abs_max"}
 MINNED = {"ratio_min"}
 
 
@@ -81,7 +83,7 @@ class Meter:
         for key, value in metrics.items():
             v = value.detach().double() if isinstance(value, torch.Tensor) else float(value)
             old = self.sums.get(key)
-            if key in SUMMED:
+            if key in SUMMED or key in COUNTED:
                 self.sums[key] = v if old is None else old + v
             elif key in MAXED:
                 self.sums[key] = v if old is None else torch.maximum(torch.as_tensor(old), torch.as_tensor(v))
@@ -112,6 +114,8 @@ class Meter:
                 out[key] = max(values)
             elif key in MINNED:
                 out[key] = min(values)
+            elif key in COUNTED:
+                out[key] = sum(values)
             elif key in SUMMED:
                 kind = "value" if key == "value_loss" else "policy"
                 out[key] = sum(values) / max(1, self.updates.get(kind, 1))
@@ -179,21 +183,25 @@ def _updates(exp: Experience, cfg: MoltConfig, world: World, epochs: int, pack_t
     """(micro-batches, global `LossScale`) of every update of `epochs` passes over the mini-batches; the
     policy's counts its training tokens and samples, the critic's all action tokens."""
     length = cfg.algorithm.loss_agg_length or cfg.rollout.max_new_tokens
-    for _ in range(epochs):
+    for epoch in range(epochs):
         for rows in mini_batch_rows(exp, cfg.actor.mini_batches):
             mbs = [mb.batch for mb in rank_micro_batches(exp, rows, cfg.actor.micro_batch_size, pack_tokens, world)]
             masks = [train_mask(mb, cfg, exp.num_samples) if policy else mb.action_mask for mb in mbs]
             scale = global_loss_scale(masks, [mb.seq_index for mb in mbs], length, group=world.dp_group)
             if scale.tokens == 0:  # every rank agrees (a global count): nothing to train in this mini-batch
                 continue
-            yield mbs, scale
+            yield epoch, mbs, scale
 
 
-def update_policy(exp: Experience, cfg: MoltConfig, models: Models, world: World, meter: Meter) -> list[float]:
-    """The policy's updates of this step; returns the gradient norm of each."""
+def update_policy(
+    exp: Experience, cfg: MoltConfig, models: Models, world: World, meter: Meter, version: int | None = None
+) -> list[float]:
+    """The policy's updates of this step; returns the gradient norm of each. With `version` (the weights'
+    policy version), the mismatch observatory reads the trainer's log-probs before any update."""
     part, alg, act = models.policy, cfg.algorithm, cfg.actor
     norms = []
-    for mbs, scale in _updates(exp, cfg, world, act.ppo_epochs, models.pack_tokens, policy=True):
+    for epoch, mbs, scale in _updates(exp, cfg, world, act.ppo_epochs, models.pack_tokens, policy=True):
+        before_update = not norms  # the first update: the weights are still those of `version`
         for host_mb in mbs:
             mb = host_mb.to(world.device)
             with models.moe.micro_batch(mb) if models.moe else contextlib.nullcontext():
@@ -210,9 +218,23 @@ def update_policy(exp: Experience, cfg: MoltConfig, models: Models, world: World
                     loss = loss + models.moe.aux_loss(int(mb.action_mask.sum()) / scale.tokens)
                 (loss * world.dp_size).backward()
             meter.add({**metrics, "loss": loss.detach()}, _reported_tokens(host_mb, world))
+            if version is not None and world.cp_rank == 0:
+                _observe_mismatch(meter, mb, logp if before_update else None, epoch, version, alg.is_threshold)
         norms.append(optimizer_step(part, act.grad_clip))
         meter.update("policy")
     return norms
+
+
+def _observe_mismatch(meter: Meter, mb: Experience, logp, epoch: int, version: int, threshold: float) -> None:
+    """The mismatch observatory's parts of one micro-batch, from log-probs of the weights of `version`: the
+    recomputed old policy's over the first epoch, or the live ones (`logp`) before the first update."""
+    before = mb.old_log_probs if mb.old_log_probs is not None and epoch == 0 else logp
+    if before is None:
+        return
+    for values, tokens in mismatch.observe(
+        before, mb.action_log_probs, mb.action_mask, mb.versions, version, mb.seq_index, threshold
+    ):
+        meter.add(values, tokens)
 
 
 def update_critic(exp: Experience, cfg: MoltConfig, models: Models, world: World, meter: Meter) -> list[float]:
@@ -220,7 +242,7 @@ def update_critic(exp: Experience, cfg: MoltConfig, models: Models, world: World
     part, alg = models.critic, cfg.algorithm
     assert part is not None and exp.values is not None and exp.returns is not None
     norms = []
-    for mbs, scale in _updates(exp, cfg, world, cfg.actor.critic_epochs, models.pack_tokens, policy=False):
+    for _epoch, mbs, scale in _updates(exp, cfg, world, cfg.actor.critic_epochs, models.pack_tokens, policy=False):
         for host_mb in mbs:
             mb = host_mb.to(world.device)
             values = critic_values(part.model, mb)
@@ -238,15 +260,18 @@ def _reported_tokens(mb: Experience, world: World) -> int:
     return int(mb.action_mask.sum()) if world.cp_rank == 0 else 0
 
 
-def train_step(groups: list[Group], cfg: MoltConfig, models: Models, world: World, pad_id: int) -> dict[str, float]:
-    """One training step on `groups` (the same on every rank); returns its metrics (the same on every rank)."""
+def train_step(
+    groups: list[Group], cfg: MoltConfig, models: Models, world: World, pad_id: int, version: int | None = None
+) -> dict[str, float]:
+    """One training step on `groups` (the same on every rank); returns its metrics (the same on every rank).
+    `version` is the policy version of the weights the step starts from (the mismatch observatory's)."""
     if models.kl_coef is not None:  # the adaptive controller's coefficient replaces the configured one
         cfg = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"kl_coef": models.kl_coef})})
     exp = build_experience(groups, cfg, models, world, pad_id)
     meter = Meter()
-    norms = update_policy(exp, cfg, models, world, meter)
+    norms = update_policy(exp, cfg, models, world, meter, version)
     critic_norms = update_critic(exp, cfg, models, world, meter) if models.critic is not None else []
-    out = meter.reduce()
+    out = mismatch.finish(meter.reduce())
     out["updates"] = len(norms)
     if norms:
         out["grad_norm"] = sum(norms) / len(norms)
