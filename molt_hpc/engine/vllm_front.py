@@ -156,20 +156,23 @@ def relay(status: int, body: bytes, content_type: str) -> web.Response:
     return web.Response(status=status, body=body, headers={"Content-Type": content_type})
 
 
+FRONT = web.AppKey("front", Front)
+
+
 def front_of(request: web.Request) -> Front:
-    return request.app["front"]
+    return request.app[FRONT]
 
 
 async def open_session(app: web.Application) -> None:
     # No total timeout: /update_weights blocks for a whole transfer, a long generate for minutes.
-    app["front"].session = aiohttp.ClientSession(
+    app[FRONT].session = aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
     )
 
 
 async def close_session(app: web.Application) -> None:
-    if app["front"].session is not None:
-        await app["front"].session.close()
+    if app[FRONT].session is not None:
+        await app[FRONT].session.close()
 
 
 async def generate(request: web.Request) -> web.Response:
@@ -249,7 +252,7 @@ def build_front(front: Front) -> web.Application:
     """The aiohttp app of one front; its client session opens on startup and closes on cleanup."""
     middlewares = [token_middleware(front.token, front.open_health), errors_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=1 << 30)
-    app["front"] = front
+    app[FRONT] = front
     app.on_startup.append(open_session)
     app.on_cleanup.append(close_session)
     app.router.add_post(GENERATE_PATH, generate)
