@@ -78,6 +78,9 @@ def errors_middleware_for(respond):
     async def errors(request: web.Request, handler):
         try:
             return await handler(request)
+        except web.HTTPRequestEntityTooLarge:  # over client_max_size, in this server's error shape
+            limit = request.client_max_size
+            return respond(413, f"the body is over this server's limit of {limit} bytes: send a smaller one", None)
         except web.HTTPException:
             raise
         except ValueError as err:  # bad input: tell the caller what to change
@@ -144,9 +147,17 @@ def loads(raw: bytes) -> Any:
     return value
 
 
+async def read_body(request: web.Request) -> bytes:
+    """The raw body; one whose declared length is over the server's `client_max_size` is refused
+    (→ 413) before a byte of it is read, one that grows past it (chunked) as soon as it does."""
+    if request.content_length is not None and request.content_length > request.client_max_size:
+        raise web.HTTPRequestEntityTooLarge(request.client_max_size, request.content_length)
+    return await request.read()
+
+
 async def read_json(request: web.Request) -> Any:
-    """The strictly decoded JSON body (`loads`); a refusal is a `BadRequest` (→ 400)."""
-    return loads(await request.read())
+    """The strictly decoded JSON body (`loads`); a refusal is a `BadRequest` (→ 400), or a 413 (`read_body`)."""
+    return loads(await read_body(request))
 
 
 def parse(model: type[M], body: Any, what: str = "the body") -> M:

@@ -22,7 +22,16 @@ import aiohttp
 from aiohttp import web
 
 from molt_hpc.engine import vllm_mm
-from molt_hpc.engine.http import error, errors_middleware, forwardable_path, loads, parse, read_json, token_middleware
+from molt_hpc.engine.http import (
+    error,
+    errors_middleware,
+    forwardable_path,
+    loads,
+    parse,
+    read_body,
+    read_json,
+    token_middleware,
+)
 from molt_hpc.engine.requests import (
     FinishRequest,
     GenerateRequest,
@@ -239,7 +248,7 @@ async def forward(request: web.Request) -> web.Response:
     """A control route or a `/v1/` route, relayed once its body passed the edge checks (`BODY_MODELS`)."""
     if request.path not in FORWARDED:
         forwardable_path(request, "/v1/")
-    raw = await request.read()
+    raw = await read_body(request)
     decoded = loads(raw)
     model = BODY_MODELS.get(request.path)
     if model is not None:

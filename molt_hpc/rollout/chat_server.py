@@ -19,7 +19,15 @@ from aiohttp import web
 from molt_hpc.agents.calls import EngineError
 from molt_hpc.config.rollout import RolloutConfig
 from molt_hpc.engine.client import SESSION_HEADER, EngineHTTPError
-from molt_hpc.engine.http import BadRequest, check_session, loads, openai_errors_middleware, openai_problem, parse
+from molt_hpc.engine.http import (
+    BadRequest,
+    check_session,
+    loads,
+    openai_errors_middleware,
+    openai_problem,
+    parse,
+    read_body,
+)
 from molt_hpc.log import get_logger
 from molt_hpc.rollout.chat_schema import ChatRequest
 from molt_hpc.rollout.engines import EngineLink
@@ -87,7 +95,7 @@ class ChatServer:
 
     async def completions(self, request: web.Request) -> web.Response:
         session = request.match_info.get("session") or request.headers.get(SESSION_HEADER)
-        status, answer = await self.handle(await request.read(), session)
+        status, answer = await self.handle(await read_body(request), session)
         return web.json_response(answer, status=status)
 
     def authorised(self, authorization: str | None) -> bool:

@@ -27,6 +27,7 @@ from molt_hpc.engine.http import (
     forwardable_path,
     loads,
     parse,
+    read_body,
     token_middleware,
 )
 from molt_hpc.engine.requests import GenerateRequest
@@ -68,7 +69,7 @@ async def checked_body(request: web.Request) -> bytes:
     body that is UTF-8 with finite numbers, and for generate the protocol's typed request."""
     if request.path != GENERATE_PATH:
         forwardable_path(request, "/v1/")
-    body = await request.read()
+    body = await read_body(request)
     if body or request.path == GENERATE_PATH:
         decoded = loads(body)
         if request.path == GENERATE_PATH:
