@@ -18,8 +18,9 @@ from yarl import URL
 from molt_hpc.config import load_config
 from molt_hpc.engine.vllm_front import Front, build_front
 from molt_hpc.models import load_tokenizer
+from molt_hpc.refit import RefitSender
 from molt_hpc.rollout.chat_server import ChatServer
-from tests.test_engine_pool import wait_healthy
+from tests.test_engine_pool import REFIT, engine_logprobs, max_diff, perturbed, sender_logprobs, wait_healthy
 from tests.test_engine_procs import arun, get_json, make_run, spawn, wait_registered
 from tests.test_scorer import build_reward_dir
 
@@ -130,6 +131,47 @@ def test_stateful_routes_refuse_invalid_bodies_and_change_nothing(pool) -> None:
     for path, needle, status, answer in out:
         assert 400 <= status < 500 and needle in message(answer), (path, needle, status, answer)
     assert after == before and paused == {"is_paused": False}, "a refused request changed the engine"
+
+
+BAD_INIT = [  # each refused (400) while a refit group is live: the engine must keep its channel
+    b"{}",
+    b'{"init_info": {}}',
+    b'{"init_info": null}',
+    b'{"init_info": {"backend": "gloo", "master_address": "127.0.0.1", "master_port": 0, "rank_offset": 1, '
+    b'"world_size": 2}}',
+    b'{"init_info": {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 2, "world_size": 2}}',
+]
+
+
+def test_a_refused_refit_init_leaves_the_live_refit_channel_working(pool, tiny_model_dir) -> None:
+    """Refit (version 1), refused inits, refit again: version 2 is served with exactly its weights."""
+    run, _, engine = pool
+    token = run.token()
+    first, second = perturbed(tiny_model_dir, seed=11), perturbed(tiny_model_dir, seed=12)
+    sender = RefitSender(run.path, REFIT, token)
+    sender.connect([engine.url])
+    sender.push(first.named_parameters(), version=1)
+
+    async def refuse():
+        async with aiohttp.ClientSession() as s:
+            served = await engine_logprobs(s, engine.url, token)
+            url = engine.url + "/init_weight_transfer_engine"
+            return served, [await post(s, url, token, body) for body in BAD_INIT]
+
+    served, refused = arun(refuse())
+    sender.push(second.named_parameters(), version=2)  # over the same group: it was not dropped
+    after = arun(_logprobs(engine.url, token))
+    sender.close()
+    assert [status for status, _ in refused] == [400] * len(BAD_INIT), refused
+    want_first, want_second = sender_logprobs(first), sender_logprobs(second)
+    assert max_diff(want_first, want_second) > 1e-3, "the second refit must change the outputs"
+    assert served[1] == 1 and max_diff(served[0], want_first) == 0
+    assert after[1] == 2 and max_diff(after[0], want_second) == 0, "version 2 with exactly its weights"
+
+
+async def _logprobs(url: str, token: str) -> tuple[list[float], int]:
+    async with aiohttp.ClientSession() as s:
+        return await engine_logprobs(s, url, token)
 
 
 def test_router_forwards_only_plain_v1_paths_and_valid_session_ids(pool) -> None:
