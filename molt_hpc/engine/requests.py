@@ -87,7 +87,8 @@ class RpcRequest(BaseModel):
 
     method: str = Field(min_length=1, max_length=128)
     args: list[Any] = Field(default_factory=list)
-    timeout: float | None = Field(None, gt=0.0, le=86400.0)
+    timeout: float | None = Field(None, gt=0.0, le=2 * 86400.0)
+    """Seconds vLLM waits for the workers: the refit timeout (at most a day) and an HTTP grace."""
 
 
 NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "n": 1}
