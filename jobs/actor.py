@@ -8,6 +8,7 @@ through `end_process` once its shutdown is done (see `molt_hpc.log.end_process` 
 """
 
 import argparse
+import os
 import signal
 import sys
 import traceback
@@ -19,6 +20,7 @@ def main() -> int:
     parser.add_argument("run_dir", help="the run directory (holds config.toml)")
     parser.add_argument("--resume", action="store_true", help="fail unless the run has a checkpoint to resume from")
     args = parser.parse_args()
+    os.umask(0o077)  # private run files (molt_hpc.rundir.private_files says why), before anything is written
     run_dir = Path(args.run_dir)
 
     from molt_hpc.config import load_config

@@ -7,6 +7,7 @@ first. `molt-hpc submit` runs the same driver through submitit (molt_hpc.launch.
 """
 
 import argparse
+import os
 import signal
 import sys
 
@@ -21,6 +22,7 @@ def main() -> int:
         "--config", default=None, help="resolved config TOML to write the run directory from ('-': stdin)"
     )
     args = parser.parse_args()
+    os.umask(0o077)  # private run files (molt_hpc.rundir.private_files says why), before anything is written
     text = None
     if args.config == "-":
         text = sys.stdin.read()

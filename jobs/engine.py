@@ -66,6 +66,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
+    os.umask(0o077)  # private run files (molt_hpc.rundir.private_files says why), before anything is written
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from molt_hpc.config import load_config
     from molt_hpc.rundir import RunDir

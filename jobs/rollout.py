@@ -5,6 +5,7 @@ heavy imports happen after the arguments are parsed.
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the rollout orchestrator of a run directory.")
     parser.add_argument("run_dir", type=Path, help="the run directory (holds config.toml and rendezvous/)")
     args = parser.parse_args(argv)
+    os.umask(0o077)  # private run files (molt_hpc.rundir.private_files says why), before anything is written
     from molt_hpc.config import ConfigError, load_config
 
     try:

@@ -11,6 +11,23 @@ ALL_INTERFACES = ("0.0.0.0", "::")
 """Bind addresses that listen everywhere: others reach such a server at this node's name."""
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 """Addresses no other node reaches."""
+LOOPBACK_ENV = "MOLT_LOOPBACK_ONLY"
+"""Set to 1 by local mode for every process of the run: each listener then binds 127.0.0.1."""
+
+
+def loopback_only() -> bool:
+    """Whether this process belongs to a local-mode run (nothing may listen beyond loopback)."""
+    return os.environ.get(LOOPBACK_ENV) == "1"
+
+
+def listen_fd(port: int = 0) -> int:
+    """A listening TCP socket's file descriptor for a `TCPStore` server (`master_listen_fd`), which
+    otherwise binds every interface: 127.0.0.1 in a local-mode run, all interfaces otherwise (other
+    nodes connect). The caller's store owns the descriptor."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1" if loopback_only() else "0.0.0.0", port))
+    sock.listen(512)
+    return sock.detach()
 
 
 def public_host(host: str) -> str:

@@ -50,6 +50,16 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+def private_files() -> None:
+    """Make everything this process creates from now on private to the user: directories 0700,
+    files 0600. Every process of a run calls it first thing. A process-wide umask rather than explicit
+    modes: much of what a run writes is created by other libraries (torch.save, safetensors,
+    save_pretrained, tokenizers, logging handlers, vLLM), which take no mode, so only the umask reaches
+    them all, and a directory created anywhere (control/, models/, a checkpoint's policy/) is covered
+    without each call site remembering. A checkpoint a user exports is theirs to open up."""
+    os.umask(0o077)
+
+
 @dataclass(frozen=True)
 class RunDir:
     """Paths inside one run directory."""

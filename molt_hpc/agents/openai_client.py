@@ -20,7 +20,6 @@ minimal built-in client) still works.
 
 import importlib
 import importlib.util
-import json
 from typing import Any
 
 INSTALL_HINT = "pip install 'molt-hpc[chat]'"
@@ -91,11 +90,7 @@ def _in_process_transport(server: Any) -> Any:
                 return httpx.Response(401, json={"error": {"message": message, "type": "authentication_error"}})
             parts = path.split("/")
             session = parts[parts.index("s") + 1] if path.startswith("/s/") else request.headers.get("x-session-id")
-            try:
-                body = json.loads(await request.aread())
-            except json.JSONDecodeError:
-                return httpx.Response(400, json={"error": {"message": "the body is not JSON"}})
-            status, answer = await server.complete(body, session or "")
+            status, answer = await server.handle(await request.aread(), session)  # the endpoint's own edge checks
             return httpx.Response(status, json=answer)
 
     return InProcess()

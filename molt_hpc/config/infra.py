@@ -85,9 +85,10 @@ class RefitConfig(Section):
     refuses two ranks on one GPU), /dev/shm to one on its host when the trainer is on the CPU (if
     /dev/shm has room), else a broadcast group: NCCL from a GPU, gloo from the CPU. `ipc`: shared
     memory to every engine (an engine elsewhere is an error); `gloo` / `nccl`: that group for all."""
-    timeout_s: PositiveFloat = 600.0
-    """Rendezvous and transfer timeout; also how long refits may keep failing (an engine restarting,
-    unreachable, refusing the weights) before the run stops with the cause."""
+    timeout_s: float = Field(600.0, gt=0.0, le=86400.0)
+    """Rendezvous and transfer timeout, at most a day (the engines' refit routes take no longer); also
+    how long refits may keep failing (an engine restarting, unreachable, refusing the weights) before
+    the run stops with the cause."""
     host: str = "auto"
     """Address the engines use to reach trainer rank 0's TCPStore; `auto`: this node's hostname
     (127.0.0.1 when the hostname does not resolve)."""

@@ -1,4 +1,4 @@
-"""Sampling: the request schema (vLLM field names), its checks, and the per-token processing.
+"""Sampling: the generate request's checks against the model (schema: `requests.py`), and the per-token processing.
 
 `processed_logprobs` is the one definition of the distribution a token is drawn from: logits /
 temperature, then top-k, then top-p, then min-p, then log-softmax. The engine samples from it and
@@ -7,68 +7,17 @@ teacher-forced forward gets the same log-prob (what the importance ratio needs).
 greedy decoding; its log-probs are those of temperature 1 with the same filters.
 """
 
-from typing import Literal
-
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "n": 1}
+from molt_hpc.engine.http import parse
+from molt_hpc.engine.requests import NEUTRAL, GenerateRequest, SamplingParams
 
-
-class SamplingParams(BaseModel):
-    """Sampling parameters of one request (a subset of vLLM's `SamplingParams`, same names)."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
-    """0 or -1 disables top-k (vLLM uses -1)."""
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    max_tokens: int | None = Field(16, ge=1)
-    """None: up to `engines.max_model_len` (vLLM's meaning)."""
-    stop_token_ids: list[int] = Field(default_factory=list)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    ignore_eos: bool = False
-    logprobs: int | None = Field(None, ge=-1)
-    """The sampled token's log-prob is always returned; k > 0 adds the k most likely tokens of each
-    step (`top_logprobs`), -1 the whole vocabulary."""
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    detokenize: bool = False
-    skip_special_tokens: bool = True
-    routed_experts_prompt_start: int = Field(0, ge=0)
-    """With routing capture: leave out the routing of the first this many prompt tokens (known already)."""
-
-
-class GenerateRequest(BaseModel):
-    """Body of `POST /inference/v1/generate`."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-
-    token_ids: list[int] = Field(min_length=1)
-    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
-    request_id: str | None = None
-    model: str | None = None
-    stream: Literal[False] = False
-    output_mode: Literal["tokens"] = "tokens"
-    mm: dict | None = None
-    """Images of a vision-language prompt: `{"images": [data URIs], "spans": [[offset, length], ...]}`,
-    checked against the model by `molt_hpc.engine.vision.row_images`."""
+__all__ = ["NEUTRAL", "GenerateRequest", "SamplingParams", "parse_generate", "processed_logprobs", "sample"]
 
 
 def parse_generate(body: object, vocab_size: int, max_model_len: int) -> GenerateRequest:
     """Validate a decoded JSON body; every problem is a `ValueError` whose message says what to change."""
-    if not isinstance(body, dict):
-        raise ValueError("the body must be a JSON object with 'token_ids' and 'sampling_params'")
-    try:
-        req = GenerateRequest.model_validate(body)
-    except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or "body"
-        raise ValueError(f"{where}: {first['msg']} (got {first.get('input')!r})") from None
+    req = parse(GenerateRequest, body, "the body (with 'token_ids' and 'sampling_params')")
     sp = req.sampling_params
     for name, neutral in NEUTRAL.items():
         if getattr(sp, name) != neutral:

@@ -15,12 +15,11 @@ import torch
 from aiohttp import web
 
 from molt_hpc.engine.batch import Row
-from molt_hpc.engine.http import errors_middleware, read_json, token_middleware
+from molt_hpc.engine.http import errors_middleware, parse, read_json, token_middleware
+from molt_hpc.engine.requests import PAUSE_MODES, PauseRequest
 from molt_hpc.engine.sampling import parse_generate
 from molt_hpc.engine.scheduler import Scheduler
 from molt_hpc.engine.vision import check_no_pads, row_images
-
-PAUSE_MODES = ("abort", "wait", "keep")
 
 
 @dataclass
@@ -93,8 +92,8 @@ def build_app(state: EngineState, token: str, open_health: bool = False) -> web.
         return web.json_response({"status": "ok", "index": state.index, **state.place, **sched.status()})
 
     async def pause(request: web.Request) -> web.Response:
-        body = await read_json(request)
-        mode = request.query.get("mode") or (body.get("mode") if isinstance(body, dict) else None) or "abort"
+        body = parse(PauseRequest, await read_json(request))
+        mode = request.query.get("mode") or body.mode or "abort"
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
         done: Future = Future()
@@ -102,6 +101,7 @@ def build_app(state: EngineState, token: str, open_health: bool = False) -> web.
         return web.json_response({"mode": mode, **(await asyncio.wrap_future(done))})
 
     async def resume(request: web.Request) -> web.Response:
+        await read_json(request)  # a body, if any, must at least be JSON: a malformed one resumes nothing
         return web.json_response(await run_on_scheduler(state, sched.resume))
 
     async def is_paused(request: web.Request) -> web.Response:

@@ -9,8 +9,8 @@ trainer can pick CUDA IPC for an engine on its own GPU; `/collective_rpc` is for
 extension's `molt_*` methods only. `/finish_weight_update` closes vLLM's native weight-transfer
 session when `/start_weight_update` opened one (the NCCL refit); a shared-memory refit loads through
 the extension and has none, so then only the version is stamped. A request with images (our `mm`
-field) becomes vLLM's render + `features` (`vllm_mm.py`). Everything else is forwarded as it is. No
-torch here: this process only relays.
+field) becomes vLLM's render + `features` (`vllm_mm.py`). Every body is checked at the edge (`http.py`,
+`requests.py`) before anything is forwarded; the rest passes as it is. No torch here: this process only relays.
 """
 
 import json
@@ -22,7 +22,24 @@ import aiohttp
 from aiohttp import web
 
 from molt_hpc.engine import vllm_mm
-from molt_hpc.engine.http import error, errors_middleware, read_json, token_middleware
+from molt_hpc.engine.http import (
+    error,
+    errors_middleware,
+    forwardable_path,
+    loads,
+    parse,
+    read_body,
+    read_json,
+    token_middleware,
+)
+from molt_hpc.engine.requests import (
+    FinishRequest,
+    GenerateRequest,
+    InitRequest,
+    PauseRequest,
+    RpcRequest,
+    UpdateRequest,
+)
 
 GENERATE_PATH = "/inference/v1/generate"
 RENDER_PATH = "/v1/chat/completions/render"
@@ -38,6 +55,8 @@ FORWARDED = (
 # The builtin engine's default (engine/sampling.py); vLLM's server would default to the rest of max_model_len.
 DEFAULT_MAX_TOKENS = 16
 HEALTH_TIMEOUT_S = 10.0
+BODY_MODELS = {"/init_weight_transfer_engine": InitRequest, "/update_weights": UpdateRequest, "/pause": PauseRequest}
+"""Forwarded routes whose bodies are typed: refused here, they never reach vLLM (nor drop its refit channel)."""
 RPC_PREFIX = "molt_"
 """`/collective_rpc` reaches only our worker extension's methods, never the worker's own."""
 
@@ -146,80 +165,103 @@ def relay(status: int, body: bytes, content_type: str) -> web.Response:
     return web.Response(status=status, body=body, headers={"Content-Type": content_type})
 
 
+FRONT = web.AppKey("front", Front)
+
+
+def front_of(request: web.Request) -> Front:
+    return request.app[FRONT]
+
+
+async def open_session(app: web.Application) -> None:
+    # No total timeout: /update_weights blocks for a whole transfer, a long generate for minutes.
+    app[FRONT].session = aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
+    )
+
+
+async def close_session(app: web.Application) -> None:
+    if app[FRONT].session is not None:
+        await app[FRONT].session.close()
+
+
+async def generate(request: web.Request) -> web.Response:
+    front, decoded = front_of(request), await read_json(request)
+    parse(GenerateRequest, decoded, "the body (with 'token_ids' and 'sampling_params')")
+    body = normalise_generate(decoded)
+    start = front.version
+    mm = body.pop("mm", None)
+    if mm is not None:  # images: vLLM's processor renders them, our token ids place them
+        status, raw, _ = await call_upstream(front, "POST", RENDER_PATH, json=vllm_mm.render_request(mm))
+        if status >= 300:
+            return error(status, f"rendering the images: {upstream_message(raw)}")
+        body["features"] = vllm_mm.features(json.loads(raw), mm, body.get("token_ids") or [], start)
+    status, raw, _ = await call_upstream(front, "POST", GENERATE_PATH, json=body)
+    if status >= 300:
+        return error(status, upstream_message(raw))
+    return web.Response(body=stamped_body(raw, start, front.version), content_type="application/json")
+
+
+async def health(request: web.Request) -> web.Response:
+    front = front_of(request)
+    status, raw, _ = await call_upstream(front, "GET", "/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S))
+    if status != 200:
+        return error(503, f"vLLM at {front.upstream} is not healthy (HTTP {status}): {upstream_message(raw)}")
+    return web.json_response(
+        {"status": "ok", "index": front.index, "kind": "vllm", "weight_version": front.version, **front.place}
+    )
+
+
+async def start(request: web.Request) -> web.Response:
+    front = front_of(request)
+    await read_json(request)  # a body, if any, must at least be JSON: nothing is sent for a malformed one
+    status, raw, ctype = await call_upstream(front, "POST", "/start_weight_update")
+    front.native_session = front.native_session or status < 300
+    return relay(status, raw, ctype)
+
+
+async def finish(request: web.Request) -> web.Response:
+    front, body = front_of(request), await read_json(request)
+    chosen = parse(FinishRequest, body).chosen
+    version = front.version + 1 if chosen is None else chosen
+    raw = b""
+    if front.native_session:
+        status, raw, ctype = await call_upstream(front, "POST", "/finish_weight_update", json=body)
+        if status >= 300:
+            return relay(status, raw, ctype)
+        front.native_session = False
+    front.version = version
+    if front.on_version is not None:
+        front.on_version(version)
+    answer = json.loads(raw) if raw else {}
+    return web.json_response({**(answer if isinstance(answer, dict) else {}), "weight_version": version})
+
+
+async def rpc(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    method = parse(RpcRequest, body).method
+    if not method.startswith(RPC_PREFIX):
+        return error(403, f"only the refit extension's {RPC_PREFIX}* methods may be called, not {method!r}")
+    return relay(*await call_upstream(front_of(request), "POST", "/collective_rpc", json=body))
+
+
+async def forward(request: web.Request) -> web.Response:
+    """A control route or a `/v1/` route, relayed once its body passed the edge checks (`BODY_MODELS`)."""
+    if request.path not in FORWARDED:
+        forwardable_path(request, "/v1/")
+    raw = await read_body(request)
+    decoded = loads(raw)
+    model = BODY_MODELS.get(request.path)
+    if model is not None:
+        parse(model, decoded)
+    ctype = request.headers.get("Content-Type") if raw else None
+    return relay(*await call_upstream(front_of(request), request.method, request.path_qs, ctype, data=raw))
+
+
 def build_front(front: Front) -> web.Application:
     """The aiohttp app of one front; its client session opens on startup and closes on cleanup."""
     middlewares = [token_middleware(front.token, front.open_health), errors_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=1 << 30)
-
-    async def open_session(_app: web.Application) -> None:
-        # No total timeout: /update_weights blocks for a whole transfer, a long generate for minutes.
-        front.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
-        )
-
-    async def close_session(_app: web.Application) -> None:
-        if front.session is not None:
-            await front.session.close()
-
-    async def generate(request: web.Request) -> web.Response:
-        body = normalise_generate(await read_json(request))
-        start = front.version
-        mm = body.pop("mm", None)
-        if mm is not None:  # images: vLLM's processor renders them, our token ids place them
-            status, raw, _ = await call_upstream(front, "POST", RENDER_PATH, json=vllm_mm.render_request(mm))
-            if status >= 300:
-                return error(status, f"rendering the images: {upstream_message(raw)}")
-            body["features"] = vllm_mm.features(json.loads(raw), mm, body.get("token_ids") or [], start)
-        status, raw, _ = await call_upstream(front, "POST", GENERATE_PATH, json=body)
-        if status >= 300:
-            return error(status, upstream_message(raw))
-        return web.Response(body=stamped_body(raw, start, front.version), content_type="application/json")
-
-    async def health(request: web.Request) -> web.Response:
-        status, raw, _ = await call_upstream(
-            front, "GET", "/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
-        )
-        if status != 200:
-            return error(503, f"vLLM at {front.upstream} is not healthy (HTTP {status}): {upstream_message(raw)}")
-        return web.json_response(
-            {"status": "ok", "index": front.index, "kind": "vllm", "weight_version": front.version, **front.place}
-        )
-
-    async def start(request: web.Request) -> web.Response:
-        status, raw, ctype = await call_upstream(front, "POST", "/start_weight_update")
-        front.native_session = front.native_session or status < 300
-        return relay(status, raw, ctype)
-
-    async def finish(request: web.Request) -> web.Response:
-        body = await read_json(request)
-        body = body if isinstance(body, dict) else {}
-        version = body.get("version", front.version + 1)
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise ValueError(f"'version' must be an integer, got {version!r}")
-        raw = b""
-        if front.native_session:
-            status, raw, ctype = await call_upstream(front, "POST", "/finish_weight_update", json=body)
-            if status >= 300:
-                return relay(status, raw, ctype)
-            front.native_session = False
-        front.version = version
-        if front.on_version is not None:
-            front.on_version(version)
-        answer = json.loads(raw) if raw else {}
-        return web.json_response({**(answer if isinstance(answer, dict) else {}), "weight_version": version})
-
-    async def rpc(request: web.Request) -> web.Response:
-        body = await read_json(request)
-        method = body.get("method") if isinstance(body, dict) else None
-        if not isinstance(method, str) or not method.startswith(RPC_PREFIX):
-            return error(403, f"only the refit extension's {RPC_PREFIX}* methods may be called, not {method!r}")
-        return relay(*await call_upstream(front, "POST", "/collective_rpc", json=body))
-
-    async def forward(request: web.Request) -> web.Response:
-        raw = await request.read()
-        ctype = request.headers.get("Content-Type") if raw else None
-        return relay(*await call_upstream(front, request.method, request.path_qs, ctype, data=raw))
-
+    app[FRONT] = front
     app.on_startup.append(open_session)
     app.on_cleanup.append(close_session)
     app.router.add_post(GENERATE_PATH, generate)

@@ -14,7 +14,8 @@ from collections.abc import Callable
 import torch
 from aiohttp import web
 
-from molt_hpc.engine.http import error, read_json
+from molt_hpc.engine.http import error, parse, read_json
+from molt_hpc.engine.requests import FinishRequest, InitRequest, UpdateRequest
 from molt_hpc.engine.server import EngineState, run_on_scheduler
 from molt_hpc.log import get_logger
 from molt_hpc.refit.experts import expert_views
@@ -45,22 +46,18 @@ class WeightSync:
 
     async def init(self, request: web.Request) -> web.Response:
         body = await read_json(request)
-        info = body.get("init_info") if isinstance(body, dict) else None
-        if not isinstance(info, dict):
-            raise ValueError("the body must be {'init_info': {master_address, master_port, rank_offset, world_size}}")
-        return web.json_response(await asyncio.to_thread(self.receiver.init, info))
+        parse(InitRequest, body)  # refused here, before the live channel is touched
+        return web.json_response(await asyncio.to_thread(self.receiver.init, body["init_info"]))
 
     async def start(self, request: web.Request) -> web.Response:
+        await read_json(request)  # a body, if any, must at least be JSON: a malformed one pauses nothing
         status = await run_on_scheduler(self.state, self.state.scheduler.begin_refit)
         if self.phase != "torn":
             self.phase = "started"
         return web.json_response(status)
 
     async def update(self, request: web.Request) -> web.Response:
-        body = await read_json(request)
-        info = body.get("update_info") if isinstance(body, dict) else None
-        if not isinstance(info, dict):
-            raise ValueError("the body must be {'update_info': {names, dtype_names, shapes, packed, bucket_bytes}}")
+        info = parse(UpdateRequest, await read_json(request)).update_info
         if self.phase not in ("started", "loaded", "torn"):
             return error(409, "call /start_weight_update before /update_weights")
         before, self.phase = self.phase, "loading"
@@ -77,14 +74,10 @@ class WeightSync:
         return web.json_response({"loaded": loaded, "seconds": time.perf_counter() - t0})
 
     async def finish(self, request: web.Request) -> web.Response:
-        body = await read_json(request)
-        body = body if isinstance(body, dict) else {}
-        version = body.get("version", body.get("weight_version"))
+        version = parse(FinishRequest, await read_json(request)).chosen
         sched = self.state.scheduler
         if version is None:
             version = sched.version + 1
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise ValueError(f"'version' must be an integer, got {version!r}")
         if self.phase == "torn":
             return error(409, "the last weight update failed part-way; push a complete update before finishing")
         if self.phase == "loading":

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from molt_hpc import fault
+from molt_hpc import fault, net
 from molt_hpc.actor.ep_check import check_ep, model_experts
 from molt_hpc.buffer.cleanup import release_finished
 from molt_hpc.config import MoltConfig, to_toml
@@ -30,7 +30,7 @@ from molt_hpc.launch.progress import Progress
 from molt_hpc.launch.watchdog import Watchdog
 from molt_hpc.log import MetricsWriter, get_logger, log_tail
 from molt_hpc.models import resolve_model
-from molt_hpc.rundir import RunDir, atomic_write, create_run_dir
+from molt_hpc.rundir import RunDir, atomic_write, create_run_dir, private_files
 from molt_hpc.trackers import Trackers, check_optional_packages
 
 STOP_WAIT_S = 300.0
@@ -58,6 +58,16 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
+LOOPBACK_ENV = {
+    net.LOOPBACK_ENV: "1",
+    "MASTER_ADDR": "127.0.0.1",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "NCCL_SOCKET_IFNAME": "lo",
+}
+"""Every child of a local run listens on loopback only: TCPStore servers (`molt_hpc.net.listen_fd`), gloo's
+and NCCL's connection sockets (their interface), the engines, router and scorers (`engines.host`)."""
+
+
 def split_gpus(cfg: MoltConfig, gpus: list[str]) -> tuple[list[str], list[str]]:
     """(actor pool GPUs, engine pool GPUs): disjoint when there are enough, else both share them all."""
     actor_n = 0 if cfg.actor.device == "cpu" else cfg.actor.ranks
@@ -81,15 +91,16 @@ def _gpu_env(gpus: list[str]) -> dict[str, str]:
 
 def actor_child(cfg: MoltConfig, run: RunDir) -> Child:
     cmd = [
-        sys.executable, "-m", "molt_hpc.launch.torchrun", "--standalone",
+        sys.executable, "-m", "molt_hpc.launch.torchrun", "--standalone", "--local-addr", "127.0.0.1",
         "--nproc-per-node", str(cfg.actor.ranks), str(REPO / "jobs" / "actor.py"), str(run.path),
     ]  # fmt: skip
-    return Child("actor pool", cmd, run.logs / "actor.log", {"OMP_NUM_THREADS": "1"})
+    return Child("actor pool", cmd, run.logs / "actor.log", {"OMP_NUM_THREADS": "1", **LOOPBACK_ENV})
 
 
 def run_local(cfg: MoltConfig) -> int:
     """Run (or continue) `cfg`'s run on this machine; returns the process exit code."""
     log = get_logger()
+    private_files()  # the launcher writes logs, metrics and the run directory itself
     check_optional_packages(cfg)
     if cfg.actor.ranks % cfg.actor.cp:
         raise ValueError(
@@ -106,7 +117,8 @@ def run_local(cfg: MoltConfig) -> int:
     resumed = _latest(run)
     if resumed is not None:
         log.info("resuming from checkpoint %s (step %d of %d)", resumed[0].name, resumed[1], cfg.run.steps)
-    pool = Child("engine pool", job_command("engine.py", str(run.path), "--role", "pool"), run.logs / "pool.log")
+    pool_cmd = job_command("engine.py", str(run.path), "--role", "pool")
+    pool = Child("engine pool", pool_cmd, run.logs / "pool.log", dict(LOOPBACK_ENV))
     actor = actor_child(cfg, run)
     gpus = visible_gpus()
     vllm_first = False

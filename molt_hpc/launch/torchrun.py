@@ -44,10 +44,38 @@ def _knows_signal_flag() -> bool:
     return any(a.dest == "signals_to_handle" for a in get_args_parser()._actions)
 
 
+def _loopback_stores() -> None:
+    """Make every TCPStore server this agent starts (the rendezvous store, the workers' store) listen
+    on 127.0.0.1: torch binds them to every interface whatever address it is given, and nothing of a
+    local-mode run may be reachable from the network. A subclass, so torch's isinstance checks hold."""
+    import torch.distributed as dist
+    from torch.distributed import rendezvous
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
+
+    from molt_hpc.net import listen_fd
+
+    base = dist.TCPStore
+
+    class LoopbackStore(base):  # type: ignore[misc, valid-type]
+        def __init__(self, host_name: str, port: int = 0, *args, **kwargs) -> None:
+            is_master = kwargs.get("is_master", args[1] if len(args) > 1 else False)
+            if is_master and kwargs.get("master_listen_fd") is None:
+                kwargs["master_listen_fd"] = listen_fd(port)
+            super().__init__(host_name, port, *args, **kwargs)
+
+    for module in (dist, rendezvous, c10d_rendezvous_backend, static_tcp_rendezvous):
+        if getattr(module, "TCPStore", None) is base:
+            module.TCPStore = LoopbackStore
+
+
 def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun
 
+    from molt_hpc.net import loopback_only
+
+    if loopback_only():
+        _loopback_stores()
     signal.signal(signal.SIGTERM, _pass_on)
     if _knows_signal_flag():
         argv = [f"--signals-to-handle={HANDLED}", *argv]

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from molt_hpc.net import listen_fd
+
 
 def resolve_backend(setting: str, device: str | torch.device) -> str:
     """`refit.backend` → the group's `gloo` or `nccl`; `auto` (and `ipc`, for the engines it cannot
@@ -77,4 +79,6 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 
 def host_store(timeout_s: float) -> dist.TCPStore:
     """The trainer's TCPStore on a port the kernel picks (read it back from `.port`)."""
-    return dist.TCPStore("0.0.0.0", 0, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    fd = listen_fd(0)  # loopback in a local-mode run (`molt_hpc.net.listen_fd`)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.TCPStore("0.0.0.0", 0, None, True, timeout, wait_for_workers=False, master_listen_fd=fd)

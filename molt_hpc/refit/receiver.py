@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
+from molt_hpc.engine.http import parse
+from molt_hpc.engine.requests import InitInfo
 from molt_hpc.log import get_logger
 from molt_hpc.refit.buckets import Bucket, CopyPlan, bucket_views, copy_tensors, metas_from_info, plan_buckets
 from molt_hpc.refit.group import RefitGroup, buffer_device, connect_store, new_group
 from molt_hpc.refit.ipc import ChannelClosed, IpcInbox
 from molt_hpc.refit.shared_params import SharedParams
-
-INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size")
 
 
 class RefitReceiver:
@@ -42,41 +42,39 @@ class RefitReceiver:
 
     def init(self, init_info: dict[str, Any]) -> dict[str, Any]:
         """Join (or re-join under a new prefix) the group described by vLLM-style `init_info`, or map
-        the trainer's shared slots (`backend = "ipc"`, the handles in `init_info.ipc`)."""
-        self.leave()
-        timeout = float(init_info.get("timeout_s", 600.0))
-        if init_info.get("backend") == "ipc":
-            spec = init_info.get("ipc")
-            if not isinstance(spec, dict):
-                raise ValueError("init_info.backend = 'ipc' needs the trainer's slot handles in init_info.ipc")
-            t0 = time.perf_counter()
-            if "params" in spec:
-                self.shared = SharedParams(spec)
+        the trainer's shared slots (`backend = "ipc"`, the handles in `init_info.ipc`). The info is
+        checked and the new channel opened before the old one is dropped: a refused init leaves the
+        live channel as it was."""
+        info = parse(InitInfo, init_info, "init_info")
+        t0 = time.perf_counter()
+        if info.backend == "ipc":
+            assert info.ipc is not None
+            if "params" in info.ipc:
+                shared = SharedParams(info.ipc)
+                self.leave()
+                self.shared = shared
                 get_logger().info(
                     "mapped the trainer's %d parameters (%.0f MiB, CUDA IPC): refits read them in place (%.2fs)",
-                    len(self.shared.names), self.shared.nbytes / 2**20, time.perf_counter() - t0,
+                    len(shared.names), shared.nbytes / 2**20, time.perf_counter() - t0,
                 )  # fmt: skip
-                return {"transport": "ipc", "params": len(self.shared.names)}
-            self.inbox = IpcInbox(spec, timeout)
+                return {"transport": "ipc", "params": len(shared.names)}
+            inbox = IpcInbox(info.ipc, info.timeout_s)
+            self.leave()
+            self.inbox = inbox
             get_logger().info(
-                "mapped the trainer's %d refit slots of %.0f MiB (%s, %.2fs)", len(self.inbox.buffers),
-                self.inbox.buffers[0].numel() / 2**20, "CUDA IPC" if self.inbox.buffers[0].is_cuda else "shared memory",
+                "mapped the trainer's %d refit slots of %.0f MiB (%s, %.2fs)", len(inbox.buffers),
+                inbox.buffers[0].numel() / 2**20, "CUDA IPC" if inbox.buffers[0].is_cuda else "shared memory",
                 time.perf_counter() - t0,
             )  # fmt: skip
-            return {"transport": "ipc", "slots": len(self.inbox.buffers)}
-        missing = [k for k in INIT_FIELDS if k not in init_info]
-        if missing:
-            raise ValueError(f"init_info lacks {', '.join(missing)}")
-        rank, world = init_info["rank_offset"], init_info["world_size"]
-        if not (isinstance(rank, int) and isinstance(world, int) and 0 < rank < world):
-            raise ValueError(f"init_info: need integers 0 < rank_offset < world_size, got {rank} and {world}")
-        backend = str(init_info.get("backend", "gloo"))
-        t0 = time.perf_counter()
-        store = connect_store(str(init_info["master_address"]), int(init_info["master_port"]), timeout)
-        prefix = str(init_info.get("group_name", "refit/"))
-        self.group = new_group(backend, store, prefix, rank, world, timeout)
+            return {"transport": "ipc", "slots": len(inbox.buffers)}
+        assert info.master_address and info.master_port and info.rank_offset and info.world_size
+        rank, world = info.rank_offset, info.world_size
+        store = connect_store(info.master_address, info.master_port, info.timeout_s)
+        group = new_group(info.backend, store, info.group_name, rank, world, info.timeout_s)
+        self.leave()
+        self.group = group
         get_logger().info(
-            "joined refit group %s as rank %d of %d (%.2fs)", prefix, rank, world, time.perf_counter() - t0
+            "joined refit group %s as rank %d of %d (%.2fs)", info.group_name, rank, world, time.perf_counter() - t0
         )
         return {"rank": rank, "world_size": world}
 

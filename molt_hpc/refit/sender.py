@@ -33,6 +33,7 @@ import torch
 
 from molt_hpc.config.infra import RefitConfig
 from molt_hpc.log import get_logger
+from molt_hpc.net import loopback_only
 from molt_hpc.refit.buckets import (
     Bucket,
     TensorMeta,
@@ -71,6 +72,8 @@ def advertised_host(setting: str) -> str:
     """The address engines use to reach this node's TCPStore (`auto`: the hostname if it resolves)."""
     if setting != "auto":
         return setting
+    if loopback_only():  # a local-mode run: the store listens on loopback only
+        return "127.0.0.1"
     name = socket.gethostname()
     try:
         socket.gethostbyname(name)

@@ -8,7 +8,6 @@ ids, weight versions) for `ChatAgentRunner` to turn into a trajectory. Requests 
 token as the API key. Per-session overrides (greedy evaluation) are applied to every call.
 """
 
-import json
 import time
 import uuid
 from collections import defaultdict
@@ -20,7 +19,17 @@ from aiohttp import web
 from molt_hpc.agents.calls import EngineError
 from molt_hpc.config.rollout import RolloutConfig
 from molt_hpc.engine.client import SESSION_HEADER, EngineHTTPError
+from molt_hpc.engine.http import (
+    BadRequest,
+    check_session,
+    loads,
+    openai_errors_middleware,
+    openai_problem,
+    parse,
+    read_body,
+)
 from molt_hpc.log import get_logger
+from molt_hpc.rollout.chat_schema import ChatRequest
 from molt_hpc.rollout.engines import EngineLink
 
 
@@ -34,21 +43,14 @@ class ChatCall:
     finish_reason: str
 
 
-def _problem(status: int, message: str, kind: str = "invalid_request_error") -> tuple[int, dict[str, Any]]:
-    return status, {"error": {"message": message, "type": kind}}
+def _problem(
+    status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
+) -> tuple[int, dict[str, Any]]:
+    return status, openai_problem(message, kind, param)
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
     return web.json_response(_problem(status, message, kind)[1], status=status)
-
-
-def _check_messages(messages: Any) -> str | None:
-    if not isinstance(messages, list) or not messages:
-        return "'messages' must be a non-empty list"
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            return "each message needs a string 'role' and a string 'content'"
-    return None
 
 
 class ChatServer:
@@ -60,7 +62,7 @@ class ChatServer:
         self.failures: dict[str, str] = {}
         self.overrides: dict[str, dict[str, Any]] = {}
         self.url = ""
-        app = web.Application(middlewares=[self._auth])
+        app = web.Application(middlewares=[self._auth, openai_errors_middleware], client_max_size=1 << 26)
         for prefix in ("", "/s/{session}"):
             app.router.add_post(prefix + "/v1/chat/completions", self.completions)
             app.router.add_get(prefix + "/v1/models", self.models)
@@ -92,33 +94,42 @@ class ChatServer:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
     async def completions(self, request: web.Request) -> web.Response:
-        try:
-            body = await request.json()
-        except json.JSONDecodeError:
-            return _error(400, "the body is not JSON")
-        session = request.match_info.get("session") or request.headers.get(SESSION_HEADER) or uuid.uuid4().hex
-        status, answer = await self.complete(body, session)
+        session = request.match_info.get("session") or request.headers.get(SESSION_HEADER)
+        status, answer = await self.handle(await read_body(request), session)
         return web.json_response(answer, status=status)
 
     def authorised(self, authorization: str | None) -> bool:
         return authorization == f"Bearer {self.token}"
 
-    async def complete(self, body: Any, session: str) -> tuple[int, dict[str, Any]]:
+    async def handle(self, raw: bytes, session: str | None) -> tuple[int, dict[str, Any]]:
+        """One request as it arrived (raw body, session id from the path or header, if any): checked at
+        the edge, then completed. A refusal is a 400 in the OpenAI error shape and records nothing."""
+        try:
+            req = parse(ChatRequest, loads(raw))
+            session = check_session(session) or uuid.uuid4().hex
+        except BadRequest as err:
+            return _problem(400, str(err), param=err.param)
+        return await self.complete(req, session)
+
+    async def complete(self, req: ChatRequest, session: str) -> tuple[int, dict[str, Any]]:
         """One chat completion for `session`: (HTTP status, JSON answer); the call is recorded."""
-        if not isinstance(body, dict) or (problem := _check_messages(body.get("messages"))):
-            return _problem(400, problem if isinstance(body, dict) else "the body must be a JSON object")
-        if body.get("n", 1) != 1 or body.get("stream"):
-            return _problem(400, "only n = 1 without streaming is served")
-        if body.get("stop"):
-            return _problem(400, "stop strings are not supported; use max_tokens")
-        template_kwargs = {"tools": body["tools"]} if body.get("tools") else {}
-        text = self.tokenizer.apply_chat_template(
-            body["messages"], add_generation_prompt=True, tokenize=False, **template_kwargs
-        )
+        if (req.n or 1) != 1 or req.stream:
+            return _problem(400, "only n = 1 without streaming is served", param="n" if (req.n or 1) != 1 else "stream")
+        if req.stop:
+            return _problem(400, "stop strings are not supported; use max_tokens", param="stop")
+        template_kwargs = {"tools": req.tools} if req.tools else {}
+        try:
+            text = self.tokenizer.apply_chat_template(
+                req.template_messages(), add_generation_prompt=True, tokenize=False, **template_kwargs
+            )
+        except Exception as err:  # the template's refusal (a role or layout it does not know): the caller's to fix
+            return _problem(
+                400, f"the chat template refused the messages: {type(err).__name__}: {err}", param="messages"
+            )
         prompt_ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        params, problem = self._sampling_params(body, len(prompt_ids), session)
+        params, problem = self._sampling_params(req, len(prompt_ids), session)
         if problem:
-            return _problem(400, problem)
+            return _problem(400, problem, param="max_tokens")
         try:
             out = await self.link.generate(prompt_ids, params, session)
             if out.finish_reason == "abort":
@@ -132,20 +143,18 @@ class ChatServer:
         self.calls[session].append(call)
         return 200, self._answer(out, len(prompt_ids))
 
-    def _sampling_params(self, body: dict[str, Any], prompt_len: int, session: str) -> tuple[dict, str | None]:
+    def _sampling_params(self, req: ChatRequest, prompt_len: int, session: str) -> tuple[dict, str | None]:
         room = self.cfg.max_total_tokens - prompt_len
         if room <= 0:
             cap = self.cfg.max_total_tokens
             return {}, f"the conversation ({prompt_len} tokens) fills rollout.max_total_tokens ({cap})"
-        asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.cfg.max_new_tokens
-        if not isinstance(asked, int) or asked <= 0:
-            return {}, "max_tokens must be a positive integer"
+        asked = req.max_completion_tokens or req.max_tokens or self.cfg.max_new_tokens
         params = {
-            "temperature": float(body.get("temperature", self.cfg.temperature)),
-            "top_p": float(body.get("top_p", self.cfg.top_p)),
+            "temperature": self.cfg.temperature if req.temperature is None else req.temperature,
+            "top_p": self.cfg.top_p if req.top_p is None else req.top_p,
             "top_k": self.cfg.top_k,
             "stop_token_ids": [self.tokenizer.eos_token_id],
-            **({"seed": int(body["seed"])} if body.get("seed") is not None else {}),
+            **({"seed": req.seed} if req.seed is not None else {}),
             **self.overrides.get(session, {}),
         }
         params["max_tokens"] = min(asked, self.cfg.max_new_tokens, room)

@@ -1,10 +1,10 @@
 """The router process: proxy `/inference/v1/generate` and `/v1/*` to the engine a session belongs to.
 
-Bodies and answers pass through unchanged (server-sent events are streamed chunk by chunk); the
-answer carries `X-Molt-Engine: <index>`. A request whose connection to an engine fails before any
-answer byte was sent is retried on the next engine (up to `router.connect_retries` engines) and the
-failed engine leaves the ring. `/pause`, `/resume` and the weight routes are not routed: the refit
-talks to the engines directly. Registers as `rendezvous/router.json` once listening.
+Requests are checked at the edge (`checked_body`); bodies and answers then pass through unchanged
+(server-sent events are streamed chunk by chunk); the answer carries `X-Molt-Engine: <index>`. A request
+whose connection to an engine fails before any answer byte was sent is retried on the next engine (up to
+`router.connect_retries` engines) and the failed engine leaves the ring. `/pause`, `/resume` and the weight
+routes are not routed: the refit talks to the engines directly. Registers as `rendezvous/router.json`.
 """
 
 import asyncio
@@ -20,7 +20,17 @@ from aiohttp import web
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.engine.client import SESSION_HEADER
-from molt_hpc.engine.http import error, errors_middleware, token_middleware
+from molt_hpc.engine.http import (
+    check_session,
+    error,
+    errors_middleware,
+    forwardable_path,
+    loads,
+    parse,
+    read_body,
+    token_middleware,
+)
+from molt_hpc.engine.requests import GenerateRequest
 from molt_hpc.log import get_logger, setup_logging
 from molt_hpc.net import public_host
 from molt_hpc.router.pool import Engine, EnginePool
@@ -28,6 +38,7 @@ from molt_hpc.rundir import RunDir, atomic_write
 
 FORWARD_HEADERS = ("Authorization", "Content-Type", "Accept", SESSION_HEADER)
 ENGINE_HEADER = "X-Molt-Engine"
+GENERATE_PATH = "/inference/v1/generate"
 
 
 async def forward(
@@ -52,13 +63,27 @@ async def forward(
         return resp
 
 
+async def checked_body(request: web.Request) -> bytes:
+    """The body to forward, once the request passed the edge checks (a `BadRequest` → 400 otherwise):
+    a plain `/v1/` path (nothing an engine would normalise into one of its control routes), a JSON
+    body that is UTF-8 with finite numbers, and for generate the protocol's typed request."""
+    if request.path != GENERATE_PATH:
+        forwardable_path(request, "/v1/")
+    body = await read_body(request)
+    if body or request.path == GENERATE_PATH:
+        decoded = loads(body)
+        if request.path == GENERATE_PATH:
+            parse(GenerateRequest, decoded, "the generate body")
+    return body
+
+
 def build_app(pool: EnginePool, cfg: MoltConfig, token: str) -> web.Application:
     app = web.Application(middlewares=[token_middleware(token), errors_middleware], client_max_size=1 << 30)
     stats = {"retries": 0, "unrouted": 0}
 
     async def proxy(request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        session_id = request.headers.get(SESSION_HEADER)
+        body = await checked_body(request)
+        session_id = check_session(request.headers.get(SESSION_HEADER))
         client: aiohttp.ClientSession = app["client"]
         tried: set[int] = set()
         last = "no healthy engine"
@@ -94,7 +119,7 @@ def build_app(pool: EnginePool, cfg: MoltConfig, token: str) -> web.Application:
 
     app.add_routes(
         [
-            web.post("/inference/v1/generate", proxy),
+            web.post(GENERATE_PATH, proxy),
             web.route("*", "/v1/{tail:.*}", proxy),
             web.get("/health", health),
             web.get("/metrics", metrics),

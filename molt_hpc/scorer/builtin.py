@@ -15,30 +15,25 @@ from pathlib import Path
 from typing import Any
 
 from molt_hpc.config import MoltConfig
+from molt_hpc.engine.http import parse
 from molt_hpc.log import get_logger, setup_logging
 from molt_hpc.net import serve_until_signal
 from molt_hpc.rundir import RunDir
 from molt_hpc.scorer import register_scorer, scorer_file
+from molt_hpc.scorer.request import ClassifyRequest
 
 
 def parse_classify(body: Any, vocab_size: int, max_len: int) -> tuple[list[list[int]], bool]:
     """(sequences, whether to apply the sigmoid) of a classify request; a `ValueError` (→ 400) says what is wrong."""
-    if not isinstance(body, dict) or "input" not in body:
-        raise ValueError("the body must be a JSON object with 'input': a list of token-id lists")
-    seqs = body["input"]
-    if isinstance(seqs, list) and seqs and all(isinstance(t, int) for t in seqs):
-        seqs = [seqs]  # one sequence, as vLLM accepts it
-    if not isinstance(seqs, list) or not seqs:
-        raise ValueError("'input' must be a non-empty list of token-id lists (this scorer takes no text)")
+    req = parse(ClassifyRequest, body, "the body (with 'input': a list of token-id lists)")
+    seqs = req.sequences
     for i, s in enumerate(seqs):
-        if not isinstance(s, list) or not s or not all(isinstance(t, int) and not isinstance(t, bool) for t in s):
-            raise ValueError(f"input[{i}] must be a non-empty list of token ids")
         if len(s) > max_len:
             limit = f"the scorer's {max_len} (reward_model.max_model_len)"
             raise ValueError(f"input[{i}] has {len(s)} tokens, over {limit}")
         if min(s) < 0 or max(s) >= vocab_size:
             raise ValueError(f"input[{i}] has a token id outside the vocabulary (0..{vocab_size - 1})")
-    return seqs, bool(body.get("use_activation") or False)
+    return seqs, bool(req.use_activation)
 
 
 def build_app(model, token: str, index: int, max_batch: int, max_len: int, name: str):

@@ -42,8 +42,9 @@ def build_score_front(front):
     """The token-checking front: `/classify` (raw scores) and `/health`, relayed to vLLM."""
     from aiohttp import web
 
-    from molt_hpc.engine.http import error, errors_middleware, read_json, token_middleware
+    from molt_hpc.engine.http import error, errors_middleware, parse, read_json, token_middleware
     from molt_hpc.engine.vllm_front import call_upstream, relay, upstream_message
+    from molt_hpc.scorer.request import ClassifyRequest
 
     app = web.Application(middlewares=[token_middleware(front.token), errors_middleware], client_max_size=1 << 28)
 
@@ -57,10 +58,8 @@ def build_score_front(front):
             await front.session.close()
 
     async def classify(request: web.Request) -> web.Response:
-        body = await read_json(request)
-        if not isinstance(body, dict) or "input" not in body:
-            raise ValueError("the body must be a JSON object with 'input': a list of token-id lists")
-        body = {"input": body["input"], "use_activation": bool(body.get("use_activation") or False)}
+        req = parse(ClassifyRequest, await read_json(request), "the body (with 'input': a list of token-id lists)")
+        body = {"input": req.sequences, "use_activation": bool(req.use_activation)}
         return relay(*await call_upstream(front, "POST", "/classify", json=body))
 
     async def health(request: web.Request) -> web.Response:
