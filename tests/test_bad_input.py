@@ -217,6 +217,7 @@ BAD_CHAT = [
     (b'{"messages": [{"role": "user", "content": "\xff"}]}', "UTF-8"),
     (b'{"messages": []}', "messages"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', "n = 1"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}', "presence_penalty"),
 ]
 
 

@@ -3,7 +3,7 @@
 Known fields are checked for type and range (finite numbers only; `null` means the default, as in
 the OpenAI API); fields this endpoint does not know are ignored, as OpenAI-compatible servers do,
 so a newer client's extra options do not break an agent. What the endpoint cannot honour (n > 1,
-streaming, stop strings) is refused by the server with its reason.
+streaming, stop strings, non-zero penalties) is refused by the server with its reason.
 """
 
 from typing import Any

@@ -117,6 +117,13 @@ class ChatServer:
             return _problem(400, "only n = 1 without streaming is served", param="n" if (req.n or 1) != 1 else "stream")
         if req.stop:
             return _problem(400, "stop strings are not supported; use max_tokens", param="stop")
+        for name in ("presence_penalty", "frequency_penalty"):  # the trained policy samples without penalties
+            if getattr(req, name):
+                return _problem(
+                    400,
+                    f"{name} is not supported (the engines sample without penalties); omit it or send 0",
+                    param=name,
+                )
         template_kwargs = {"tools": req.tools} if req.tools else {}
         try:
             text = self.tokenizer.apply_chat_template(
