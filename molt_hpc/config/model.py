@@ -1,6 +1,6 @@
 """Config sections for what is trained on: the model and the dataset."""
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
@@ -155,17 +155,6 @@ class ModelConfig(Section):
         return self.path.startswith("builtin:")
 
 
-class EvalConfig(Section):
-    """Held-out evaluation: greedy rollouts on a fixed prompt set, scored by the same agent."""
-
-    path: str
-    """JSONL file of evaluation rows (same format as `data.path`)."""
-    every: PositiveInt = 10
-    """Evaluate the policy at version 0 and then every this many versions (greedy: top_k = 1)."""
-    max_prompts: PositiveInt = 64
-    """Evaluate on at most this many rows (the first ones of the file)."""
-
-
 class DataConfig(Section):
     """The prompt dataset (step 1 of the RL loop)."""
 
@@ -193,5 +182,10 @@ class DataConfig(Section):
     """Shuffle within buckets each epoch (deterministically from `run.seed` and the epoch)."""
     on_bad_row: Literal["error", "skip"] = "error"
     """What to do with a malformed row: stop with an error naming file and line, or skip and count it."""
-    eval: EvalConfig | None = None
-    """Optional held-out evaluation (`[data.eval]` with at least `path`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "eval" in data:
+            raise ValueError("[data.eval] is now the top-level [eval] section: rename the table [data.eval] to [eval]")
+        return data

@@ -52,8 +52,8 @@ def resolve_paths(cfg: MoltConfig, cwd: Path) -> MoltConfig:
     data = cfg.model_dump()
     data["run"]["root"] = _absolute(cfg.run.root, cwd)
     data["data"]["path"] = _absolute(cfg.data.path, cwd)
-    if cfg.data.eval is not None:
-        data["data"]["eval"]["path"] = _absolute(cfg.data.eval.path, cwd)
+    if cfg.eval is not None and cfg.eval.path is not None:
+        data["eval"]["path"] = _absolute(cfg.eval.path, cwd)
     if is_file_spec(cfg.rollout.agent):
         data["rollout"]["agent"] = _absolute(cfg.rollout.agent, cwd)
     if not cfg.model.is_builtin:
@@ -214,8 +214,8 @@ def preflight(cfg: MoltConfig, cwd: str | Path | None = None, warn: Callable[[st
         raise PreflightError(str(err)) from None
     rl = resolved.run.stage == "rl"  # a stage reads its own files, not the prompts and the agent
     files = [("data.path", cfg.data.path, resolved.data.path)] if rl else []
-    if rl and cfg.data.eval is not None:
-        files.append(("data.eval.path", cfg.data.eval.path, resolved.data.eval.path))
+    if rl and cfg.eval is not None and cfg.eval.path is not None:
+        files.append(("eval.path", cfg.eval.path, resolved.eval.path))
     for key, original, path in files:  # the rows' shape first: it needs no tokenizer, so a wrong key fails fast
         check_file(key, original, path, cwd, "give an existing JSONL file of prompts")
         check_rows(resolved.data, None, path, key, vision=is_vision(resolved))

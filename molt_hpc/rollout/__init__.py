@@ -4,7 +4,7 @@ orchestrator.py  the loop: admission, groups in flight, completion order, filter
 group.py         one group of concurrent samples and the per-sample fault policy
 engines.py       generate through the router; the engines' weight version
 chat_server.py   the OpenAI-compatible endpoint chat-mode agents talk to
-evaluation.py    greedy evaluation on held-out prompts
+evaluation.py    held-out evaluation: n samples per prompt, pass@k, mean reward
 state.py         the durable state (cursor, in-flight groups) that makes a restart exact
 metrics.py       the rollout records of metrics.jsonl
 scoring.py       a reward model's scores combined with the env's rewards, once per finished group
@@ -75,7 +75,7 @@ async def serve(cfg: MoltConfig, run: RunDir) -> int:
     vision = Vision.of(model_dir)
     images = {"vision": vision, "max_images": cfg.rollout.max_images}
     dataset = PromptDataset.load(cfg.data, tokenizer, **images)
-    ev = cfg.data.eval
+    ev = cfg.eval
     eval_prompts = (
         PromptDataset.load(cfg.data, tokenizer, path=ev.path, limit=ev.max_prompts, **images).prompts if ev else []
     )
