@@ -45,7 +45,7 @@ def test_eval_config_rules() -> None:
         EvalConfig(path="x", n=4, k=[1, 8])
     with pytest.raises(ValueError, match="use one of"):
         EvalConfig(path="x", n=4, k=[1, 4], best_metric="pass@2")
-    with pytest.raises(ValueError, match="needs `path`"):
+    with pytest.raises(ValueError, match="needs one of `path`"):
         EvalConfig()
     ev = EvalConfig(path="x", n=8, k=[1, 8], temperature=0.7, top_p=0.9, best_metric="pass@8")
     assert ev.metric_key == "eval_pass@8"

@@ -5,6 +5,7 @@ import re
 from pydantic import Field, NonNegativeFloat, PositiveInt, model_validator
 
 from molt_hpc.config.base import Section
+from molt_hpc.config.generator import GeneratorConfig
 
 BEST_METRIC_RE = re.compile(r"pass@(\d+)|reward|score")
 
@@ -17,6 +18,9 @@ class EvalConfig(Section):
 
     path: str | None = None
     """File of held-out rows, in the format of `data.path`."""
+    generator: GeneratorConfig | None = None
+    """Generate the held-out rows instead (`[eval.generator]`), into `RUN_DIR/data/eval.jsonl`; a task also in
+    `data.generator` must use a disjoint seed range."""
     n: PositiveInt = 1
     """Samples per prompt."""
     temperature: NonNegativeFloat = 0.0
@@ -37,8 +41,8 @@ class EvalConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "EvalConfig":
-        if self.path is None:
-            raise ValueError("[eval] needs `path`: the file of held-out rows")
+        if (self.path is None) == (self.generator is None):
+            raise ValueError("[eval] needs one of `path` (a file of held-out rows) and `generator`")
         over = [k for k in self.k if k > self.n]
         if over:
             raise ValueError(f"eval.k = {self.k} has k > eval.n = {self.n}: pass@{over[0]} needs n >= {over[0]}")

@@ -5,6 +5,7 @@ from typing import Any, Literal
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
 from molt_hpc.config.base import Section
+from molt_hpc.config.generator import GeneratorConfig
 
 
 class TinyModelConfig(Section):
@@ -182,6 +183,9 @@ class DataConfig(Section):
     """Shuffle within buckets each epoch (deterministically from `run.seed` and the epoch)."""
     on_bad_row: Literal["error", "skip"] = "error"
     """What to do with a malformed row: stop with an error naming file and line, or skip and count it."""
+    generator: GeneratorConfig | None = None
+    """Generate the rows instead of reading `path` (`[data.generator]`): written once to `RUN_DIR/data/train.jsonl`
+    (a resume or a Slurm requeue reads the same rows); use `rollout.agent = "envs/reasoning_gym.py"` to score them."""
 
     @model_validator(mode="before")
     @classmethod

@@ -7,6 +7,7 @@ from pydantic import Field, model_validator
 
 from molt_hpc.config.base import Section
 from molt_hpc.config.evaluation import EvalConfig
+from molt_hpc.config.generator import overlapping_seeds
 from molt_hpc.config.infra import (
     BufferConfig,
     LoggingConfig,
@@ -129,6 +130,9 @@ class MoltConfig(Section):
 
     def _check_eval(self) -> None:
         ev, interval = self.eval, self.checkpoint.interval
+        both = ev is not None and ev.generator is not None and self.data.generator is not None
+        if both and (overlap := overlapping_seeds(self.data.generator, ev.generator)):
+            raise ValueError(f"{overlap}: held-out rows must not be training rows; move one seed range")
         if ev is not None and ev.best_metric is not None and (interval == 0 or ev.every % interval):
             raise ValueError(
                 f"eval.best_metric names a checkpoint of an evaluated version: set eval.every ({ev.every}) to a "

@@ -61,6 +61,7 @@ async def serve(cfg: MoltConfig, run: RunDir) -> int:
     from molt_hpc.agents.step_runner import StepEnvRunner
     from molt_hpc.buffer import open_buffer
     from molt_hpc.data import PromptDataset
+    from molt_hpc.datasets.generated import prompt_files
     from molt_hpc.models import load_tokenizer, resolve_model
     from molt_hpc.rollout.chat_server import ChatServer
     from molt_hpc.rollout.engines import EngineLink, wait_for_router
@@ -74,10 +75,11 @@ async def serve(cfg: MoltConfig, run: RunDir) -> int:
     tokenizer = load_tokenizer(model_dir)
     vision = Vision.of(model_dir)
     images = {"vision": vision, "max_images": cfg.rollout.max_images}
-    dataset = PromptDataset.load(cfg.data, tokenizer, **images)
+    train_path, eval_path = prompt_files(cfg, run.path)
+    dataset = PromptDataset.load(cfg.data, tokenizer, path=train_path, **images)
     ev = cfg.eval
     eval_prompts = (
-        PromptDataset.load(cfg.data, tokenizer, path=ev.path, limit=ev.max_prompts, **images).prompts if ev else []
+        PromptDataset.load(cfg.data, tokenizer, path=eval_path, limit=ev.max_prompts, **images).prompts if ev else []
     )
     if issubclass(agent_cls, ChatAgent) and any(p.images for p in [*dataset.prompts, *eval_prompts]):
         raise ValueError(
