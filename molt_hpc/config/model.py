@@ -160,12 +160,14 @@ class DataConfig(Section):
     """The prompt dataset (step 1 of the RL loop)."""
 
     path: str = "data/reverse_train.jsonl"
-    """JSONL file of rows `{"prompt": str | [messages], "label": ..., "tools"?: [...], "id"?: ...}`,
-    relative to the working directory or absolute (parquet needs pyarrow: convert it to JSONL)."""
+    """Rows `{"prompt": str | [messages], "label": ..., "tools"?: [...], "id"?: ...}`: a JSONL file, a Parquet
+    file (needs pyarrow) or a `datasets.save_to_disk` directory of one split, relative to the working directory
+    or absolute."""
     prompt_key: str = "prompt"
-    """Row key holding the prompt (text or a list of chat messages)."""
+    """Row key holding the prompt (text or a list of chat messages); dots reach into nested objects."""
     label_key: str = "label"
-    """Row key holding the label passed to the environment."""
+    """Row key holding the label passed to the environment; dots reach into nested objects (the verl layout:
+    `reward_model.ground_truth`)."""
     image_key: str = "images"
     """Row key holding the row's images (vision-language models): a list of paths relative to the data
     file, `data:image/...;base64,...` URIs or bare base64 strings, one per image part (`{"type": "image"}`

@@ -82,6 +82,17 @@ def check_file(key: str, original: str, resolved: str, cwd: Path, fix: str) -> N
         raise PreflightError(f"{key} = {original!r}: {path} is not a file; {fix}")
 
 
+def check_data(key: str, original: str, resolved: str, cwd: Path) -> None:
+    """A prompt file exists: JSONL, Parquet, or a `datasets.save_to_disk` directory."""
+    from molt_hpc.readers import exists
+
+    fix = "give a JSONL or Parquet file of prompts, or a datasets.save_to_disk directory"
+    if Path(resolved).is_dir() and not exists(resolved):
+        raise PreflightError(f"{key} = {original!r}: {resolved} is a directory without state.json; {fix}")
+    if not Path(resolved).is_dir():
+        check_file(key, original, resolved, cwd, fix)
+
+
 def check_run_root(cfg: MoltConfig, original: str, cwd: Path) -> None:
     root = Path(cfg.run.root)
     existing = next(p for p in (root, *root.parents) if p.exists())
@@ -221,7 +232,7 @@ def preflight(cfg: MoltConfig, cwd: str | Path | None = None, warn: Callable[[st
         files = prompt_files(cfg, resolved, Path(tmp)) if rl else []
         for key, original, path in files:  # the rows' shape first: it needs no tokenizer, so a wrong key fails fast
             if original is not None:
-                check_file(key, original, path, cwd, "give an existing JSONL file of prompts")
+                check_data(key, original, path, cwd)
             check_rows(resolved.data, None, path, key, vision=is_vision(resolved))
         _check_after_rows(resolved, cfg, cwd, files, warn)
     return resolved
