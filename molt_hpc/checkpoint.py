@@ -8,14 +8,26 @@
         run_state.json step, policy version, RNG states of every rank, scheduler, buffer and data positions
         manifest.json  size and sha256 of every other file (written last)
       latest           the name of the newest whole checkpoint, replaced atomically
+      best             {"checkpoint", "version", "metric", "value"} of the best-evaluated one (`[eval]`)
+      .eval_pin        the name of the checkpoint an evaluation in progress may make best
+      .lock            serialises `best`, the pin and pruning (the trainer prunes, the orchestrator promotes)
       .tmp.step_000011 a checkpoint being written (a crash leaves it; the next save removes it)
 
 This module owns the files and knows nothing of process groups: the trainer gathers the tensors and
 calls these functions on rank 0. A checkpoint is whole once `latest` names it; everything a load
 reads is verified against the manifest first, so a torn or corrupt file fails with its name before
 anything is loaded.
+
+`best` is exact: it only ever names a whole checkpoint of the very policy its evaluation sampled. The
+orchestrator pins the checkpoint name of the version it starts evaluating (it may not be written yet),
+and when the evaluation ends it calls `promote_best`, which, under the lock, replaces `best` (one atomic
+write) only if that checkpoint exists whole and the value beats the one `best` holds. Pruning, under the
+same lock, never deletes what `latest`, `best` or the pin name. An evaluation whose tokens came from more
+than one policy version (a refit landed while it ran) is recorded but never made best.
 """
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -28,6 +40,9 @@ from typing import Any
 from molt_hpc.rundir import atomic_write, fsync_dir
 
 LATEST = "latest"
+BEST = "best"
+PIN = ".eval_pin"
+LOCK = ".lock"
 MANIFEST = "manifest.json"
 RUN_STATE = "run_state.json"
 INDEX = "model.safetensors.index.json"
@@ -223,7 +238,10 @@ def publish(root: Path, tmp: Path, step: int, keep_last: int) -> Path:
     final = root / step_name(step)
     if final.exists():  # a checkpoint of the same step that `latest` no longer names (a rerun after a crash)
         assert latest_checkpoint(root) != final, f"{final} is the latest checkpoint; it is not replaced"
-        shutil.rmtree(final)
+        with _locked(root):  # its evaluation was of the policy it held, not of the one replacing it
+            if best_checkpoint(root) == final:
+                (root / BEST).unlink()
+            shutil.rmtree(final)
     os.rename(tmp, final)
     fsync_dir(root)
     atomic_write(root / LATEST, final.name + "\n")
@@ -231,14 +249,65 @@ def publish(root: Path, tmp: Path, step: int, keep_last: int) -> Path:
     return final
 
 
+@contextlib.contextmanager
+def _locked(root: Path):
+    """An exclusive lock on the checkpoint directory (flock: held by a process, released when it dies)."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / LOCK, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def prune(root: Path, keep_last: int) -> list[Path]:
-    """Delete whole checkpoints beyond the newest `keep_last` (never the one `latest` names)."""
-    latest = latest_checkpoint(root)
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
-    doomed = [p for p in steps[:-keep_last] if p != latest]
-    for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
+    """Delete whole checkpoints beyond the newest `keep_last`, never one `latest`, `best` or the pin names."""
+    with _locked(root):
+        latest = latest_checkpoint(root)
+        best = read_best(root)
+        kept = {latest, root / best["checkpoint"] if best else None}
+        if (root / PIN).is_file():
+            kept.add(root / (root / PIN).read_text().strip())
+        steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+        doomed = [p for p in steps[:-keep_last] if p not in kept]
+        for p in doomed:
+            shutil.rmtree(p, ignore_errors=True)
     return doomed
+
+
+def read_best(root: str | Path) -> dict[str, Any] | None:
+    """The `best` record (`checkpoint`, `version`, `metric`, `value`), or None when there is none yet."""
+    pointer = Path(root) / BEST
+    return json.loads(pointer.read_text()) if pointer.is_file() else None
+
+
+def best_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint `best` names, or None."""
+    best = read_best(root)
+    return None if best is None else Path(root) / best["checkpoint"]
+
+
+def pin(root: Path, version: int) -> None:
+    """Keep the checkpoint of `version` from pruning while its evaluation runs (one pin at a time)."""
+    with _locked(root):
+        atomic_write(root / PIN, step_name(version) + "\n")
+
+
+def promote_best(root: Path, version: int, metric: str, value: float) -> bool:
+    """Make the checkpoint of `version` the best when it exists whole and `value` beats the best's; unpin it.
+    True when `best` now names it."""
+    with _locked(root):
+        (root / PIN).unlink(missing_ok=True)
+        ckpt = root / step_name(version)
+        best = read_best(root)
+        if not (ckpt / MANIFEST).is_file() or (
+            best is not None and best["metric"] == metric and best["value"] >= value
+        ):
+            return False
+        record = {"checkpoint": ckpt.name, "version": version, "metric": metric, "value": value}
+        atomic_write(root / BEST, json.dumps(record) + "\n")
+    return True
 
 
 def read_run_state(ckpt: Path) -> dict[str, Any]:

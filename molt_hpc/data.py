@@ -1,11 +1,12 @@
 """The prompt dataset (step 1 of the RL loop): rows, chat templating, length-balanced order, a cursor.
 
-Rows are JSON objects, one per line: `{"prompt": str | [chat messages], "label": ..., "tools": [...]?,
-"id": str?, "images": [...]?, ...}`; other keys (ids, metadata) ride along in `Prompt.extra`. For a
+Rows are objects `{"prompt": str | [chat messages], "label": ..., "tools": [...]?, "id": str?, "images": [...]?,
+...}` from a JSONL file, a Parquet file or a `datasets.save_to_disk` directory (`molt_hpc.readers`;
+`data.prompt_key` / `data.label_key` may be dotted paths such as `reward_model.ground_truth`); other keys
+(ids, metadata) ride along in `Prompt.extra`. For a
 vision-language model, image parts of the messages (and `<image>` marks) take the row's images (paths
 relative to the data file, data URIs, base64): the images are read once, and their placeholders are
-expanded to each image's token count before the length check (`molt_hpc.vision.prompt`). Parquet would
-need pyarrow, which molt-hpc does not depend on: convert parquet files to JSONL first.
+expanded to each image's token count before the length check (`molt_hpc.vision.prompt`).
 
 Each epoch's order is a pure function of (seed, epoch): rows sorted by prompt length are cut into
 `data.length_buckets` buckets, shuffled within each bucket, and drawn cycling through the buckets,
@@ -14,7 +15,6 @@ so every run of consecutive draws mixes short and long prompts alike. The `Curso
 """
 
 import hashlib
-import json
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,6 +23,7 @@ from typing import Any
 
 from molt_hpc.config.model import DataConfig
 from molt_hpc.log import get_logger
+from molt_hpc.readers import MISSING, exists, iter_rows, kind, row_value
 from molt_hpc.trajectory import TraceImage
 from molt_hpc.vision.images import image_bytes
 from molt_hpc.vision.prompt import normalise
@@ -77,7 +78,7 @@ def text_prompt_ids(tokenizer, row: dict, cfg) -> list[int]:
     """The prompt tokens of a text row (no images), as the dataset and the pre-flight render it."""
     return render_prompt(
         tokenizer,
-        row[cfg.prompt_key],
+        row_value(row, cfg.prompt_key),
         apply_chat_template=cfg.apply_chat_template,
         system_prompt=cfg.system_prompt,
         tools=row.get("tools"),
@@ -89,9 +90,9 @@ def row_problem(row: Any, cfg: DataConfig, vision: bool = False) -> str | None:
     the model is a vision-language model."""
     if not isinstance(row, dict):
         return f"a row must be a JSON object, got {type(row).__name__}"
-    if cfg.prompt_key not in row:
+    if row_value(row, cfg.prompt_key) is MISSING:
         return f"missing {cfg.prompt_key!r}"
-    if cfg.label_key not in row:
+    if row_value(row, cfg.label_key) is MISSING:
         return f"missing {cfg.label_key!r}"
     tools = row.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
@@ -103,7 +104,7 @@ def row_problem(row: Any, cfg: DataConfig, vision: bool = False) -> str | None:
         return NO_VISION.replace("image parts", "rows with images")
     if images and not cfg.apply_chat_template:
         return "images need data.apply_chat_template = true (the template writes their placeholders)"
-    prompt = row[cfg.prompt_key]
+    prompt = row_value(row, cfg.prompt_key)
     if isinstance(prompt, str):
         return None if prompt.strip() else f"{cfg.prompt_key!r} is empty"
     if not isinstance(prompt, list) or not prompt:
@@ -163,7 +164,7 @@ def render_prompt_images(
 
 
 class PromptDataset:
-    """The validated, tokenised rows of one JSONL file."""
+    """The validated, tokenised rows of one data file."""
 
     def __init__(self, prompts: list[Prompt], path: str, bad_rows: Counter | None = None):
         if not prompts:
@@ -198,26 +199,24 @@ class PromptDataset:
         """Read and check `path` (default `cfg.path`); bad rows raise or are skipped per `cfg.on_bad_row`.
         `vision` (a `molt_hpc.vision.processor.Vision`) lets rows carry images, at most `max_images` each."""
         path = path or cfg.path
-        if Path(path).suffix == ".parquet":
-            raise ValueError(f"{path}: parquet needs pyarrow, which molt-hpc does not install; convert it to JSONL")
-        if not Path(path).is_file():
+        if not exists(path):
             raise ValueError(f"data file {path} not found (data.path is relative to the working directory)")
+        unit = "line" if kind(path) == "jsonl" else "row"
         prompts: list[Prompt] = []
         bad: Counter = Counter()
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if limit is not None and len(prompts) >= limit:
-                    break
-                if not line.strip():
-                    continue
-                where = _Where(Path(path), line_no, len(prompts))
-                prompt, problem = _parse_line(line, where, cfg, tokenizer, vision, max_images)
-                if problem is None:
-                    prompts.append(prompt)
-                elif cfg.on_bad_row == "skip":
-                    bad[problem.split(" (")[0]] += 1
-                else:
-                    raise ValueError(f'{path}, line {line_no}: {problem}; fix the row or set data.on_bad_row = "skip"')
+        for number, row, problem in iter_rows(path):
+            if limit is not None and len(prompts) >= limit:
+                break
+            where = _Where(Path(path), number, len(prompts))
+            prompt = None
+            if problem is None:
+                prompt, problem = _parse_row(row, where, cfg, tokenizer, vision, max_images)
+            if problem is None:
+                prompts.append(prompt)
+            elif cfg.on_bad_row == "skip":
+                bad[problem.split(" (")[0]] += 1
+            else:
+                raise ValueError(f'{path}, {unit} {number}: {problem}; fix the row or set data.on_bad_row = "skip"')
         if bad:
             get_logger().warning("%s: skipped %d bad rows: %s", path, sum(bad.values()), dict(bad))
         return cls(prompts, str(path), bad)
@@ -230,13 +229,9 @@ class _Where:
     index: int
 
 
-def _parse_line(
-    line: str, where: _Where, cfg: DataConfig, tokenizer: Any, vision: Any, max_images: int | None
+def _parse_row(
+    row: Any, where: _Where, cfg: DataConfig, tokenizer: Any, vision: Any, max_images: int | None
 ) -> tuple[Prompt | None, str | None]:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        return None, f"invalid JSON ({err.msg})"
     if problem := row_problem(row, cfg, vision is not None):
         return None, problem
     extra = {k: v for k, v in row.items() if k not in (cfg.prompt_key, cfg.label_key)}
@@ -246,8 +241,8 @@ def _parse_line(
     else:
         try:
             ids, images = render_prompt_images(
-                tokenizer, vision, row[cfg.prompt_key], row.get(cfg.image_key) or [], base_dir=where.path.parent,
-                system_prompt=cfg.system_prompt, tools=row.get("tools"),
+                tokenizer, vision, row_value(row, cfg.prompt_key), row.get(cfg.image_key) or [],
+                base_dir=where.path.parent, system_prompt=cfg.system_prompt, tools=row.get("tools"),
             )  # fmt: skip
         except ValueError as err:
             return None, f"bad images ({err})"
@@ -256,7 +251,8 @@ def _parse_line(
     if len(ids) > cfg.max_prompt_tokens:
         return None, f"prompt too long ({len(ids)} tokens > data.max_prompt_tokens = {cfg.max_prompt_tokens})"
     prompt_id = str(row["id"]) if "id" in row else f"{where.path.name}:{where.line_no}"
-    return Prompt(prompt_id, where.index, row[cfg.prompt_key], row[cfg.label_key], ids, extra, tuple(images)), None
+    prompt, label = row_value(row, cfg.prompt_key), row_value(row, cfg.label_key)
+    return Prompt(prompt_id, where.index, prompt, label, ids, extra, tuple(images)), None
 
 
 def epoch_order(lengths: list[int], buckets: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:

@@ -138,7 +138,22 @@ def step_line(step: int, metrics: dict[str, Any]) -> str:
         if metrics.get(key) is not None:
             label = key.replace("_per_s", "/s").replace("_errors", " errors")  # env errors, engine errors
             parts.append(f"{label} {format(metrics[key], fmt)}")
+    if (shown := eval_text(metrics)) is not None:
+        parts.append(shown)
     return " | ".join(parts)
+
+
+def eval_text(record: dict[str, Any]) -> str | None:
+    """The last held-out evaluation in a record (`[eval]`): `eval v10 pass@1 0.500 pass@8 0.750 reward 0.420`."""
+    if record.get("eval_version") is None:
+        return None
+    parts = [f"eval v{record['eval_version']}"]
+    for key, value in record.items():
+        if key.startswith("eval_pass@") and value is not None:
+            parts.append(f"{key[5:]} {value:.3f}")
+    if record.get("eval_reward") is not None:
+        parts.append(f"reward {record['eval_reward']:.3f}")
+    return " ".join(parts)
 
 
 def log_tail(path: str | Path, lines: int = 20) -> str:

@@ -16,11 +16,10 @@ STAGE_PANELS = {  # the supervised stages' records (molt-hpc sft, molt-hpc rm tr
 }  # fmt: skip
 
 
-def _series(records: list[dict], key: str) -> tuple[list[float], list[float], list[float]]:
+def _series(records: list[dict], key: str, t0: float) -> tuple[list[float], list[float], list[float]]:
     rows = [r for r in records if r.get(key) is not None and "step" in r]
     if not rows:
         return [], [], []
-    t0 = min(r["time"] for r in records)
     return [r["step"] for r in rows], [(r["time"] - t0) / 60 for r in rows], [r[key] for r in rows]
 
 
@@ -44,11 +43,17 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ("trainer tokens/s", [("tokens_per_s", None)]),
     ]
     panels = next((p for key, p in STAGE_PANELS.items() if any(key in r for r in records)), panels)
-    fig, axes = plt.subplots(len(panels), 2, figsize=(11, 8), squeeze=False)
+    evals = [{**r, "step": r["eval_version"]} for r in read_metrics(run_dir / "metrics.jsonl", source="eval")]
+    if evals:  # the held-out evaluation (`[eval]`): pass@k and mean reward at the version evaluated
+        keys = sorted({k for r in evals for k in r if k.startswith("eval_pass@")}, key=lambda k: int(k[10:]))
+        lines = [(k, k[5:]) for k in keys] + [("eval_reward", "mean reward")]
+        panels = [*panels, ("held-out evaluation (at the policy version evaluated)", lines)]
+    fig, axes = plt.subplots(len(panels), 2, figsize=(11, 2.7 * len(panels)), squeeze=False)
     for row, (title, lines) in enumerate(panels):
         drawn = False
+        source = evals if title.startswith("held-out evaluation") else records
         for key, label in lines:
-            steps, minutes, values = _series(records, key)
+            steps, minutes, values = _series(source, key, min(r["time"] for r in records))
             drawn = drawn or bool(values)
             for col, xs in enumerate((steps, minutes)):
                 if values:

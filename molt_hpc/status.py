@@ -46,6 +46,8 @@ def status_lines(run_dir: str | Path) -> list[str]:
     if rollout and rollout[-1].get("groups_per_s") is not None:
         last = rollout[-1]
         lines.append(f"rollout: {last['groups_per_s']:.2f} groups/s, {last.get('tokens_per_s', 0):.0f} tokens/s")
+    if (line := eval_summary(run_dir)) is not None:
+        lines.append(line)
     if cfg.run.stage == "rl":
         lines.append(_buffer_line(run_dir))
     lines.append(_checkpoint_line(run_dir))
@@ -55,6 +57,21 @@ def status_lines(run_dir: str | Path) -> list[str]:
     if failure:
         lines.append(failure)
     return lines
+
+
+def eval_summary(run_dir: str | Path) -> str | None:
+    """The held-out evaluations (`[eval]`): the first and the last, and the checkpoint `best` names."""
+    from molt_hpc.checkpoint import read_best
+    from molt_hpc.log import eval_text
+
+    evals = read_metrics(Path(run_dir) / "metrics.jsonl", source="eval")
+    if not evals:
+        return None
+    line = f"{eval_text(evals[-1])} ({len(evals)} evaluations; first: {eval_text(evals[0])})"
+    best = read_best(Path(run_dir) / "checkpoints")
+    if best is not None:
+        line += f"; best: {best['checkpoint']} ({best['metric']} {best['value']:.3f})"
+    return line
 
 
 def _buffer_line(run_dir: Path) -> str:

@@ -3,7 +3,9 @@
 One process per run follows `metrics.jsonl` (the local launcher; on Slurm the driver) and forwards
 every record, from every source (trainer, rollout, evaluation, launcher), so the trackers show the
 same numbers as `status` and `plot`. Keys become `<source>/<key>`; the trainer's series are drawn
-against `actor/step`, the others against `<source>/time_s` (seconds since the run's first record).
+against `actor/step`, the held-out evaluations' (`eval/eval_pass@1`, ...) against `eval/eval_version`
+(the policy version evaluated, which is the step that made it), the others against `<source>/time_s`
+(seconds since the run's first record).
 
 A resumed run (`--resume`, a Slurm requeue) continues the same W&B run: its id and the time of the
 last forwarded record live in `trackers.json` in the run directory, so nothing is sent twice and
@@ -25,6 +27,8 @@ from molt_hpc.log import get_logger
 from molt_hpc.rundir import RunDir, atomic_write
 
 STATE_FILE = "trackers.json"
+STEP_KEYS = {"actor": "step", "eval": "eval_version"}
+"""The x-axis of each source's series (the others: seconds since the run's first record)."""
 INSTALL = {"wandb": "pip install 'molt-hpc[wandb]'", "tensorboard": "pip install 'molt-hpc[tensorboard]'"}
 
 
@@ -80,7 +84,8 @@ class Trackers:
             self.state.setdefault("t0", t)
             source = str(rec.get("source", "run"))
             values = {f"{source}/{k}": float(v) for k, v in rec.items() if _is_number(v) and k not in ("time",)}
-            step = int(rec["step"]) if source == "actor" and _is_number(rec.get("step")) else None
+            step_key = STEP_KEYS.get(source)
+            step = int(rec[step_key]) if step_key and _is_number(rec.get(step_key)) else None
             values[f"{source}/time_s"] = round(t - self.state["t0"], 3)
             for sink in self.sinks:
                 sink.log(source, values, step)
@@ -149,7 +154,7 @@ class WandbSink:
 
     def log(self, source: str, values: dict[str, float], step: int | None) -> None:
         if source not in self.sources:  # each source's series against its own x-axis
-            axis = f"{source}/step" if source == "actor" else f"{source}/time_s"
+            axis = f"{source}/{STEP_KEYS[source]}" if source in STEP_KEYS else f"{source}/time_s"
             self.run.define_metric(axis)
             self.run.define_metric(f"{source}/*", step_metric=axis)
             self.sources.add(source)
@@ -163,7 +168,8 @@ class WandbSink:
 
 
 class TensorBoardSink:
-    """Scalars in TensorBoard event files; the trainer's at its step, the others at whole seconds."""
+    """Scalars in TensorBoard event files; the trainer's at its step, the evaluations' at the version they
+    evaluate, the others at whole seconds."""
 
     def __init__(self, log_dir: Path):
         from torch.utils.tensorboard import SummaryWriter

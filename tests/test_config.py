@@ -83,7 +83,10 @@ BAD_CASES = {
     "wrong type": ('[algorithm]\nkl_coef = "lots"\n', "algorithm.kl_coef: Input should be a valid number"),
     "out of range": ("[algorithm]\neps_low = 1.5\n", "algorithm.eps_low: Input should be less than 1 (got 1.5)"),
     "bad choice": ('[algorithm]\nadvantage = "ppo"\n', "algorithm.advantage: Input should be 'grpo', 'dr_grpo'"),
-    "missing required": ("[data.eval]\nevery = 5\n", "data.eval.path: required key is missing"),
+    "missing required": ("[reward_model]\ncombine = 'add'\n", "reward_model.path: required key is missing"),
+    "moved section": ("[data.eval]\npath = 'x.jsonl'\n", "[data.eval] is now the top-level [eval] section"),
+    "eval k over n": ("[eval]\npath = 'x.jsonl'\nn = 4\nk = [1, 8]\n", "eval.k = [1, 8] has k > eval.n = 4"),
+    "eval best metric": ("[eval]\npath = 'x.jsonl'\nbest_metric = 'pass@8'\n", "eval.best_metric = 'pass@8': use one"),
     "invalid toml": ("[run]\nname = \nsteps = 3\n", "invalid TOML"),
     "section rule": (
         "[slurm]\nstop_timeout_s = 200\n",

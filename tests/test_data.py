@@ -78,10 +78,10 @@ def test_bad_rows_are_skipped_and_counted_when_asked(tok, tmp_path: Path) -> Non
     assert sum(ds.bad_rows.values()) == len(BAD_ROWS)
 
 
-def test_missing_file_parquet_and_empty_dataset_are_clear_errors(tok, tmp_path: Path) -> None:
+def test_missing_file_and_empty_dataset_are_clear_errors(tok, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not found"):
         PromptDataset.load(DataConfig(path=str(tmp_path / "nope.jsonl")), tok)
-    with pytest.raises(ValueError, match="parquet needs pyarrow"):
+    with pytest.raises(ValueError, match="not found"):
         PromptDataset.load(DataConfig(path=str(tmp_path / "x.parquet")), tok)
     with pytest.raises(ValueError, match="no usable rows"):
         PromptDataset.load(DataConfig(path=str(write_rows(tmp_path / "e.jsonl", ["  "]))), tok)

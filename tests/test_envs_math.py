@@ -1,4 +1,4 @@
-"""The math grader and the math env: a table of answer/label cases, adversarial ones included."""
+"""The math grader (real math-verify) and the math env: a table of answer/label cases, adversarial ones included."""
 
 import pytest
 
@@ -49,9 +49,9 @@ CASES = [
     ("<answer>x = 7</answer>", "7", 1.0),
     ("<answer>7 cm</answer>", "7", 1.0),
     (r"<answer>7\text{ apples}</answer>", "7", 1.0),
-    ("<answer>7 m^2</answer>", "7", 1.0),
+    ("<answer>7 m^2</answer>", "7", 0.0),  # an expression in m, not the number 7
     (r"<answer>50\%</answer>", "50", 1.0),
-    ("<answer>50%</answer>", "0.5", 0.0),  # a percent sign is a unit, not a division by 100
+    ("<answer>50%</answer>", "0.5", 1.0),  # math-verify takes a percent both ways
     # closeness: decimals within 1e-9 relative, not coarser
     ("<answer>0.333</answer>", "1/3", 0.0),
     ("<answer>0.3333333333333</answer>", "1/3", 1.0),
@@ -72,9 +72,20 @@ CASES = [
     (r"<answer>2</answer> \boxed{3}", "3", 1.0),
     (r"\boxed{3} then <answer>2</answer>", "3", 0.0),
     (r"<answer>\boxed{5}</answer>", "5", 1.0),
-    # an expression is not an answer, even when it evaluates to the label
-    ("<answer>3+4</answer>", "7", 0.0),
-    ("<answer>2*21</answer>", "42", 0.0),
+    # expressions compare by equivalence (math-verify's rule)
+    ("<answer>3+4</answer>", "7", 1.0),
+    ("<answer>2*21</answer>", "42", 1.0),
+    ("<answer>3+5</answer>", "7", 0.0),
+    (r"\boxed{2^{10}}", "1024", 1.0),
+    (r"\boxed{10!}", "3628800", 1.0),
+    (r"\boxed{x^2+1}", "1+x^2", 1.0),
+    (r"\boxed{x^2+1}", "x^2-1", 0.0),
+    # sets, intervals, tuples
+    (r"\boxed{\{1,2\}}", r"\{2,1\}", 1.0),
+    (r"\boxed{\{1,3\}}", r"\{2,1\}", 0.0),
+    (r"\boxed{[0,1)}", "[0,1)", 1.0),
+    (r"\boxed{[0,1]}", "[0,1)", 0.0),
+    (r"\boxed{(1,2)}", "(1,2)", 1.0),
     # labels that are not numbers compare as text
     ("<answer>Paris</answer>", "paris", 1.0),
     ("<answer>Lyon</answer>", "Paris", 0.0),

@@ -100,7 +100,7 @@ def cases(base: Path) -> dict[str, Case]:
                                  ["of the first 256 rows", "over data.max_prompt_tokens = 8", "raise data.max_prompt"]),
         "chat prompt, no template": Case(run_with("data.path=data/chat.jsonl", "data.apply_chat_template=false"),
                                          ["chat-message prompts need data.apply_chat_template = true"]),
-        "eval file missing": Case(run_with("data.eval.path=nope.jsonl"), ["data.eval.path = 'nope.jsonl'"]),
+        "eval file missing": Case(run_with("eval.path=nope.jsonl"), ["eval.path = 'nope.jsonl'"]),
         # env
         "env file missing": Case(run_with("rollout.agent=envs/nope.py"), ["rollout.agent = 'envs/nope.py'",
                                                                           "does not exist"]),

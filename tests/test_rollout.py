@@ -16,6 +16,7 @@ from molt_hpc.agents.chat_runner import ChatAgentRunner, ChatClient
 from molt_hpc.agents.loader import load_agent
 from molt_hpc.agents.observation import ObservationFormatter
 from molt_hpc.agents.step_runner import StepEnvRunner
+from molt_hpc.config.evaluation import EvalConfig
 from molt_hpc.data import Position, Prompt, PromptDataset, render_prompt
 from molt_hpc.engine import client
 from molt_hpc.models import load_causal_lm, load_tokenizer
@@ -141,7 +142,8 @@ def test_greedy_evaluation_is_deterministic(pool, tok, dataset) -> None:
 
     async def go(link):
         runner = StepEnvRunner(env_cls, tok, pool.cfg.rollout, link.generate)
-        return [await evaluate(runner, dataset.prompts[:6], version=0) for _ in range(2)]
+        greedy = EvalConfig(path="unused.jsonl")  # n = 1, temperature 0
+        return [await evaluate(runner, dataset.prompts[:6], version=0, ev=greedy) for _ in range(2)]
 
     first, second = with_link(pool, go)
     assert first == second and first["eval_prompts"] == 6 and first["eval_errors"] == 0

@@ -203,8 +203,8 @@ def test_kill_9_at_random_points_loses_and_duplicates_nothing(pool, tmp_path) ->
     env.write_text(SLOW_REVERSE)
     eval_path = json.dumps(str(ROOT / "data" / "reverse_eval.jsonl"))
     overrides = [*base_overrides(Path(pool.cfg.model.path)), "buffer.max_staleness=9",
-                 f"rollout.agent={json.dumps(str(env))}", "data.eval.every=1", "data.eval.max_prompts=4",
-                 f"data.eval.path={eval_path}"]  # fmt: skip
+                 f"rollout.agent={json.dumps(str(env))}", "eval.every=1", "eval.max_prompts=4",
+                 f"eval.path={eval_path}"]  # fmt: skip
     run, cfg = make_run(tmp_path, "run", overrides, share=pool.run)
     expected = 40  # (version 0 + staleness 9 + 1) × 4 groups per step
     state_file = run.path / "rollout" / "state.json"
@@ -225,7 +225,7 @@ def test_kill_9_at_random_points_loses_and_duplicates_nothing(pool, tmp_path) ->
 
     def settled() -> bool:
         state = read_state(run)
-        evaluated = any("eval_reward" in r for r in read_metrics(run.metrics, source="rollout"))
+        evaluated = any("eval_reward" in r for r in read_metrics(run.metrics, source="eval"))
         return state.groups_accepted == expected and not state.in_flight and evaluated
 
     wait_for(settled, 120, proc)
@@ -241,5 +241,5 @@ def test_kill_9_at_random_points_loses_and_duplicates_nothing(pool, tmp_path) ->
     passed = Counter(cursor.at(Position(0, i)).prompt_id for i in range(expected))
     assert Counter(g.prompt_id for g in groups) == passed  # every prompt the cursor passed, each once
     assert sorted(g.group_id for g in groups) == sorted(f"e0-i{i}" for i in range(expected))
-    evals = [r for r in read_metrics(run.metrics, source="rollout") if "eval_reward" in r]
+    evals = [r for r in read_metrics(run.metrics, source="eval") if "eval_reward" in r]
     assert evals and evals[0]["eval_version"] == 0 and evals[0]["eval_prompts"] == 4

@@ -75,7 +75,7 @@ def test_bad_image_inputs_fail_before_anything_starts(workdir, sets, expected) -
         for s in [
             *sets,
             "run.root=runs",
-            "data.eval.path=data/good.jsonl",
+            "eval.path=data/good.jsonl",
             f"rollout.agent={ROOT / 'envs' / 'color.py'}",
         ]
         for a in ("--set", s)

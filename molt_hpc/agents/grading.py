@@ -1,130 +1,144 @@
-"""The graders of the shipped tasks: string reversal (`reverse_reward`), and the math grader, which
-finds the final answer in a reply and compares it to the label numerically.
+"""The graders of the shipped tasks: string reversal (`reverse_reward`), and the math grader, which finds
+the final answer in a reply and checks it against the label with `math-verify` (Hugging Face's answer
+verifier: LaTeX and plain expressions parsed to sympy, equivalence by value and by simplification, sets,
+intervals, matrices, equations).
 
-Math rules (each is tested in `tests/test_envs_math.py`):
-- An answer is written as `<answer>…</answer>`, `\\boxed{…}` or `\\fbox{…}` (braces may nest).
-  With several answers **the last one counts** (the model's final word; hedging with several
-  answers gains nothing). No answer, or an empty one, scores 0 and is counted as missing.
-- Numbers are compared by value: `3 == 3.0`, `1/2 == 0.5 == \\frac{1}{2}`, `1e5 == 100000 ==
-  1\\times10^{5}`, `-\\frac{1}{2} == -0.5`, `1,000 == 1000`; decimals compare within a relative
-  1e-9 (so `0.333` is not `1/3`).
-- Only a number is accepted, never an expression to evaluate: `<answer>3+4</answer>` is not 7
-  (otherwise copying the question would score).
-- Surrounding whitespace, `$…$`, `x =` prefixes, `\\text{…}` and trailing unit words or `%` are
-  ignored (`5 cm == 5`, `5\\% == 5`: a percent sign is a unit here, not a division by 100).
-- A label that is not a number is compared as text, ignoring case and whitespace.
+What this module does itself, because the library does not:
+- **Finding the answer.** An answer is written as `<answer>…</answer>`, `\\boxed{…}` or `\\fbox{…}` (braces
+  may nest); with several answers **the last one counts** (the model's final word; hedging gains nothing).
+  No answer, or an empty one, scores 0 and is counted as missing. The library knows `\\boxed` but not the
+  `<answer>` tag, nor the last-answer rule across both forms. The scan is linear in the reply's length.
+- **Plain-number forms the LaTeX parser misreads:** `1e5` / `2.5E-3` (read as `1·e·5`) and `3.` are
+  rewritten as `1\\times10^{5}`, `2.5\\times10^{-3}`, `3` before parsing, so `1e5 == 100000`.
+- **Text labels** (`Paris`) match case-insensitively, whitespace collapsed, before any parsing.
+- **Bounded work.** An answer over `MAX_ANSWER_CHARS` scores 0 unparsed (a 10 MB reply costs one linear
+  scan), and a parsed answer whose value may have over `MAX_DIGITS` digits (`9^{9^{9^9}}`, `(10^{10})!`,
+  `x^{9^{99}}`: bounded from the parse tree, never evaluated) scores 0 before the library compares it.
+  The library's own timeout is `signal.alarm`, which works only in a main thread; envs run in worker
+  threads, so it is off here, and `rollout.env_timeout_s` bounds what gets past these checks (the env
+  worker running it is killed; only that sample fails).
+
+The library's rules hold otherwise (tested in `tests/test_envs_math.py`): numbers by value (`3 == 3.0`,
+`1/2 == 0.5 == \\frac{1}{2}`, `1,000 == 1000`), expressions by equivalence (`3+4 == 7`, `x = 7 == 7`),
+`50\\% == 0.5`, units in `\\text{…}` ignored, `0.333 != 1/3` (6 significant decimals compared).
 The grader sees text decoded with special tokens skipped, so special tokens cannot spell an answer.
 """
 
+import logging
 import math
 import re
-from fractions import Fraction
+from functools import lru_cache
 from typing import Any
 
-TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+TAG_RE = re.compile(r"<answer>|</answer>")
 BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
-DECIMAL = r"(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d{1,3})?"
-NUMBER_RE = re.compile(rf"[+-]?{DECIMAL}")
-FRACTION_RE = re.compile(rf"([+-]?)\(?([+-]?{DECIMAL})\)?/\(?([+-]?{DECIMAL})\)?")
-SCI_RE = re.compile(rf"([+-]?{DECIMAL})\*10\*\*\(?([+-]?\d{{1,3}})\)?")
-THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
-# One letter per repetition: `([A-Za-z]+\.?)+` matches the same tails but backtracks exponentially on a
-# long run of letters that is not at the end (a reply's words with the spaces removed), holding the GIL.
-UNIT_TAIL_RE = re.compile(r"(?:%|°|[A-Za-z]\.?|\*\*\(?[23]\)?)+$")
-LATEX_DROP = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "~", "$", "\\(", "\\)", "\\[", "\\]", "\\%")
-MAX_ANSWER_CHARS = 100
+BRACE_RE = re.compile(r"[{}]")
+SCI_RE = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+))[eE]([+-]?\d{1,3})")
+TRAILING_DOT_RE = re.compile(r"([+-]?\d+)\.")
+# The library warns once that its signal timeout is off; here that is by design (see above).
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+MAX_ANSWER_CHARS = 1000
+"""Longer answers score 0 without parsing."""
+MAX_DIGITS = 100_000
+"""Answers whose value may have more decimal digits than this score 0 unevaluated (`_digits`)."""
 
 
-def _braced(text: str, open_at: int) -> tuple[str, int] | None:
-    """Content of the brace group whose `{` is at `open_at`, and the index after its `}`."""
-    depth = 0
-    for i in range(open_at, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[open_at + 1 : i], i + 1
-    return None
+def _closing_braces(text: str) -> dict[int, int]:
+    """Index of the matching `}` of every `{` in `text` that has one: one pass with a stack."""
+    closes: dict[int, int] = {}
+    stack: list[int] = []
+    for m in BRACE_RE.finditer(text):
+        if m.group() == "{":
+            stack.append(m.start())
+        elif stack:
+            closes[stack.pop()] = m.start()
+    return closes
 
 
 def extract_answers(text: str) -> list[str]:
-    """Every answer in `text`, in order of where it starts."""
-    found = [(m.start(), m.group(1)) for m in TAG_RE.finditer(text)]
-    for m in BOX_RE.finditer(text):
-        group = _braced(text, m.end() - 1)
-        if group is not None:
-            found.append((m.start(), group[0]))
+    """Every answer in `text`, in order of where it starts (a tag spans from its first `<answer>` to the
+    next `</answer>`)."""
+    found: list[tuple[int, str]] = []
+    opened = -1
+    for m in TAG_RE.finditer(text):
+        if m.group() == "<answer>":
+            opened = m.end() if opened < 0 else opened
+        elif opened >= 0:
+            found.append((opened, text[opened : m.start()]))
+            opened = -1
+    boxes = list(BOX_RE.finditer(text))
+    closes = _closing_braces(text) if boxes else {}
+    for m in boxes:
+        end = closes.get(m.end() - 1)
+        if end is not None:
+            found.append((m.start(), text[m.end() : end]))
     return [answer for _, answer in sorted(found, key=lambda item: item[0])]
 
 
-def _unwrap(text: str, command: str, keep: bool) -> str:
-    """Replace every `\\command{x}` by `x` (keep) or by nothing."""
-    while (start := text.find(command + "{")) >= 0:
-        group = _braced(text, start + len(command))
-        if group is None:
-            break
-        text = text[:start] + (group[0] if keep else " ") + text[group[1] :]
+def _plain_numbers(answer: str) -> str:
+    """`1e5`, `2.5E-3`, `3.` written as LaTeX numbers the parser reads as such."""
+    text = answer.strip().strip("$").strip()
+    if m := SCI_RE.fullmatch(text):
+        return f"{m.group(1)}\\times10^{{{m.group(2)}}}"
+    if m := TRAILING_DOT_RE.fullmatch(text):
+        return m.group(1)
     return text
 
 
-def _fractions(text: str) -> str:
-    for command in ("\\dfrac", "\\tfrac", "\\frac"):
-        shorthand = re.escape(command) + r"(\d)(\d)"  # \frac12 means \frac{1}{2}
-        text = re.sub(shorthand, lambda m, c=command: f"{c}{{{m.group(1)}}}{{{m.group(2)}}}", text)
-        while (start := text.find(command + "{")) >= 0:
-            num = _braced(text, start + len(command))
-            den = _braced(text, num[1]) if num and num[1] < len(text) and text[num[1]] == "{" else None
-            if num is None or den is None:
-                break
-            text = text[:start] + f"({num[0]})/({den[0]})" + text[den[1] :]
-    return text
+def _digits(expr: Any) -> float:
+    """An upper bound on the decimal digits of a parsed answer's constant parts once evaluated (inf when
+    too large to bound cheaply): what sympy may have to compute when it compares it."""
+    from sympy import Integer, Pow, Rational, factorial
+
+    if isinstance(expr, Rational):  # integers too
+        return len(str(abs(expr.p))) + (len(str(expr.q)) if not isinstance(expr, Integer) else 0)
+    if isinstance(expr, Pow) and not expr.exp.free_symbols:
+        exp_digits = _digits(expr.exp)
+        return math.inf if exp_digits > 6 else _digits(expr.base) * 10**exp_digits + exp_digits
+    if isinstance(expr, factorial) and not expr.args[0].free_symbols:
+        arg_digits = _digits(expr.args[0])
+        return math.inf if arg_digits > 5 else arg_digits * 10**arg_digits
+    return 1 + sum(_digits(arg) for arg in getattr(expr, "args", ()))
 
 
-def normalize(answer: str) -> str:
-    """An answer as a compact plain string: LaTeX wrappers, units, prefixes and spaces removed."""
-    text = answer.strip()
-    for command in ("\\boxed", "\\fbox"):
-        text = _unwrap(text, command, keep=True)
-    for command in ("\\text", "\\mathrm", "\\mbox"):
-        text = _unwrap(text, command, keep=False)
-    for token in LATEX_DROP:
-        text = text.replace(token, " " if token == "\\%" else "")
-    text = text.replace("−", "-").replace("×", "*").replace("·", "*").replace("÷", "/")
-    text = text.replace("\\times", "*").replace("\\cdot", "*").replace("\\div", "/")
-    text = _fractions(text).replace("^", "**").replace("{", "(").replace("}", ")")
-    text = text.rsplit("=", 1)[-1]
-    return "".join(text.split())
+def _explodes(expr: Any) -> bool:
+    """Whether comparing a parsed answer could take unbounded time (`9^{9^{9^9}}`, `(10^{10})!`)."""
+    from sympy import Basic
+
+    return isinstance(expr, Basic) and _digits(expr) > MAX_DIGITS
 
 
-def parse_number(text: str) -> Fraction | None:
-    """The value of a normalised answer that is a single number (decimal, fraction or a×10^b), else None."""
-    if len(text) > MAX_ANSWER_CHARS:
-        return None
-    if THOUSANDS_RE.fullmatch(text):
-        text = text.replace(",", "")
-    candidates = [text, UNIT_TAIL_RE.sub("", text)]
-    for cand in candidates:
-        while cand.startswith("(") and cand.endswith(")") and cand.count("(") == 1:
-            cand = cand[1:-1]
-        if NUMBER_RE.fullmatch(cand):
-            return Fraction(cand)
-        if m := SCI_RE.fullmatch(cand):
-            return Fraction(m.group(1)) * Fraction(10) ** int(m.group(2))
-        if (m := FRACTION_RE.fullmatch(cand)) and Fraction(m.group(3)) != 0:
-            value = Fraction(m.group(2)) / Fraction(m.group(3))
-            return -value if m.group(1) == "-" else value
-    return None
+@lru_cache(maxsize=4096)
+def _parse(answer: str) -> tuple:
+    """math-verify's parse of one answer (LaTeX first, then a plain expression), cached: labels repeat."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    configs = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    return tuple(parse(f"\\boxed{{{_plain_numbers(answer)}}}", configs, parsing_timeout=None))
 
 
-def numbers_equal(a: Fraction, b: Fraction) -> bool:
-    return a == b or math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+def parse_cache_clear() -> None:
+    """Forget the parsed answers and labels (benchmarks time parsing afresh)."""
+    _parse.cache_clear()
+
+
+def _text(value: str) -> str:
+    return " ".join(value.split()).casefold()
 
 
 def answer_matches(answer: str, label: Any) -> bool:
-    """Whether one extracted answer equals the label (numerically when both are numbers)."""
-    got, want = normalize(answer), normalize(str(label))
-    got_value, want_value = parse_number(got), parse_number(want)
-    if want_value is not None:
-        return got_value is not None and numbers_equal(got_value, want_value)
-    return bool(got) and got.lower() == want.lower()
+    """Whether one extracted answer equals the label (as text, else by math-verify's equivalence)."""
+    from math_verify import verify
+
+    want = str(label)
+    if len(answer) > MAX_ANSWER_CHARS or len(want) > MAX_ANSWER_CHARS:
+        return False
+    if _text(answer) and _text(answer) == _text(want):
+        return True
+    got, gold = _parse(answer), _parse(want)
+    if not got or not gold or any(_explodes(e) for e in (*got, *gold)):
+        return False
+    return verify(list(gold), list(got), timeout_seconds=None)
 
 
 def grade(text: str, label: Any) -> tuple[float, dict[str, float]]:

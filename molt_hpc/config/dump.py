@@ -4,9 +4,12 @@ TOML has no null: a field left unset is omitted, which is faithful because every
 defaults to None (asserted here).
 """
 
+import re
 from typing import Any
 
 from pydantic import BaseModel
+
+BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def to_toml(cfg: BaseModel, *, docs: bool = False) -> str:
@@ -44,4 +47,9 @@ def _value(value: Any) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_value(v) for v in value) + "]"
+    if isinstance(value, BaseModel):  # a section inside a list (`tasks = [{ name = ... }]`): an inline table
+        value = {k: v for k, v in value if v is not None}
+    if isinstance(value, dict):
+        items = (f"{k if BARE_KEY.fullmatch(k) else _value(k)} = {_value(v)}" for k, v in value.items())
+        return "{ " + ", ".join(items) + " }" if value else "{}"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")

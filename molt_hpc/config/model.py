@@ -1,10 +1,11 @@
 """Config sections for what is trained on: the model and the dataset."""
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
 from molt_hpc.config.base import Section
+from molt_hpc.config.generator import GeneratorConfig
 
 
 class TinyModelConfig(Section):
@@ -155,27 +156,18 @@ class ModelConfig(Section):
         return self.path.startswith("builtin:")
 
 
-class EvalConfig(Section):
-    """Held-out evaluation: greedy rollouts on a fixed prompt set, scored by the same agent."""
-
-    path: str
-    """JSONL file of evaluation rows (same format as `data.path`)."""
-    every: PositiveInt = 10
-    """Evaluate the policy at version 0 and then every this many versions (greedy: top_k = 1)."""
-    max_prompts: PositiveInt = 64
-    """Evaluate on at most this many rows (the first ones of the file)."""
-
-
 class DataConfig(Section):
     """The prompt dataset (step 1 of the RL loop)."""
 
     path: str = "data/reverse_train.jsonl"
-    """JSONL file of rows `{"prompt": str | [messages], "label": ..., "tools"?: [...], "id"?: ...}`,
-    relative to the working directory or absolute (parquet needs pyarrow: convert it to JSONL)."""
+    """Rows `{"prompt": str | [messages], "label": ..., "tools"?: [...], "id"?: ...}`: a JSONL file, a Parquet
+    file (needs pyarrow) or a `datasets.save_to_disk` directory of one split, relative to the working directory
+    or absolute."""
     prompt_key: str = "prompt"
-    """Row key holding the prompt (text or a list of chat messages)."""
+    """Row key holding the prompt (text or a list of chat messages); dots reach into nested objects."""
     label_key: str = "label"
-    """Row key holding the label passed to the environment."""
+    """Row key holding the label passed to the environment; dots reach into nested objects (the verl layout:
+    `reward_model.ground_truth`)."""
     image_key: str = "images"
     """Row key holding the row's images (vision-language models): a list of paths relative to the data
     file, `data:image/...;base64,...` URIs or bare base64 strings, one per image part (`{"type": "image"}`
@@ -193,5 +185,13 @@ class DataConfig(Section):
     """Shuffle within buckets each epoch (deterministically from `run.seed` and the epoch)."""
     on_bad_row: Literal["error", "skip"] = "error"
     """What to do with a malformed row: stop with an error naming file and line, or skip and count it."""
-    eval: EvalConfig | None = None
-    """Optional held-out evaluation (`[data.eval]` with at least `path`)."""
+    generator: GeneratorConfig | None = None
+    """Generate the rows instead of reading `path` (`[data.generator]`): written once to `RUN_DIR/data/train.jsonl`
+    (a resume or a Slurm requeue reads the same rows); use `rollout.agent = "envs/reasoning_gym.py"` to score them."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "eval" in data:
+            raise ValueError("[data.eval] is now the top-level [eval] section: rename the table [data.eval] to [eval]")
+        return data

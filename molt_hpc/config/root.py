@@ -6,6 +6,8 @@ Derived values are properties; validators only check, they never rewrite fields.
 from pydantic import Field, model_validator
 
 from molt_hpc.config.base import Section
+from molt_hpc.config.evaluation import EvalConfig
+from molt_hpc.config.generator import overlapping_seeds
 from molt_hpc.config.infra import (
     BufferConfig,
     LoggingConfig,
@@ -32,6 +34,8 @@ class MoltConfig(Section):
     """The policy model."""
     data: DataConfig = Field(default_factory=DataConfig)
     """The prompt dataset."""
+    eval: EvalConfig | None = None
+    """Held-out evaluation during the run (`[eval]` with at least `path`)."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     """Rollout orchestration and sampling."""
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
@@ -94,6 +98,7 @@ class MoltConfig(Section):
                 "engines.kind = 'vllm' refits over NCCL from a GPU: set actor.device = 'cuda' (or 'auto' on a GPU node)"
             )
         self._check_sequences()
+        self._check_eval()
         self._check_stages()
         self._check_tiny_model()
         self._check_router_replay()
@@ -122,6 +127,17 @@ class MoltConfig(Section):
                     f"actor.cp = {act.cp} does not divide model.tiny.num_heads ({tiny.num_heads}): each CP rank "
                     "runs heads / cp of them"
                 )
+
+    def _check_eval(self) -> None:
+        ev, interval = self.eval, self.checkpoint.interval
+        both = ev is not None and ev.generator is not None and self.data.generator is not None
+        if both and (overlap := overlapping_seeds(self.data.generator, ev.generator)):
+            raise ValueError(f"{overlap}: held-out rows must not be training rows; move one seed range")
+        if ev is not None and ev.best_metric is not None and (interval == 0 or ev.every % interval):
+            raise ValueError(
+                f"eval.best_metric names a checkpoint of an evaluated version: set eval.every ({ev.every}) to a "
+                f"multiple of checkpoint.interval ({interval}), which must not be 0"
+            )
 
     @property
     def longest_row(self) -> tuple[int, str]:

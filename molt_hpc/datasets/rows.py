@@ -1,4 +1,5 @@
-"""Reading a stage's JSONL file (bad rows refused or counted by reason) and the order rows train in.
+"""Reading a stage's data file (JSONL, Parquet or a `save_to_disk` directory, through `molt_hpc.readers`; bad
+rows refused or counted by reason) and the order rows train in.
 
 `StepOrder` draws `batch_size` rows per step, epoch after epoch, through `molt_hpc.data.epoch_order`
 (the RL prompts' length-balanced order: sorted by length, cut into buckets, shuffled inside each from
@@ -7,7 +8,6 @@ checkpoint saves, so a resumed run trains exactly the rows it would have.
 """
 
 import hashlib
-import json
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from molt_hpc.data import epoch_order
 from molt_hpc.datasets.chat_mask import RowProblem
 from molt_hpc.log import get_logger
+from molt_hpc.readers import exists, iter_rows, kind
 
 T = TypeVar("T")
 
@@ -26,40 +27,29 @@ def read_rows(
     """`parse(row, row_id)` over every line of `path` (up to `limit` good rows); bad rows raise a
     `ValueError` naming file and line (`on_bad_row = "error"`) or are counted by reason (`"skip"`)."""
     path = Path(path)
-    if not path.is_file():
+    if not exists(path):
         raise ValueError(f"data file {path} not found (paths are relative to the working directory)")
+    unit = "line" if kind(path) == "jsonl" else "row"
     out: list[T] = []
     bad: Counter = Counter()
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = _json_object(line)
-                out.append(parse(row, str(row["id"]) if "id" in row else f"{path.name}:{line_no}"))
-            except RowProblem as problem:
-                if on_bad_row == "error":
-                    raise ValueError(
-                        f'{path}, line {line_no}: {problem}; fix the row or set on_bad_row = "skip"'
-                    ) from None
-                bad[str(problem).split(" (")[0]] += 1
+    for number, row, problem in iter_rows(path):
+        if limit is not None and len(out) >= limit:
+            break
+        try:
+            if problem is not None:
+                raise RowProblem(problem)
+            if not isinstance(row, dict):
+                raise RowProblem(f"a row must be a JSON object, got {type(row).__name__}")
+            out.append(parse(row, str(row["id"]) if "id" in row else f"{path.name}:{number}"))
+        except RowProblem as err:
+            if on_bad_row == "error":
+                raise ValueError(f'{path}, {unit} {number}: {err}; fix the row or set on_bad_row = "skip"') from None
+            bad[str(err).split(" (")[0]] += 1
     if bad:
         get_logger().warning("%s: skipped %d bad rows: %s", path, sum(bad.values()), dict(bad))
     if not out:
         raise ValueError(f"{path}: no usable rows" + (f" (bad rows: {dict(bad)})" if bad else ""))
     return out, bad
-
-
-def _json_object(line: str) -> dict[str, Any]:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise RowProblem(f"invalid JSON ({err.msg})") from None
-    if not isinstance(row, dict):
-        raise RowProblem(f"a row must be a JSON object, got {type(row).__name__}")
-    return row
 
 
 def fingerprint(ids: list[str]) -> str:

@@ -40,7 +40,7 @@ def prepare_run(cfg: MoltConfig) -> RunDir:
     """The run directory with the resolved config, its token and the built model."""
     run = create_run_dir(cfg.run.root, cfg.run.name, to_toml(cfg))
     (run.path / "control").mkdir(exist_ok=True)
-    for stale in ("done", "stop", "checkpoint"):  # leftovers of an earlier, finished or stopped launch
+    for stale in ("done", "stop", "checkpoint", "evaluated"):  # leftovers of an earlier, finished or stopped launch
         (run.path / "control" / stale).unlink(missing_ok=True)
     fault.clear(run.path)
     base = resolve_model(cfg.model, run.models)
@@ -145,7 +145,7 @@ def run_local(cfg: MoltConfig) -> int:
         children.append(actor.start())
         record = {"launcher": os.getpid(), **{c.name: c.pid for c in children}}
         atomic_write(run.path / "processes.json", json.dumps(record))
-        code = _supervise(run, actor, pool, progress, watchdog, lambda: stops.count > 0)
+        code = _supervise(run, actor, pool, progress, watchdog, lambda: stops.count > 0, cfg.eval is not None)
     except KeyboardInterrupt:
         log.warning("stopped at once%s", _resume_hint(run, "; continue from checkpoint {name} with: "))
         code = 130
@@ -188,7 +188,15 @@ def _live_registrations(run: RunDir) -> int:
     return live
 
 
-def _supervise(run: RunDir, actor: Child, pool: Child, progress: Progress, watchdog: Watchdog, interrupted) -> int:
+def final_eval_pending(run_dir: Path, evaluates: bool) -> bool:
+    """Training is done and the orchestrator still evaluates the last version (`[eval]`): keep the engines."""
+    control = Path(run_dir) / "control"
+    return evaluates and (control / "done").exists() and not (control / "evaluated").exists()
+
+
+def _supervise(
+    run: RunDir, actor: Child, pool: Child, progress: Progress, watchdog: Watchdog, interrupted, evaluates: bool
+) -> int:
     log = get_logger()
     stop_deadline = None
     while True:
@@ -202,6 +210,8 @@ def _supervise(run: RunDir, actor: Child, pool: Child, progress: Progress, watch
         code = actor.poll()
         if code is not None:
             progress.update()
+            if code == 0 and done and final_eval_pending(run.path, evaluates) and pool.poll() is None:
+                continue  # the orchestrator ends on its own after the final evaluation
             if code == 0 and done:
                 record_engine_versions(run)
                 progress.summary()

@@ -1,16 +1,16 @@
-"""Pre-flight of a prompt file: its first rows parse with the configured keys, render through the chat
-template (with a vision-language model, their images load and their placeholders expand), and fit
-`data.max_prompt_tokens` — the checks `PromptDataset.load` makes at the run's start, on a sample, with
-counts instead of the first failure alone.
+"""Pre-flight of a prompt file (JSONL, Parquet or a `save_to_disk` directory): its first rows parse with the
+configured keys, render through the chat template (with a vision-language model, their images load and their
+placeholders expand), and fit `data.max_prompt_tokens` — the checks `PromptDataset.load` makes at the run's
+start, on a sample, with counts instead of the first failure alone.
 """
 
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from molt_hpc.config.model import DataConfig
 from molt_hpc.data import render_prompt_images, row_problem, text_prompt_ids
+from molt_hpc.readers import iter_rows, kind, row_value
 
 SAMPLE_ROWS = 256
 """Rows checked per file: enough to catch a wrong key or template, few enough to stay well under a second."""
@@ -28,8 +28,8 @@ def _render(cfg: DataConfig, tokenizer: Any, row: dict, where: str, vision: Any,
     if vision is not None:
         try:
             ids, _ = render_prompt_images(
-                tokenizer, vision, row[cfg.prompt_key], row.get(cfg.image_key) or [], base_dir=Path(path).parent,
-                system_prompt=cfg.system_prompt, tools=row.get("tools"),
+                tokenizer, vision, row_value(row, cfg.prompt_key), row.get(cfg.image_key) or [],
+                base_dir=Path(path).parent, system_prompt=cfg.system_prompt, tools=row.get("tools"),
             )  # fmt: skip
         except ValueError as err:  # an image that does not load, a placeholder count that does not match
             return f"bad images ({err})"
@@ -48,41 +48,40 @@ def check_rows(
     """Check the first `limit` rows of `path` (the file behind config key `key`); returns warnings for what
     `data.on_bad_row = "skip"` will skip, raises `PreflightError` for what stops the run. `vision`: the
     model takes images (True before its `Vision` is had, then the `Vision` to expand them with)."""
-    if Path(path).suffix == ".parquet":
-        _fail(f"{key} = {path!r}: parquet needs pyarrow, which molt-hpc does not install; convert it to JSONL")
+    from molt_hpc.launch.preflight import PreflightError
+
     skip = cfg.on_bad_row == "skip"
     seen, usable, bad = 0, 0, Counter()
     too_long: list[tuple[int, int]] = []  # (tokens, line) of prompts over the limit
+    unit = "line" if kind(path) == "jsonl" else "row"
     try:
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if seen >= limit:
-                    break
-                if not line.strip():
-                    continue
-                seen += 1
-                where = f"{path}, line {line_no}"
-                try:
-                    row = json.loads(line)
-                    problem = row_problem(row, cfg, bool(vision))
-                except json.JSONDecodeError as err:
-                    problem = f"invalid JSON ({err.msg})"
-                tokens = 0
-                if problem is None and tokenizer is not None:
-                    tokens = _render(cfg, tokenizer, row, where, None if vision is True else vision, path)
-                    if isinstance(tokens, str):
-                        problem = tokens
-                if problem is None and tokenizer is not None and tokens > cfg.max_prompt_tokens:
-                    too_long.append((tokens, line_no))
-                    continue
-                if problem is None:
-                    usable += 1
-                elif skip:
-                    bad[problem] += 1
-                else:
-                    _fail(f'{key} = {path!r}: line {line_no}: {problem}; fix the row or set data.on_bad_row = "skip"')
+        for line_no, row, problem in iter_rows(path):
+            if seen >= limit:
+                break
+            seen += 1
+            where = f"{path}, {unit} {line_no}"
+            if problem is None:
+                problem = row_problem(row, cfg, bool(vision))
+            tokens = 0
+            if problem is None and tokenizer is not None:
+                tokens = _render(cfg, tokenizer, row, where, None if vision is True else vision, path)
+                if isinstance(tokens, str):
+                    problem = tokens
+            if problem is None and tokenizer is not None and tokens > cfg.max_prompt_tokens:
+                too_long.append((tokens, line_no))
+                continue
+            if problem is None:
+                usable += 1
+            elif skip:
+                bad[problem] += 1
+            else:
+                _fail(f'{key} = {path!r}: {unit} {line_no}: {problem}; fix the row or set data.on_bad_row = "skip"')
     except UnicodeDecodeError as err:
         _fail(f"{key} = {path!r} is not UTF-8 text ({err.reason}); give a JSONL file")
+    except PreflightError:
+        raise
+    except Exception as err:  # pyarrow missing, a DatasetDict directory, pyarrow's errors of many types
+        _fail(f"{key} = {path!r} cannot be read as {kind(path)}: {' '.join(str(err).split())}")
     if seen == 0:
         _fail(f"{key} = {path!r} has no rows; give a JSONL file with one prompt object per line")
     sample = f"the first {seen} rows of {path}" if seen >= limit else f"the {seen} rows of {path}"

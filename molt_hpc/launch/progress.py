@@ -32,6 +32,8 @@ class Progress:
         self.errors = {"env_errors": 0, "engine_errors": 0}
         """Env errors and engine failures the rollout reported since this start."""
         self._reported = dict(self.errors)
+        self.last_eval: dict[str, Any] = {}
+        """The last held-out evaluation's record (source `eval`), shown on every step line after it."""
         self.first_failure: str | None = None
         mode = cfg.logging.progress
         self.bar = None
@@ -48,12 +50,14 @@ class Progress:
         for rec in self._new_records():
             if rec.get("source") == "rollout":
                 self._count_errors(rec)
+            if rec.get("source") == "eval":
+                self.last_eval = {k: v for k, v in rec.items() if k.startswith("eval_")}
             if rec.get("source") != "actor" or "step" not in rec:
                 continue
             stepped = True
             self.records.append(rec)
             self._last_shown = time.monotonic()
-            shown = {**rec, **{k: v for k, v in self.errors.items() if v}}
+            shown = {**rec, **{k: v for k, v in self.errors.items() if v}, **self.last_eval}
             self._reported = dict(self.errors)
             if self.bar is not None:
                 self.bar.n = rec["step"]
@@ -116,6 +120,10 @@ class Progress:
 
         print(reward_summary(training_steps(read_metrics(self.run.metrics, source="actor"))), flush=True)
         for line in reward_model_summary(self.run):
+            print(line, flush=True)
+        from molt_hpc.status import eval_summary
+
+        if (line := eval_summary(self.run.path)) is not None:
             print(line, flush=True)
         png = plot_run(self.run.path)
         print(f"plot: {png}", flush=True)

@@ -69,6 +69,7 @@ class Lifecycle:
     def run(self) -> dict[str, object]:
         outcome = self.watch()
         if outcome == "done":
+            self.wait_for_final_eval()
             self.pool.stop(POOL_STOP_S)
             self.log.info("training finished; engine pool stopped after %d relaunches", self.pool.restarts)
             self.release_buffer()
@@ -100,6 +101,16 @@ class Lifecycle:
         removed = release_finished(self.run_dir)
         if removed is not None:
             self.log.info("removed the finished run's replay buffer %s", removed)
+
+    def wait_for_final_eval(self) -> None:
+        """Training is done: with `[eval]`, the orchestrator evaluates the last version before the engines stop."""
+        from molt_hpc.launch.local import final_eval_pending
+
+        while final_eval_pending(self.run_dir, self.cfg.eval is not None) and self.pool.poll() is None:
+            if self.signals.received or control_file(self.run_dir, "cancel").exists():
+                return
+            self.trackers.update()
+            time.sleep(POLL_S)
 
     def watch(self) -> str:
         """Poll both steps until: done, signal, cancel, failed, actor/pool stopped, engines failed (or raise)."""

@@ -4,7 +4,7 @@ orchestrator.py  the loop: admission, groups in flight, completion order, filter
 group.py         one group of concurrent samples and the per-sample fault policy
 engines.py       generate through the router; the engines' weight version
 chat_server.py   the OpenAI-compatible endpoint chat-mode agents talk to
-evaluation.py    greedy evaluation on held-out prompts
+evaluation.py    held-out evaluation: n samples per prompt, pass@k, mean reward
 state.py         the durable state (cursor, in-flight groups) that makes a restart exact
 metrics.py       the rollout records of metrics.jsonl
 scoring.py       a reward model's scores combined with the env's rewards, once per finished group
@@ -61,6 +61,7 @@ async def serve(cfg: MoltConfig, run: RunDir) -> int:
     from molt_hpc.agents.step_runner import StepEnvRunner
     from molt_hpc.buffer import open_buffer
     from molt_hpc.data import PromptDataset
+    from molt_hpc.datasets.generated import prompt_files
     from molt_hpc.models import load_tokenizer, resolve_model
     from molt_hpc.rollout.chat_server import ChatServer
     from molt_hpc.rollout.engines import EngineLink, wait_for_router
@@ -74,10 +75,11 @@ async def serve(cfg: MoltConfig, run: RunDir) -> int:
     tokenizer = load_tokenizer(model_dir)
     vision = Vision.of(model_dir)
     images = {"vision": vision, "max_images": cfg.rollout.max_images}
-    dataset = PromptDataset.load(cfg.data, tokenizer, **images)
-    ev = cfg.data.eval
+    train_path, eval_path = prompt_files(cfg, run.path)
+    dataset = PromptDataset.load(cfg.data, tokenizer, path=train_path, **images)
+    ev = cfg.eval
     eval_prompts = (
-        PromptDataset.load(cfg.data, tokenizer, path=ev.path, limit=ev.max_prompts, **images).prompts if ev else []
+        PromptDataset.load(cfg.data, tokenizer, path=eval_path, limit=ev.max_prompts, **images).prompts if ev else []
     )
     if issubclass(agent_cls, ChatAgent) and any(p.images for p in [*dataset.prompts, *eval_prompts]):
         raise ValueError(

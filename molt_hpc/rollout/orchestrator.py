@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+from molt_hpc import checkpoint as ck
 from molt_hpc.algorithm.filters import apply_overlong_penalty, has_signal
 from molt_hpc.config import MoltConfig
 from molt_hpc.data import Cursor, Position, PromptDataset
@@ -27,7 +28,7 @@ from molt_hpc.rollout.evaluation import evaluate
 from molt_hpc.rollout.group import GroupOutcome, Runner, run_group
 from molt_hpc.rollout.metrics import RolloutStats
 from molt_hpc.rollout.state import RolloutState
-from molt_hpc.rundir import RunDir
+from molt_hpc.rundir import RunDir, atomic_write
 from molt_hpc.trajectory import FINISHED_REWARDS, Group
 
 POLL_S = 0.25
@@ -108,6 +109,7 @@ class Orchestrator:
         self.unreported = [0.0, 0]
         """[sum, count] of the rewards of samples in groups dropped since the last put (the next put reports them)."""
         self.metrics = MetricsWriter(run.metrics, source="rollout")
+        self.eval_metrics = MetricsWriter(run.metrics, source="eval")
         self.stop = stop or asyncio.Event()
         self.scorer = scorer
         """A `molt_hpc.rollout.scoring.GroupScorer` when a reward model scores the groups."""
@@ -124,20 +126,23 @@ class Orchestrator:
         stall = StallReport(self.cfg.rollout.stall_report_s)
         heartbeat = asyncio.create_task(beat_while_running(stall))
         try:
-            await self.wait_for_engines()
-            await self.link.poll_version()
-            while not self.should_stop():
-                while len(self.tasks) < self.cfg.rollout.groups_in_flight and self.admitted():
-                    self.issue()
-                self.maybe_evaluate()
-                if not self.tasks:
-                    await self.idle()
-                    continue
-                done, _ = await asyncio.wait(self.tasks, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    await self.complete(task, self.tasks.pop(task))
-        except Stopping:
-            pass
+            try:
+                await self.wait_for_engines()
+                await self.link.poll_version()
+                while not self.should_stop():
+                    while len(self.tasks) < self.cfg.rollout.groups_in_flight and self.admitted():
+                        self.issue()
+                    self.maybe_evaluate()
+                    if not self.tasks:
+                        await self.idle()
+                        continue
+                    done, _ = await asyncio.wait(self.tasks, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        await self.complete(task, self.tasks.pop(task))
+            except Stopping:
+                pass
+            if (self.run.path / "control" / "done").exists():
+                await self.final_eval()
         finally:
             heartbeat.cancel()
             stall.stop()
@@ -278,21 +283,54 @@ class Orchestrator:
 
     # -- evaluation, metrics, shutdown --------------------------------------------------------------
     def maybe_evaluate(self) -> None:
-        ev = self.cfg.data.eval
+        """Collect a finished evaluation; start one when a due version is served (it runs beside the rollouts:
+        nothing waits for it)."""
+        ev = self.cfg.eval
         if ev is None or not self.eval_prompts:
             return
         if self.eval_task is not None and self.eval_task.done():
-            record = self.eval_task.result()
+            self.finish_eval(self.eval_task.result())
             self.eval_task = None
-            # The record first: killed between the two, a restart evaluates this version again, whereas
-            # the state saved first would say it was evaluated and its record would never be written.
-            self.metrics.write(record)
-            self.state.last_eval_version = record["eval_version"]
-            self.state.save(self.state_path)
-            self.log.info("eval at version %d: reward %.3f", record["eval_version"], record["eval_reward"])
         version = self.link.version
         if self.eval_task is None and version // ev.every > self.state.last_eval_version // ev.every:
-            self.eval_task = asyncio.create_task(evaluate(self.runner, self.eval_prompts, version))
+            self.start_eval(version)
+
+    def start_eval(self, version: int) -> None:
+        if self.cfg.eval.best_metric is not None:
+            ck.pin(self.run.checkpoints, version)
+        self.eval_task = asyncio.create_task(evaluate(self.runner, self.eval_prompts, version, self.cfg.eval))
+
+    def finish_eval(self, record: dict[str, Any]) -> None:
+        ev, version = self.cfg.eval, record["eval_version"]
+        value = record.get(ev.metric_key) if ev.metric_key else None
+        if value is not None and record["eval_version_min"] == record["eval_version_max"] == version:
+            record["eval_best"] = ck.promote_best(self.run.checkpoints, version, ev.best_metric, value)
+        # The record first: killed between the two, a restart evaluates this version again, whereas
+        # the state saved first would say it was evaluated and its record would never be written.
+        self.eval_metrics.write(record)
+        self.state.last_eval_version = version
+        self.state.save(self.state_path)
+        shown = " ".join(f"{k[5:]} {v:.3f}" for k, v in record.items() if k.startswith("eval_pass@") and v is not None)
+        self.log.info("eval at version %d: %s reward %s", version, shown, record["eval_reward"])
+
+    async def final_eval(self) -> None:
+        """Training is done: evaluate the last version (engines serve it) before the orchestrator ends, then
+        say so in `control/evaluated` (the launcher waits for it before it stops the engines)."""
+        ev = self.cfg.eval
+        try:
+            if ev is not None and self.eval_prompts and not (self.run.path / "control" / "stop").exists():
+                for task in self.tasks:  # no more training: the engines are the evaluation's alone
+                    task.cancel()
+                if self.eval_task is not None:
+                    self.finish_eval(await self.eval_task)
+                    self.eval_task = None
+                await self.link.poll_version()
+                if self.link.version != self.state.last_eval_version:
+                    self.start_eval(self.link.version)
+                    self.finish_eval(await self.eval_task)
+                    self.eval_task = None
+        finally:  # also when it failed: the launcher must not wait for an evaluation that will not come
+            atomic_write(self.run.path / "control" / "evaluated", f"{self.state.last_eval_version}\n")
 
     def write_record(self) -> None:
         envs = getattr(self.runner, "envs", None)  # env mode: where the env runs, and what its workers went through
@@ -322,6 +360,7 @@ class Orchestrator:
         self.state.save(self.state_path)
         self.write_record()
         self.metrics.close()
+        self.eval_metrics.close()
         self.log.info(
             "stopped: %d groups accepted, %d dropped, %d left in flight for the next start",
             self.state.groups_accepted,
