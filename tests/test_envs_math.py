@@ -72,12 +72,18 @@ CASES = [
     (r"<answer>2</answer> \boxed{3}", "3", 1.0),
     (r"\boxed{3} then <answer>2</answer>", "3", 0.0),
     (r"<answer>\boxed{5}</answer>", "5", 1.0),
-    # expressions compare by equivalence (math-verify's rule)
-    ("<answer>3+4</answer>", "7", 1.0),
-    ("<answer>2*21</answer>", "42", 1.0),
+    # a number label takes a number: arithmetic is not evaluated (copying `Compute 9 + 20` earns nothing)
+    ("<answer>3+4</answer>", "7", 0.0),
+    ("<answer>9 + 20</answer>", "29", 0.0),
+    ("<answer>2*21</answer>", "42", 0.0),
+    (r"<answer>6 \times 7</answer>", "42", 0.0),
+    ("<answer>50-8</answer>", "42", 0.0),
     ("<answer>3+5</answer>", "7", 0.0),
-    (r"\boxed{2^{10}}", "1024", 1.0),
-    (r"\boxed{10!}", "3628800", 1.0),
+    (r"\boxed{2^{10}}", "1024", 0.0),
+    (r"\boxed{10!}", "3628800", 0.0),
+    (r"\boxed{\sqrt{49}}", "7", 0.0),
+    # expressions compare by equivalence (math-verify's rule) when the label is one
+    (r"\boxed{2^{10}}", "2^{10}", 1.0),
     (r"\boxed{x^2+1}", "1+x^2", 1.0),
     (r"\boxed{x^2+1}", "x^2-1", 0.0),
     # sets, intervals, tuples

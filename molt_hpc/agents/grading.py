@@ -11,6 +11,12 @@ What this module does itself, because the library does not:
 - **Plain-number forms the LaTeX parser misreads:** `1e5` / `2.5E-3` (read as `1·e·5`) and `3.` are
   rewritten as `1\\times10^{5}`, `2.5\\times10^{-3}`, `3` before parsing, so `1e5 == 100000`.
 - **Text labels** (`Paris`) match case-insensitively, whitespace collapsed, before any parsing.
+- **A number answers a number.** When the label is a plain number (`7`, `-0.5`, `1e5`, `3/4`), an answer
+  that is arithmetic (`3+4`, `2*21`, `2^{10}`, `10!`, `\\sqrt{49}`) scores 0 without being evaluated:
+  the arithmetic prompts ask for the result, and copying the question (`Compute 9 + 20` →
+  `9 + 20`) must not earn it. Scientific notation (`1e5`, `1 \\times 10^{5}`), fractions (`1/2`,
+  `\\frac{1}{2}`), signs, units and percent stay numbers. Labels that are expressions compare by
+  equivalence as the library does.
 - **Bounded work.** An answer over `MAX_ANSWER_CHARS` scores 0 unparsed (a 10 MB reply costs one linear
   scan), and a parsed answer whose value may have over `MAX_DIGITS` digits (`9^{9^{9^9}}`, `(10^{10})!`,
   `x^{9^{99}}`: bounded from the parse tree, never evaluated) scores 0 before the library compares it.
@@ -19,7 +25,7 @@ What this module does itself, because the library does not:
   worker running it is killed; only that sample fails).
 
 The library's rules hold otherwise (tested in `tests/test_envs_math.py`): numbers by value (`3 == 3.0`,
-`1/2 == 0.5 == \\frac{1}{2}`, `1,000 == 1000`), expressions by equivalence (`3+4 == 7`, `x = 7 == 7`),
+`1/2 == 0.5 == \\frac{1}{2}`, `1,000 == 1000`), expressions by equivalence (`x^2+1 == 1+x^2`, `x = 7 == 7`),
 `50\\% == 0.5`, units in `\\text{…}` ignored, `0.333 != 1/3` (6 significant decimals compared).
 The grader sees text decoded with special tokens skipped, so special tokens cannot spell an answer.
 """
@@ -35,6 +41,10 @@ BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 BRACE_RE = re.compile(r"[{}]")
 SCI_RE = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+))[eE]([+-]?\d{1,3})")
 TRAILING_DOT_RE = re.compile(r"([+-]?\d+)\.")
+NUMBER_RE = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?(?:/[+-]?\d+)?")
+LATEX_SCI_RE = re.compile(r"(?:\\times|\\cdot|\*)\s*10\s*\^\s*(?:\{\s*[+\-−]?\d+\s*\}|[+\-−]?\d+)")
+# an operator of arithmetic: + * ^ ! \times \cdot \sqrt, or a minus between two operands
+ARITHMETIC_RE = re.compile(r"[+*^!]|\\times|\\cdot|\\sqrt|(?<=[\w)}])\s*[-−]\s*(?=[\w(\\{])")
 # The library warns once that its signal timeout is off; here that is by design (see above).
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 MAX_ANSWER_CHARS = 1000
@@ -126,6 +136,17 @@ def _text(value: str) -> str:
     return " ".join(value.split()).casefold()
 
 
+def _is_number(label: str) -> bool:
+    """Whether a label is a plain number (`7`, `-0.5`, `1,000`, `1e5`, `3/4`)."""
+    return bool(NUMBER_RE.fullmatch(label.strip().replace(",", "")))
+
+
+def _is_arithmetic(answer: str) -> bool:
+    """Whether an answer computes something rather than states a number (see the module docstring)."""
+    text = SCI_RE.sub("0", LATEX_SCI_RE.sub("", answer)).strip().strip("$").strip()
+    return bool(ARITHMETIC_RE.search(text.lstrip("+-−").lstrip()))
+
+
 def answer_matches(answer: str, label: Any) -> bool:
     """Whether one extracted answer equals the label (as text, else by math-verify's equivalence)."""
     from math_verify import verify
@@ -135,6 +156,8 @@ def answer_matches(answer: str, label: Any) -> bool:
         return False
     if _text(answer) and _text(answer) == _text(want):
         return True
+    if _is_number(want) and _is_arithmetic(answer):
+        return False
     got, gold = _parse(answer), _parse(want)
     if not got or not gold or any(_explodes(e) for e in (*got, *gold)):
         return False
