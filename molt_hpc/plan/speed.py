@@ -202,6 +202,11 @@ class Speed:
         return self.workload.generated / self.rollout.seconds
 
     @property
+    def delivered_tokens_per_s(self) -> float:
+        """Generated tokens per second of wall time: the engines' rate, or less when the trainer bounds."""
+        return self.workload.generated / self.step_s
+
+    @property
     def trained_tokens_per_s(self) -> float:
         return self.workload.trained / self.step_s
 
