@@ -7,15 +7,14 @@ Four small measurements on the device (a GPU when there is one, else the CPU):
 - decode steps of the built-in engine's runner on the configured model (random weights, the engine's
   own runner: the slot cache and CUDA graphs on a GPU): the step time less its memory time at the
   measured bandwidth is `builtin_step_ms`;
-- training steps (forward, backward, AdamW) of the same model at two batch sizes: the line through
-  their times gives the host time per micro-batch (`train_micro_batch_ms`, its intercept) and the
-  achieved FLOP rate, as the MFU of the model's shape class.
+- training steps (forward, backward, AdamW) of the same model: one of a single short row is host time
+  (`train_micro_batch_ms`, half of it: one micro-batch and one update); one of full rows adds its FLOPs
+  at the achieved rate, over `matmul_tflops` the MFU of the model's shape class.
 
 The model is built from its config alone, so calibrate with a config whose model fits one device (the
 SmolLM2 recipe, or the 0.5B shape on a GPU; the tiny configs on a CPU): seconds on a CPU.
 """
 
-import statistics
 import time
 
 from molt_hpc.config import MoltConfig
@@ -26,7 +25,8 @@ SHAPE_CLASS = {0: "mfu_small", 2048: "mfu_medium", 6144: "mfu_large"}
 
 
 def _timed(fn, sync, repeats: int, warmup: int = 1) -> float:
-    """Median seconds of `fn` over `repeats` runs after `warmup` runs (first calls allocate and pick kernels)."""
+    """Fastest seconds of `fn` over `repeats` runs after `warmup` runs (first calls allocate and pick kernels):
+    what the device does undisturbed, the least sensitive to other work on the machine."""
     for _ in range(warmup):
         fn()
     sync()
@@ -36,7 +36,7 @@ def _timed(fn, sync, repeats: int, warmup: int = 1) -> float:
         fn()
         sync()
         out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    return min(out)
 
 
 def copy_gb_per_s(device, sync, mib: int) -> float:
@@ -125,13 +125,14 @@ def calibrate(cfg: MoltConfig, device_kind: str) -> dict[str, float]:
     eff = cfg.plan.cuda.decode_efficiency if gpu else cfg.plan.cpu.decode_efficiency
     memory = b * (arch.params + rows * context * arch.kv_bytes_per_token(1, b)) / (out["memory_gb_per_s"] * 1e9 * eff)
     out["builtin_step_ms"] = max(0.0, step - memory) * 1e3
-    seq = 128
-    small, large = (train_step_s(model, device, sync, r, seq) for r in (2, 8))
-    flops = [6 * (matmul_params(arch) + attention_flops(arch, seq / 2)) * r * seq for r in (2, 8)]
-    slope = max((large - small) / (flops[1] - flops[0]), 1e-30)  # seconds per FLOP
+    # a step of one short row is host time alone; a step of many full rows adds its FLOPs at the achieved rate
+    idle = train_step_s(model, device, sync, 1, 16)
+    rows, seq = (8, 512) if gpu else (8, 128)
+    busy = train_step_s(model, device, sync, rows, seq)
+    flops = 6 * (matmul_params(arch) + attention_flops(arch, seq / 2)) * rows * seq
     key = SHAPE_CLASS[max(k for k in SHAPE_CLASS if arch.hidden >= k)]
-    out[key] = min(1.0, 1 / slope / (out["matmul_tflops"] * 1e12))
-    out["train_micro_batch_ms"] = max(0.0, small - flops[0] * slope) * 1e3 / 2  # a micro-batch and an update
+    out[key] = min(1.0, flops / max(busy - idle, 1e-9) / (out["matmul_tflops"] * 1e12))
+    out["train_micro_batch_ms"] = idle * 1e3 / 2  # one micro-batch and one optimizer update
     return out
 
 

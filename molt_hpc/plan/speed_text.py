@@ -8,6 +8,7 @@ step and the mean response length), so a difference is the speed model's, not a 
 
 import statistics
 
+from molt_hpc.config import MoltConfig
 from molt_hpc.plan.speed import Speed
 
 
@@ -48,9 +49,11 @@ def measured(actor: list[dict], rollout: list[dict], skip: int = 2) -> dict[str,
     out = {"wait_s": parts["wait_s"], "train_s": parts["step_s"], "refit_s": parts["refit_s"]}
     out["step_s"] = out["wait_s"] + out["train_s"] + out["refit_s"]
     out["tokens"] = statistics.fmean(float(r.get("tokens") or 0) for r in kept)
-    windows = [r for r in rollout[skip:] if r.get("tokens_per_s")] or [r for r in rollout if r.get("tokens_per_s")]
-    if windows:
-        out["rollout_tokens_per_s"] = statistics.fmean(r["tokens_per_s"] for r in windows)
+    windows = [r for r in rollout[skip:] if r.get("window_s")] or [r for r in rollout if r.get("window_s")]
+    if windows:  # generated tokens over the windows' time (a mean of rates would weigh short windows up)
+        out["rollout_tokens_per_s"] = sum(r["tokens_per_s"] * r["window_s"] for r in windows) / sum(
+            r["window_s"] for r in windows
+        )
         lengths = [r["response_len_mean"] for r in windows if r.get("response_len_mean")]
         if lengths:
             out["response"] = statistics.fmean(lengths)
@@ -69,3 +72,23 @@ def compare_lines(s: Speed, m: dict[str, float]) -> list[str]:
         pred, meas = s.delivered_tokens_per_s, m["rollout_tokens_per_s"]
         out.append(f"  rollout       {pred:,.0f} vs {meas:,.0f} tokens/s  ({meas / pred:.2f}x)")
     return out
+
+
+def run_speed_lines(cfg: MoltConfig, actor: list[dict], rollout: list[dict]) -> list[str]:
+    """`molt-hpc status`'s block: the plan's prediction at the run's measured lengths beside the run."""
+    from molt_hpc.plan.arch import arch_of
+    from molt_hpc.plan.speed import predict
+    from molt_hpc.plan.verdict import make_plan
+
+    m = measured(actor, rollout)
+    if m is None:
+        return []
+    samples = cfg.actor.groups_per_step * cfg.rollout.n_samples
+    response = m.get("response")
+    prompt = max(0.0, m["tokens"] / samples - response) if response is not None and m["tokens"] else None
+    try:
+        local = not (cfg.slurm.actor.gpus_per_node or cfg.slurm.engines.gpus_per_node)
+        plan = make_plan(cfg, arch_of(cfg.model), local=local)
+    except ValueError as err:  # the model's shape is not readable here: the measured side alone
+        return [f"speed: no prediction ({err})"]
+    return compare_lines(predict(plan, prompt, response), m)
