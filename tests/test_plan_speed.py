@@ -66,6 +66,9 @@ def test_rollout_time_of_a_hand_worked_case() -> None:
     prefill = 64 * 64 * (2 * mm + 4 * L * HEADS * D * 32) / (0.1e12 * 0.25)
     assert s.rollout.prefill_s == pytest.approx(prefill, rel=1e-9)
     assert s.rollout_tokens_per_s == pytest.approx(64 * 6 / (64 / rows * 6 * step + prefill), rel=1e-9)
+    half = predict(plan, accepted=0.5)  # dynamic sampling keeps half the groups: twice the rollout, same training
+    assert half.rollout.seconds == pytest.approx(2 * s.rollout.seconds, rel=1e-9)
+    assert half.train.flops == s.train.flops
 
 
 def test_train_time_counts_recompute_the_reference_and_the_head() -> None:

@@ -8,8 +8,9 @@ Each pool runs on the speed profile of its device (`plan.cuda` or `plan.cpu`, `S
   the engine's per-step overhead`. Rows in flight are the rollout's
   `min(groups_in_flight, (max_staleness + 1) · groups_per_step) · n_samples` over the replicas, at
   most what one replica holds (`max_batch`, or vLLM's 256 sequences and its KV cache). A step's worth
-  of samples takes `samples / (replicas · r)` rounds of `response` decode steps; prefill runs the
-  prompts against compute (at the trainer's MFU class).
+  of samples (over the fraction of groups accepted, when dynamic sampling drops some) takes
+  `samples / (replicas · r)` rounds of `response` decode steps; prefill runs the prompts against
+  compute (at the trainer's MFU class).
 - train: `(6 + 2 with activation checkpointing)·N_mm` FLOPs per token per epoch, attention, the
   log-prob head over the response positions (`8·V·h` fused: forward, its recompute, two gradients),
   the reference forward (`2·N_mm`), a critic (its forward and training), over `ranks × matmul rate ×
@@ -65,9 +66,18 @@ class Workload:
     samples: int
     prompt: float
     response: float
+    accepted: float = 1.0
+    """Fraction of finished groups the step trains on (dynamic sampling drops the rest: they were
+    generated all the same)."""
 
     @property
     def generated(self) -> float:
+        """Tokens the engines generate for one step, dropped groups included."""
+        return self.samples * self.response / self.accepted
+
+    @property
+    def trained_generated(self) -> float:
+        """Generated tokens the step trains on: where the log-prob head runs."""
         return self.samples * self.response
 
     @property
@@ -75,12 +85,14 @@ class Workload:
         return self.samples * (self.prompt + self.response)
 
 
-def workload(cfg: MoltConfig, prompt: float | None = None, response: float | None = None) -> Workload:
-    """The step's samples, at full length unless measured lengths are given."""
+def workload(
+    cfg: MoltConfig, prompt: float | None = None, response: float | None = None, accepted: float = 1.0
+) -> Workload:
+    """The step's samples, at full length and every group accepted unless measured numbers are given."""
     ro = cfg.rollout
     full_prompt = min(cfg.data.max_prompt_tokens, ro.max_total_tokens - ro.max_new_tokens)
     return Workload(cfg.actor.groups_per_step * ro.n_samples, full_prompt if prompt is None else prompt,
-                    ro.max_new_tokens if response is None else response)  # fmt: skip
+                    ro.max_new_tokens if response is None else response, accepted)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -125,8 +137,8 @@ def rollout_time(arch: Arch, cfg: MoltConfig, plan, w: Workload) -> Rollout:
     flops = rows * (2 * matmul_params(arch) + attention_flops(arch, context)) / tp
     overhead = p.builtin_step_ms if eng.kind == "builtin" else p.vllm_step_ms
     step_s, bound = decode_step(p, weights, kv, flops, overhead)
-    rounds = w.samples / (replicas * rows)
-    prefill_flops = w.samples * w.prompt * (2 * matmul_params(arch) + attention_flops(arch, w.prompt / 2))
+    rounds = w.samples / w.accepted / (replicas * rows)
+    prefill_flops = w.samples / w.accepted * w.prompt * (2 * matmul_params(arch) + attention_flops(arch, w.prompt / 2))
     prefill = prefill_flops / (replicas * tp * p.matmul_tflops * 1e12 * mfu(p, arch.hidden))
     return Rollout(rows, step_s, rounds * w.response * step_s, prefill, bound)
 
@@ -151,8 +163,8 @@ def train_flops(arch: Arch, cfg: MoltConfig, w: Workload) -> float:
     per_token = 2 * body + attention_flops(arch, (w.prompt + w.response) / 2)
     passes = 3 + (1 if act.activation_checkpointing else 0)  # forward, backward (2x), recompute
     head_passes = 4 if arch.fused_head else 3  # forward, (recompute,) grad hidden, grad head
-    policy = act.ppo_epochs * (passes * per_token * w.trained + head_passes * 2 * head * w.generated)
-    reference = (per_token * w.trained + 2 * head * w.generated) if alg.uses_reference else 0.0
+    policy = act.ppo_epochs * (passes * per_token * w.trained + head_passes * 2 * head * w.trained_generated)
+    reference = (per_token * w.trained + 2 * head * w.trained_generated) if alg.uses_reference else 0.0
     critic = (1 + act.ppo_epochs * passes) * per_token * w.trained if alg.uses_critic else 0.0
     return policy + reference + critic
 
@@ -219,10 +231,10 @@ def refit_time(cfg: MoltConfig, plan) -> float:
     )
 
 
-def predict(plan, prompt: float | None = None, response: float | None = None) -> Speed:
-    """The speed of `plan`'s config; lengths at full unless measured ones are given."""
+def predict(plan, prompt: float | None = None, response: float | None = None, accepted: float = 1.0) -> Speed:
+    """The speed of `plan`'s config; lengths at full and every group accepted unless measured ones are given."""
     cfg, arch, where = plan.cfg, plan.arch, plan.placement
-    w = workload(cfg, prompt, response)
+    w = workload(cfg, prompt, response, accepted)
     one_device = where.shared_gpu or (where.actor_device == where.engine_device == "cpu")
     overlap = cfg.buffer.max_staleness >= 1 and not one_device
     return Speed(w, rollout_time(arch, cfg, plan, w), train_time(arch, cfg, plan, w), refit_time(cfg, plan), overlap)

@@ -2,8 +2,9 @@
 
 The measured side comes from the run's `metrics.jsonl` (`molt_hpc.plan.step_split`): the trainer's wait
 for rollouts, its step and its refit per step, the rollout's generated tokens per second. The
-prediction for a run uses the response and prompt lengths the run measured (the trained tokens per
-step and the mean response length), so a difference is the speed model's, not a guess of lengths.
+prediction for a run uses the lengths the run measured (the trained tokens per step, the mean response
+length) and the fraction of finished groups it accepted (dynamic sampling), so a difference is the
+speed model's, not a guess of lengths.
 """
 
 import statistics
@@ -57,6 +58,9 @@ def measured(actor: list[dict], rollout: list[dict], skip: int = 2) -> dict[str,
         lengths = [r["response_len_mean"] for r in windows if r.get("response_len_mean")]
         if lengths:
             out["response"] = statistics.fmean(lengths)
+        finished = sum(r.get("groups_finished", 0) for r in windows)
+        if finished:  # dynamic sampling's drops: generated, not trained
+            out["accepted"] = max(1e-3, min(1.0, sum(r.get("groups_accepted", 0) for r in windows) / finished))
     return out
 
 
@@ -91,4 +95,4 @@ def run_speed_lines(cfg: MoltConfig, actor: list[dict], rollout: list[dict]) -> 
         plan = make_plan(cfg, arch_of(cfg.model), local=local)
     except ValueError as err:  # the model's shape is not readable here: the measured side alone
         return [f"speed: no prediction ({err})"]
-    return compare_lines(predict(plan, prompt, response), m)
+    return compare_lines(predict(plan, prompt, response, m.get("accepted", 1.0)), m)
