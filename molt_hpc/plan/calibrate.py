@@ -44,7 +44,7 @@ def copy_gb_per_s(device, sync, mib: int) -> float:
 
     src = torch.ones(mib << 18, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.nbytes / _timed(lambda: dst.copy_(src), sync, 5) / 1e9
+    return 2 * src.nbytes / _timed(lambda: dst.copy_(src), sync, 10) / 1e9
 
 
 def matmul_tflops(device, sync, n: int, dtype) -> float:
@@ -52,7 +52,7 @@ def matmul_tflops(device, sync, n: int, dtype) -> float:
 
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n**3 / _timed(lambda: a @ b, sync, 5) / 1e12
+    return 2 * n**3 / _timed(lambda: a @ b, sync, 10, warmup=2) / 1e12
 
 
 def _model(cfg: MoltConfig, device):
