@@ -219,7 +219,8 @@ CPU_PROFILE = {"memory_gb_per_s": 8.0, "matmul_tflops": 0.05, "mfu_small": 0.3, 
 
 
 class PlanConfig(Section):
-    """The hardware `molt-hpc plan` (and the plan before `run` and `submit`) checks a config against."""
+    """The hardware `molt-hpc plan` (and the plan before `run` and `submit`) checks a config against, and
+    the speed of its devices for the predicted step time."""
 
     gpu_memory_gib: PositiveFloat = 139.8
     """Memory of one GPU as torch reports it (`torch.cuda.get_device_properties(0).total_memory`):

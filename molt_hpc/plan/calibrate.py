@@ -63,7 +63,7 @@ def _model(cfg: MoltConfig, device):
     config, _ = load_hf_config(cfg.model)
     dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
     torch.manual_seed(0)
-    model = lm_class(config).from_config(config, torch_dtype=dtype).to(device)
+    model = lm_class(config).from_config(config, dtype=dtype).to(device)
     return model, arch_from_config(config)
 
 
