@@ -122,6 +122,18 @@ def test_a_moe_decode_reads_the_experts_its_rows_touch() -> None:
     assert one.rollout.decode_step_s == pytest.approx(max(memory, compute) + 0.002, rel=1e-9)
 
 
+def test_the_plan_report_ends_with_the_speed_block() -> None:
+    from molt_hpc.plan import plan_config, report
+
+    cfg = load_config("configs/8b_dense.toml")
+    plan, suggestions = plan_config(cfg, local=False)
+    text = report(plan, suggestions)
+    s = predict(plan)
+    block = text[text.index("speed per step") : text.index("verdict:")]
+    assert f"{s.trained_tokens_per_s:,.0f} trained tokens/s" in block and f"bound by {s.bound}" in block
+    assert "256 samples of 512 prompt + 2,048 response tokens" in block  # 32 groups × 8, full length
+
+
 def test_calibration_measures_this_cpu_and_its_output_is_a_config() -> None:
     out = molt("plan", "configs/tiny_cpu.toml", "--calibrate", env={"CUDA_VISIBLE_DEVICES": ""}, timeout=300)
     assert out.returncode == 0, out.stderr

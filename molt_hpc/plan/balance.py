@@ -2,11 +2,12 @@
 most tokens per second on the config's GPUs, by the speed prediction (`plan/speed.py`).
 
 Candidates keep the GPUs the config asks for: on Slurm whole nodes move between the actor and engine
-het groups (each group keeps at least one node; an engine spanning `nodes_per_engine` nodes moves in
-steps of that many); on one machine GPUs move between `actor.ranks` and `engines.count` (each engine
-keeps its `gpus_per_engine`). Each split is tried with a few `groups_in_flight` values (one to four
-steps' worth of groups, and the config's own). A candidate counts when the config tree accepts it and
-its memory plan fits with nothing blocking (FSDP, CP and EP divisibility, engine TP).
+het groups when their nodes have as many GPUs (each group keeps at least one node; an engine spanning
+`nodes_per_engine` nodes moves in steps of that many); on one machine GPUs move between `actor.ranks`
+and `engines.count` (each engine keeps its `gpus_per_engine`). Each split is tried with a few
+`groups_in_flight` values (one to four steps' worth of groups, and the config's own). A candidate
+counts when the config tree accepts it and its memory plan fits with nothing blocking (FSDP, CP and
+EP divisibility, engine TP).
 """
 
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ def splits(cfg: MoltConfig, local: bool) -> list[list[str]]:
     """Every engine:trainer split of the config's GPUs, as overrides (the config's own included: [])."""
     eng, sl = cfg.engines, cfg.slurm
     out: list[list[str]] = [[]]
-    if not local and sl.actor.gpus_per_node and sl.engines.gpus_per_node:
+    if not local and sl.actor.gpus_per_node and sl.actor.gpus_per_node == sl.engines.gpus_per_node:
         nodes, step = sl.actor.nodes + sl.engines.nodes, eng.nodes_per_engine
         for engine_nodes in range(step, nodes, step):
             if engine_nodes == sl.engines.nodes:
