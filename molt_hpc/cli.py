@@ -140,6 +140,8 @@ def plan_cmd(
     would make it fit. Exit 0: it fits and can run; 1: not."""
     from molt_hpc.plan import default_local, plan_config, report
 
+    if balance and calibrate:
+        raise click.UsageError("--balance plans with a speed profile and --calibrate measures one: pass one of them")
     cfg = _load(config, overrides)
     if calibrate:
         from molt_hpc.plan.calibrate import calibrate_here
