@@ -87,9 +87,9 @@ def decode_step_s(model, cfg: MoltConfig, device, sync, rows: int, context: int)
     last, pos = [5] * rows, [context] * rows
 
     def step():
-        runner.decode(batch, last, pos)  # the cache grows by one token a step: a few steps, not a thousand
+        runner.decode(batch, last, pos)  # the cache grows by one token a step: a few dozen steps, not thousands
 
-    return _timed(step, sync, 8)
+    return _timed(step, sync, 16, warmup=3)
 
 
 def train_step_s(model, device, sync, rows: int, seq: int) -> float:
