@@ -15,13 +15,7 @@ import sys
 from pathlib import Path
 
 from molt_hpc.log import read_metrics
-
-PARTS = {"wait_s": "rollout wait", "step_s": "train", "refit_s": "refit", "checkpoint_s": "checkpoint"}
-
-
-def split(records: list[dict]) -> dict[str, list[float]]:
-    """Each part's seconds per step (0 where a step had none of it, e.g. no checkpoint)."""
-    return {key: [float(r.get(key) or 0.0) for r in records] for key in PARTS}
+from molt_hpc.plan.step_split import PARTS, split
 
 
 def main() -> int:

@@ -137,13 +137,31 @@ def _plan_first(cfg, *, local: bool, refuse: bool) -> None:
 @click.option("--local/--slurm", "local", default=None,
               help="Plan this machine's placement (molt-hpc run) or the Slurm job's (molt-hpc submit); "
               "default: Slurm when the slurm section asks for GPUs.")  # fmt: skip
-def plan_cmd(config: str | None, overrides: tuple[str, ...], local: bool | None) -> None:
-    """Does CONFIG fit? Per-GPU memory of each pool by category and phase, KV cache, refit, host
-    memory, a verdict and the changes that would make it fit. Exit 0: it fits and can run; 1: not."""
+@click.option("--balance", is_flag=True, help="Search the engine:trainer GPU split and rollout.groups_in_flight "
+              "for the most trained tokens/s; print the best three.")  # fmt: skip
+@click.option("--calibrate", is_flag=True, help="Measure this machine's speed profile (a GPU if there is one, "
+              "else the CPU) on the config's model; print it as a [plan.cuda] or [plan.cpu] section.")  # fmt: skip
+def plan_cmd(
+    config: str | None, overrides: tuple[str, ...], local: bool | None, balance: bool, calibrate: bool
+) -> None:
+    """Does CONFIG fit, and how fast will it run? Per-GPU memory of each pool by category and phase, KV
+    cache, refit, host memory, the predicted step time and what bounds it, a verdict and the changes that
+    would make it fit. Exit 0: it fits and can run; 1: not."""
     from molt_hpc.plan import default_local, plan_config, report
 
+    if balance and calibrate:
+        raise click.UsageError("--balance plans with a speed profile and --calibrate measures one: pass one of them")
     cfg = _load(config, overrides)
-    plan, suggestions = plan_config(cfg, local=default_local(cfg) if local is None else local)
+    if calibrate:
+        from molt_hpc.plan.calibrate import calibrate_here
+
+        return click.echo(calibrate_here(cfg))
+    local = default_local(cfg) if local is None else local
+    if balance:
+        from molt_hpc.plan.balance import balance_report
+
+        return click.echo(balance_report(cfg, local=local))
+    plan, suggestions = plan_config(cfg, local=local)
     click.echo(report(plan, suggestions))
     sys.exit(0 if plan.runnable else 1)
 
@@ -289,8 +307,10 @@ def _rl_only(cfg) -> None:
 @click.option("--dry-run", is_flag=True, help="Print the exact batch script and exit; nothing is created.")
 @click.option("--resume", "resume_dir", default=None, help="Submit a new job that continues this run directory.")
 @click.option("--no-plan", is_flag=True, help=NO_PLAN_HELP)
+@click.option("--balance", is_flag=True, help="Apply the best engine:trainer split of `plan --balance` (its overrides "
+              "are recorded in the run's config).")  # fmt: skip
 def submit_cmd(
-    config: str | None, overrides: tuple[str, ...], dry_run: bool, resume_dir: str | None, no_plan: bool
+    config: str | None, overrides: tuple[str, ...], dry_run: bool, resume_dir: str | None, no_plan: bool, balance: bool
 ) -> None:
     """Submit the run as one heterogeneous Slurm job: het group 0 = actor pool, 1 = engine pool.
 
@@ -302,6 +322,11 @@ def submit_cmd(
     if resume_dir and config:
         raise click.UsageError("give either CONFIG or --resume RUN_DIR (a resumed run keeps its own config)")
     cfg = resume_config(resume_dir, overrides) if resume_dir else _load(config, overrides)
+    if balance:
+        from molt_hpc.plan.balance import apply_best
+
+        cfg, changes = apply_best(cfg, local=False)
+        click.echo(f"balance: {' '.join(changes) or 'the config is already the best split'}", err=True)
     _rl_only(cfg)
     if dry_run:  # the script, and the pre-flight's verdict: a job that submit would refuse exits 2 here too
         from molt_hpc.launch.preflight import PreflightError

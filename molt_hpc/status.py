@@ -48,6 +48,10 @@ def status_lines(run_dir: str | Path) -> list[str]:
         lines.append(f"rollout: {last['groups_per_s']:.2f} groups/s, {last.get('tokens_per_s', 0):.0f} tokens/s")
     if (line := eval_summary(run_dir)) is not None:
         lines.append(line)
+    if cfg.run.stage == "rl" and actor:  # the plan's speed prediction beside what the run measured
+        from molt_hpc.plan.speed_text import run_speed_lines
+
+        lines.extend(run_speed_lines(cfg, actor, rollout))
     if cfg.run.stage == "rl":
         lines.append(_buffer_line(run_dir))
     lines.append(_checkpoint_line(run_dir))

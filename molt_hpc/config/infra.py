@@ -180,8 +180,48 @@ class SlurmConfig(Section):
         return max(self.signal_lead_s - 30, self.signal_lead_s // 2)
 
 
+class SpeedProfile(Section):
+    """What one device does per second, for the plan's speed prediction (`molt_hpc.plan.speed`).
+    `molt-hpc plan --calibrate` measures these on the machine it runs on."""
+
+    memory_gb_per_s: PositiveFloat = 4000.0
+    """Achievable memory bandwidth in GB/s (a large device-to-device copy: H200 ~4000 of 4800 nominal)."""
+    matmul_tflops: PositiveFloat = 790.0
+    """Achievable dense matmul rate in the model dtype, TFLOP/s (H200 bf16 ~790 of 989 nominal)."""
+    mfu_small: float = Field(0.15, gt=0.0, le=1.0)
+    """Fraction of `matmul_tflops` a training step reaches for models of hidden size < 2048 (small
+    matmuls, launch-bound)."""
+    mfu_medium: float = Field(0.30, gt=0.0, le=1.0)
+    """The same for hidden size 2048-6143."""
+    mfu_large: float = Field(0.40, gt=0.0, le=1.0)
+    """The same for hidden size ≥ 6144."""
+    decode_efficiency: float = Field(0.6, gt=0.0, le=1.0)
+    """Fraction of `memory_gb_per_s` a decode step reaches reading the weights and the attended KV cache."""
+    builtin_step_ms: NonNegativeFloat = 3.0
+    """Host and launch time of one decode step of the built-in engine, beyond its memory and compute time
+    (dominant for small models)."""
+    vllm_step_ms: NonNegativeFloat = 0.6
+    """The same for a vLLM engine (CUDA graphs, its scheduler)."""
+    train_micro_batch_ms: NonNegativeFloat = 30.0
+    """Host time of one trainer micro-batch (forward, backward, FSDP hooks) beyond its FLOPs, and of one
+    optimizer update."""
+    refit_gb_per_s: PositiveFloat = 250.0
+    """Bandwidth of a refit inside one node (NCCL over NVLink; a host copy on CPU), GB/s."""
+    refit_fixed_ms: NonNegativeFloat = 50.0
+    """Fixed cost of one refit (pause the engines, the calls, resume), plus 2 ms per bucket."""
+    host_link_gb_per_s: PositiveFloat = 40.0
+    """Device-host bandwidth for offloaded trainer state (PCIe Gen5 x16), GB/s each way."""
+
+
+CPU_PROFILE = {"memory_gb_per_s": 8.0, "matmul_tflops": 0.05, "mfu_small": 0.3, "mfu_medium": 0.3, "mfu_large": 0.3,
+               "decode_efficiency": 0.5, "builtin_step_ms": 4.0, "train_micro_batch_ms": 40.0, "refit_gb_per_s": 2.0,
+               "refit_fixed_ms": 30.0, "host_link_gb_per_s": 8.0}  # fmt: skip
+"""A 2-core machine's defaults (`plan.cpu`); `molt-hpc plan --calibrate` replaces them with measured ones."""
+
+
 class PlanConfig(Section):
-    """The hardware `molt-hpc plan` (and the plan before `run` and `submit`) checks a config against."""
+    """The hardware `molt-hpc plan` (and the plan before `run` and `submit`) checks a config against, and
+    the speed of its devices for the predicted step time."""
 
     gpu_memory_gib: PositiveFloat = 139.8
     """Memory of one GPU as torch reports it (`torch.cuda.get_device_properties(0).total_memory`):
@@ -193,6 +233,10 @@ class PlanConfig(Section):
     network_gb_per_s: PositiveFloat = 45.0
     """Bandwidth between nodes, per GPU's NIC, in GB/s (400 Gb/s InfiniBand NDR reaches ~45): the refit
     sends from trainer rank 0 through one NIC."""
+    cuda: SpeedProfile = Field(default_factory=SpeedProfile)
+    """Speed of one GPU (`[plan.cuda]`; defaults: an H200 SXM) for the pools that run on GPUs."""
+    cpu: SpeedProfile = Field(default_factory=lambda: SpeedProfile(**CPU_PROFILE))
+    """Speed of the CPU (`[plan.cpu]`) for a pool with `device = "cpu"`."""
 
 
 class WandbConfig(Section):

@@ -63,7 +63,7 @@ class MoltConfig(Section):
     reward_model: RewardModelConfig | None = None
     """A trained reward model scoring the rollouts of `molt-hpc run` (`[reward_model]` with at least `path`)."""
     plan: PlanConfig = Field(default_factory=PlanConfig)
-    """The hardware the memory plan checks against (`molt-hpc plan`)."""
+    """The hardware the plan checks memory against and predicts speed on (`molt-hpc plan`)."""
 
     @model_validator(mode="after")
     def _cross_section_rules(self) -> "MoltConfig":

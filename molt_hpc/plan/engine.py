@@ -23,8 +23,6 @@ VLLM_PROFILE_BYTES = 5.0 * GIB
 H100 at default batch limits (it is set by the profile batch, not the model)."""
 CUDA_GRAPH_BYTES = 1.0 * GIB
 """CUDA graph pools of a vLLM engine (0 with `engines.enforce_eager`)."""
-NVLINK_GB_PER_S = 250.0
-"""All-gather and broadcast bandwidth inside one node (NCCL over NVLink, H100/H200 SXM)."""
 BUCKET_LATENCY_S = 0.002
 """Fixed cost of one refit bucket (pause, call, load)."""
 
@@ -107,11 +105,16 @@ class Refit:
         return self.gather_s + self.send_s + self.buckets * BUCKET_LATENCY_S
 
 
-def refit_estimate(arch: Arch, cfg: MoltConfig, ranks: int, actor_nodes: int, same_node: bool) -> Refit:
-    """Gather the shards (cast to the wire dtype) to rank 0, then broadcast to every engine worker."""
+def refit_estimate(
+    arch: Arch, cfg: MoltConfig, ranks: int, actor_nodes: int, same_node: bool, device: str = "cuda"
+) -> Refit:
+    """Gather the shards (cast to the wire dtype) to rank 0, then broadcast to every engine worker; inside
+    a node at the device profile's `refit_gb_per_s` (`plan.cuda` or `plan.cpu`), across nodes at
+    `plan.network_gb_per_s`."""
     wire = dtype_bytes(cfg) * arch.params
-    gather_bw = NVLINK_GB_PER_S if actor_nodes <= 1 else cfg.plan.network_gb_per_s
-    send_bw = NVLINK_GB_PER_S if same_node else cfg.plan.network_gb_per_s
+    node_bw = getattr(cfg.plan, "cpu" if device == "cpu" else "cuda").refit_gb_per_s
+    gather_bw = node_bw if actor_nodes <= 1 else cfg.plan.network_gb_per_s
+    send_bw = node_bw if same_node else cfg.plan.network_gb_per_s
     gather = wire * (ranks - 1) / ranks / (gather_bw * 1e9) if ranks > 1 else 0.0
     return Refit(wire, math.ceil(wire / (cfg.refit.bucket_mb << 20)), gather, wire / (send_bw * 1e9))
 

@@ -69,7 +69,7 @@ def report(plan: Plan, suggestions: list[Suggestion]) -> str:
     lines.append(f"  peak {peak.name}: {gib(peak.total)} allocated → {gib(gpu_need(peak.total))} with the CUDA "
                  "context and allocator slack")  # fmt: skip
     lines += ["", *(_engine_lines(plan) if rl else []), *([""] if rl else []), *_refit_host_lines(plan), "",
-              *_scorer_lines(plan), "verdict:"]  # fmt: skip
+              *_scorer_lines(plan), *(_speed_block(plan) if rl else []), "verdict:"]  # fmt: skip
     for c in plan.checks:
         lines.append(f"  {'ok  ' if c.ok else 'FAIL'} {c.what:<30} {gib(c.need):>14} of {gib(c.limit)}")
     for b in plan.blockers:
@@ -81,6 +81,14 @@ def report(plan: Plan, suggestions: list[Suggestion]) -> str:
         lines += ["", "changes that would help (cheapest first):"]
         lines += [f"  {i}. {change_text(s, plan)}" for i, s in enumerate(suggestions, 1)]
     return "\n".join(lines)
+
+
+def _speed_block(plan: Plan) -> list[str]:
+    from molt_hpc.plan.speed import predict
+    from molt_hpc.plan.speed_text import speed_lines
+
+    w = plan.placement
+    return [*speed_lines(predict(plan), (w.actor_device, w.engine_device)), ""]
 
 
 def _tokens(plan: Plan) -> int:

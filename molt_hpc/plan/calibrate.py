@@ -1,0 +1,152 @@
+"""`molt-hpc plan --calibrate`: measure this machine's speed profile (`[plan.cuda]` or `[plan.cpu]`).
+
+Four small measurements on the device (a GPU when there is one, else the CPU):
+
+- a copy of a large tensor: `memory_gb_per_s` (bytes read plus written per second);
+- a square matmul in the model dtype: `matmul_tflops`;
+- decode steps of the built-in engine's runner on the configured model (random weights, the engine's
+  own runner: the slot cache and CUDA graphs on a GPU): the step time less its memory time at the
+  measured bandwidth is `builtin_step_ms`;
+- training steps (forward, backward, AdamW) of the same model: one of a single short row is host time
+  (`train_micro_batch_ms`, half of it: one micro-batch and one update); one of full rows adds its FLOPs
+  at the achieved rate, over `matmul_tflops` the MFU of the model's shape class.
+
+The model is built from its config alone, so calibrate with a config whose model fits one device (the
+SmolLM2 recipe, or the 0.5B shape on a GPU; the tiny configs on a CPU): seconds on a CPU.
+"""
+
+import time
+
+from molt_hpc.config import MoltConfig
+from molt_hpc.plan.arch import arch_from_config, load_hf_config
+from molt_hpc.plan.speed import attention_flops, matmul_params
+
+SHAPE_CLASS = {0: "mfu_small", 2048: "mfu_medium", 6144: "mfu_large"}
+
+
+def _timed(fn, sync, repeats: int, warmup: int = 1) -> float:
+    """Fastest seconds of `fn` over `repeats` runs after `warmup` runs (first calls allocate and pick kernels):
+    what the device does undisturbed, the least sensitive to other work on the machine."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t0)
+    return min(out)
+
+
+def copy_gb_per_s(device, sync, mib: int) -> float:
+    import torch
+
+    src = torch.ones(mib << 18, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / _timed(lambda: dst.copy_(src), sync, 10) / 1e9
+
+
+def matmul_tflops(device, sync, n: int, dtype) -> float:
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / _timed(lambda: a @ b, sync, 10, warmup=2) / 1e12
+
+
+def _model(cfg: MoltConfig, device):
+    import torch
+
+    from molt_hpc.models.load import lm_class
+
+    config, _ = load_hf_config(cfg.model)
+    dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
+    torch.manual_seed(0)
+    model = lm_class(config).from_config(config, dtype=dtype).to(device)
+    return model, arch_from_config(config)
+
+
+def decode_step_s(model, cfg: MoltConfig, device, sync, rows: int, context: int) -> float:
+    """Seconds of one decode step of the engine's runner with `rows` rows at `context` tokens."""
+    import torch
+
+    from molt_hpc.engine.batch import ModelRunner
+    from molt_hpc.engine.slots import SlotRunner
+
+    model.eval()
+    if device.type == "cuda":
+        runner = SlotRunner(model, device, max_batch=rows, max_model_len=context + 64, graphs=True)
+    else:
+        runner = ModelRunner(model, device)
+    vocab = model.config.get_text_config().vocab_size
+    g = torch.Generator().manual_seed(0)
+    contexts = torch.randint(4, vocab, (rows, context), generator=g).tolist()
+    _, part = runner.prefill(contexts)
+    batch = runner.join(None, part)
+    last, pos = [5] * rows, [context] * rows
+
+    def step():
+        runner.decode(batch, last, pos)  # the cache grows by one token a step: a few dozen steps, not thousands
+
+    return _timed(step, sync, 16, warmup=3)
+
+
+def train_step_s(model, device, sync, rows: int, seq: int) -> float:
+    import torch
+
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(4, vocab, (rows, seq), generator=torch.Generator().manual_seed(1)).to(device)
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _timed(step, sync, 5, warmup=3)
+
+
+def calibrate(cfg: MoltConfig, device_kind: str) -> dict[str, float]:
+    """The measured `[plan.<device_kind>]` numbers of this machine for `cfg`'s model."""
+    import torch
+
+    device = torch.device(device_kind)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    gpu = device.type == "cuda"
+    out = {"memory_gb_per_s": copy_gb_per_s(device, sync, 2048 if gpu else 64)}
+    out["matmul_tflops"] = matmul_tflops(device, sync, 8192 if gpu else 512, torch.bfloat16 if gpu else torch.float32)
+    model, arch = _model(cfg, device)
+    b = 4 if cfg.model.dtype == "float32" else 2
+    rows, context = min(cfg.engines.max_batch, 32), 64
+    step = decode_step_s(model, cfg, device, sync, rows, context)
+    eff = cfg.plan.cuda.decode_efficiency if gpu else cfg.plan.cpu.decode_efficiency
+    memory = b * (arch.params + rows * context * arch.kv_bytes_per_token(1, b)) / (out["memory_gb_per_s"] * 1e9 * eff)
+    out["builtin_step_ms"] = max(0.0, step - memory) * 1e3
+    # a step of one short row is host time alone; a step of many full rows adds its FLOPs at the achieved rate
+    idle = train_step_s(model, device, sync, 1, 16)
+    rows, seq = (8, 512) if gpu else (8, 128)
+    busy = train_step_s(model, device, sync, rows, seq)
+    flops = 6 * (matmul_params(arch) + attention_flops(arch, seq / 2)) * rows * seq
+    key = SHAPE_CLASS[max(k for k in SHAPE_CLASS if arch.hidden >= k)]
+    out[key] = min(1.0, flops / max(busy - idle, 1e-9) / (out["matmul_tflops"] * 1e12))
+    out["train_micro_batch_ms"] = idle * 1e3 / 2  # one micro-batch and one optimizer update
+    return out
+
+
+def calibration_text(values: dict[str, float], device_kind: str) -> str:
+    """The numbers as a `[plan.<device>]` TOML section and as `--set` overrides."""
+    lines = [f"[plan.{device_kind}]  # measured by molt-hpc plan --calibrate"]
+    lines += [f"{k} = {v:.4g}" for k, v in values.items()]
+    sets = " ".join(f"--set plan.{device_kind}.{k}={v:.4g}" for k, v in values.items())
+    return "\n".join([*lines, "", f"# or: {sets}"])
+
+
+def calibrate_here(cfg: MoltConfig) -> str:
+    """Calibrate the GPU when this machine has one, else the CPU; the text to paste into a config."""
+    import torch
+
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
+    return calibration_text(calibrate(cfg, kind), kind)

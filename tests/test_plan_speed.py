@@ -1,0 +1,187 @@
+"""The plan's speed prediction: each formula against numbers worked out here from its definition, the
+calibration on the CPU, `plan --balance` on a shipped multi-node config, and `status` setting the
+prediction beside a finished run's measured step split."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from molt_hpc.config import load_config, to_toml
+from molt_hpc.log import MetricsWriter
+from molt_hpc.plan.arch import Arch, Block
+from molt_hpc.plan.speed import decode_step, predict
+from molt_hpc.plan.verdict import make_plan
+from molt_hpc.rundir import create_run_dir
+from tests.conftest import molt
+
+V, H, L, HEADS, KV, D = 1000, 256, 4, 4, 2, 64
+BLOCK = 3 * H * 1024 + H * (H + 2 * KV * D) + H * H + 2 * H  # MLP, q/k/v, o, two norms
+ROOT = 2 * V * H + H  # untied embedding and head, final norm
+
+ROUND = [  # a CPU profile of round numbers
+    "plan.cpu.memory_gb_per_s=10", "plan.cpu.decode_efficiency=0.5", "plan.cpu.matmul_tflops=0.1",
+    "plan.cpu.mfu_small=0.25", "plan.cpu.builtin_step_ms=2", "plan.cpu.train_micro_batch_ms=10",
+    "plan.cpu.refit_gb_per_s=1", "plan.cpu.refit_fixed_ms=20", "actor.device='cpu'", "engines.device='cpu'",
+]  # fmt: skip
+
+
+def toy_arch(tied: bool = False, experts: int = 0) -> Arch:
+    per_expert = 3 * H * 64
+    block = Block(BLOCK + experts * per_expert, experts=experts * per_expert) if experts else Block(BLOCK)
+    root = ROOT - (V * H if tied else 0)
+    return Arch("llama", V, H, L, HEADS, KV, D, 1024, tied, root, (block,) * L, experts=experts,
+                top_k=2 if experts else 0, moe_intermediate=64 if experts else 0, fused_head=True)  # fmt: skip
+
+
+def cfg_with(*overrides: str):
+    return load_config(None, [*ROUND, *overrides])
+
+
+def test_a_decode_step_is_the_slower_of_memory_and_compute_plus_its_overhead() -> None:
+    p = cfg_with().plan.cpu
+    # 1 GB weights + 0.5 GB KV at 10 GB/s × 0.5 = 0.3 s; 1e9 FLOP at 0.1 TFLOP/s = 0.01 s; + 2 ms
+    assert decode_step(p, 1e9, 0.5e9, 1e9, 2.0) == (pytest.approx(0.302), "memory")
+    # 1e12 FLOP: 10 s of compute against 0.3 s of reads
+    assert decode_step(p, 1e9, 0.5e9, 1e12, 2.0) == (pytest.approx(10.002), "compute")
+    assert decode_step(p, 1e3, 0.0, 1e3, 2.0)[1] == "overhead"
+
+
+def test_rollout_time_of_a_hand_worked_case() -> None:
+    # tiny_cpu's shape: 8 groups × 8 samples a step, 16 groups in flight, staleness 2, max_batch 64,
+    # prompts of min(64, 128 - 6) = 64 tokens, 6 new tokens, fp32, one engine
+    cfg = cfg_with()
+    plan = make_plan(cfg, toy_arch(), local=True, gpus=0)
+    s = predict(plan)
+    rows = min(min(16, 3 * 8) * 8, 64)  # 128 rows wanted, the engine holds 64
+    context = 64 + 6 / 2
+    weights = 4 * (L * BLOCK + H + V * H)  # blocks, final norm, LM head (the embedding is a lookup)
+    kv = rows * context * L * 2 * KV * D * 4
+    mm = L * BLOCK + H + V * H
+    flops = rows * (2 * mm + 4 * L * HEADS * D * context)
+    step = max((weights + kv) / (10e9 * 0.5), flops / 0.1e12) + 0.002
+    assert s.rollout.rows == rows
+    assert s.rollout.decode_step_s == pytest.approx(step, rel=1e-9)
+    assert s.rollout.decode_s == pytest.approx(64 / rows * 6 * step, rel=1e-9)  # 64 samples, 6 tokens each
+    prefill = 64 * 64 * (2 * mm + 4 * L * HEADS * D * 32) / (0.1e12 * 0.25)
+    assert s.rollout.prefill_s == pytest.approx(prefill, rel=1e-9)
+    assert s.rollout_tokens_per_s == pytest.approx(64 * 6 / (64 / rows * 6 * step + prefill), rel=1e-9)
+    half = predict(plan, accepted=0.5)  # dynamic sampling keeps half the groups: twice the rollout, same training
+    assert half.rollout.seconds == pytest.approx(2 * s.rollout.seconds, rel=1e-9)
+    assert half.train.flops == s.train.flops
+
+
+def test_train_time_counts_recompute_the_reference_and_the_head() -> None:
+    base = cfg_with("actor.activation_checkpointing=false")
+    ac_ref = cfg_with("actor.activation_checkpointing=true", "algorithm.kl_coef=0.1")
+    samples, tokens, generated = 64, 64 * 70, 64 * 6
+    body = 2 * (L * BLOCK + H) + 4 * L * HEADS * D * 35  # per token forward: blocks, final norm, attention
+    head = 2 * V * H  # per action position forward
+    plain = 3 * body * tokens + 4 * head * generated  # fwd + bwd; head fwd, recompute, two gradients
+    with_both = 4 * body * tokens + 4 * head * generated + body * tokens + head * generated
+    for cfg, want in ((base, plain), (ac_ref, with_both)):
+        plan = make_plan(cfg, toy_arch(), local=True, gpus=0)
+        t = predict(plan).train
+        assert samples == cfg.actor.groups_per_step * cfg.rollout.n_samples
+        assert t.flops == pytest.approx(want, rel=1e-9)
+        assert t.compute_s == pytest.approx(want / (0.1e12 * 0.25), rel=1e-9)
+
+
+def test_step_bound_overlaps_only_an_async_run_on_separate_devices() -> None:
+    arch = toy_arch()
+    sync = predict(make_plan(cfg_with("buffer.max_staleness=0"), arch, local=True, gpus=0))
+    assert not sync.overlap
+    assert sync.step_s == pytest.approx(sync.rollout.seconds + sync.train.seconds + sync.refit_s)
+    gpus = ["actor.device='cuda'", "engines.device='cuda'", "buffer.max_staleness=1"]
+    split = predict(make_plan(cfg_with(*gpus), arch, local=True, gpus=2))
+    assert split.overlap
+    assert split.step_s == pytest.approx(max(split.rollout.seconds, split.train.seconds) + split.refit_s)
+    shared = predict(make_plan(cfg_with(*gpus), arch, local=True, gpus=1))  # one GPU for both pools
+    assert not shared.overlap
+
+
+def test_refit_is_bytes_over_the_link_plus_buckets_and_its_fixed_cost() -> None:
+    cfg = cfg_with("refit.bucket_mb=1")
+    arch = toy_arch()
+    wire = 4 * arch.params  # fp32, one rank: no gather
+    buckets = -(-wire // (1 << 20))
+    s = predict(make_plan(cfg, arch, local=True, gpus=0))
+    assert s.refit_s == pytest.approx(wire / 1e9 + buckets * 0.002 + 0.020, rel=1e-9)
+
+
+def test_a_moe_decode_reads_the_experts_its_rows_touch() -> None:
+    arch = toy_arch(experts=8)  # top-2 of 8: one row touches 1/4 of them, many rows nearly all
+    one = predict(make_plan(cfg_with("engines.max_batch=1"), arch, local=True, gpus=0))
+    assert one.rollout.rows == 1
+    expert_bytes = 4 * arch.expert_params
+    dense = 4 * (arch.params - arch.expert_params - V * H)
+    kv = 1 * (64 + 0.5 * 6) * L * 2 * KV * D * 4
+    memory = (dense + expert_bytes * (1 - (1 - 2 / 8) ** 1) + kv) / (10e9 * 0.5)
+    mm = arch.params - arch.expert_params + arch.expert_params * 2 / 8 - V * H
+    compute = (2 * mm + 4 * L * HEADS * D * 67) / 0.1e12
+    assert one.rollout.decode_step_s == pytest.approx(max(memory, compute) + 0.002, rel=1e-9)
+
+
+def test_the_plan_report_ends_with_the_speed_block() -> None:
+    from molt_hpc.plan import plan_config, report
+
+    cfg = load_config("configs/8b_dense.toml")
+    plan, suggestions = plan_config(cfg, local=False)
+    text = report(plan, suggestions)
+    s = predict(plan)
+    block = text[text.index("speed per step") : text.index("verdict:")]
+    assert f"{s.trained_tokens_per_s:,.0f} trained tokens/s" in block and f"bound by {s.bound}" in block
+    assert "256 samples of 512 prompt + 2,048 response tokens" in block  # 32 groups × 8, full length
+
+
+def test_calibration_measures_this_cpu_and_its_output_is_a_config() -> None:
+    out = molt("plan", "configs/tiny_cpu.toml", "--calibrate", env={"CUDA_VISIBLE_DEVICES": ""}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    values = dict(re.findall(r"^(\w+) = ([0-9.e+-]+)$", out.stdout, re.M))
+    assert set(values) == {"memory_gb_per_s", "matmul_tflops", "builtin_step_ms", "mfu_small", "train_micro_batch_ms"}
+    rates = ("memory_gb_per_s", "matmul_tflops", "mfu_small")
+    assert all(float(values[k]) > 0 for k in rates) and float(values["mfu_small"]) <= 1, out.stdout
+    # host times are what is left beside the memory and compute time: none left is a measurement too
+    assert float(values["builtin_step_ms"]) >= 0 and float(values["train_micro_batch_ms"]) > 0, out.stdout
+    sets = re.search(r"^# or: (.*)$", out.stdout, re.M).group(1).split()
+    cfg = load_config("configs/tiny_cpu.toml", [s for s in sets if s != "--set"])  # the config tree takes them
+    assert cfg.plan.cpu.matmul_tflops == pytest.approx(float(values["matmul_tflops"]), rel=1e-3)
+
+
+def test_balance_searches_whole_node_splits_of_a_multi_node_config() -> None:
+    out = molt("plan", "configs/70b_dense.toml", "--balance", timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = re.findall(r"trainer (\d+) GPU\(s\), engines (\d+) × (\d+) GPU\(s\).*?([\d,]+) trained tokens/s", out.stdout)
+    assert len(rows) >= 3
+    rates = [float(r[3].replace(",", "")) for r in rows[:3]]
+    assert rates == sorted(rates, reverse=True)
+    cfg = load_config("configs/70b_dense.toml")
+    total = 8 * (cfg.slurm.actor.nodes + cfg.slurm.engines.nodes)
+    assert all(int(t) + int(e) * int(g) == total for t, e, g, _ in rows)  # every split keeps the job's GPUs
+    best = re.search(r"^  1\. (.*)$", out.stdout, re.M).group(1)
+    dry = molt("submit", "configs/70b_dense.toml", "--balance", "--dry-run", timeout=300)
+    assert dry.stdout.startswith("#!") and f"balance: {best}" in dry.stderr
+    if "slurm.actor.nodes=" in best:  # the applied split is the rendered job's
+        nodes = re.search(r"slurm\.actor\.nodes=(\d+)", best).group(1)
+        assert f"#SBATCH --nodes={nodes}" in dry.stdout
+
+
+def test_status_sets_the_prediction_beside_the_measured_split(tmp_path: Path) -> None:
+    cfg = load_config(None, ["run.steps=6"])
+    run = create_run_dir(tmp_path, "r", to_toml(cfg))
+    actor, rollout = MetricsWriter(run.metrics, source="actor"), MetricsWriter(run.metrics, source="rollout")
+    for step in range(1, 7):  # the first two (start-up) are left out of the means
+        slow = 10.0 if step <= 2 else 1.0
+        actor.write({"step": step, "wait_s": 0.1 * step * slow, "step_s": 0.4 * slow, "refit_s": 0.05, "tokens": 2400})
+        rollout.write({"tokens_per_s": 300.0, "window_s": 1.0, "response_len_mean": 6.0, "groups_accepted": 8})
+    out = molt("status", str(run.path))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    i = lines.index("speed (predicted vs measured, per step):")
+    wait = (0.3 + 0.4 + 0.5 + 0.6) / 4
+    step_ms = round(1000 * (wait + 0.4 + 0.05))
+    assert re.match(rf"  step +[\d.,]+ m?s vs +{step_ms} ms +\([\d.]+x\)", lines[i + 1]), lines[i + 1]
+    assert re.match(r"  train +[\d.,]+ m?s vs +400 ms", lines[i + 2])
+    assert re.match(rf"  rollout wait +-?[\d.,]+ m?s vs +{round(1000 * wait)} ms", lines[i + 3])
+    assert re.match(r"  refit +[\d.,]+ m?s vs +50 ms", lines[i + 4])
+    assert re.match(r"  rollout +[\d,]+ vs 300 tokens/s", lines[i + 5])
