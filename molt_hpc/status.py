@@ -51,7 +51,7 @@ def status_lines(run_dir: str | Path) -> list[str]:
     if cfg.run.stage == "rl" and actor:  # the plan's speed prediction beside what the run measured
         from molt_hpc.plan.speed_text import run_speed_lines
 
-        lines.extend(run_speed_lines(cfg, actor, rollout))
+        lines.extend(run_speed_lines(cfg, actor, rollout, Path(run_dir)))
     if cfg.run.stage == "rl":
         lines.append(_buffer_line(run_dir))
     lines.append(_checkpoint_line(run_dir))

@@ -14,7 +14,9 @@ Where the config comes from:
   live on a cluster).
 """
 
+import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -174,6 +176,21 @@ def arch_of(model: ModelConfig) -> Arch:
     """The `Arch` of the configured policy: shapes from its config, counts from a meta-device build."""
     config, source = load_hf_config(model)
     return arch_from_config(config, source)
+
+
+def arch_cached(model: ModelConfig, path: Path) -> Arch:
+    """`arch_of(model)`, kept in `path` (JSON) once computed: a run's model does not change, and building
+    it on the meta device costs seconds of imports that `molt-hpc status` should not pay each time. The
+    file is written when the directory is writable (a run of one's own) and read whoever wrote it."""
+    if path.is_file():
+        data = json.loads(path.read_text())
+        return Arch(**{**data, "blocks": tuple(Block(**b) for b in data["blocks"])})
+    arch = arch_of(model)
+    if os.access(path.parent, os.W_OK):
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(dataclasses.asdict(arch)))
+        tmp.replace(path)  # atomic: a reader sees the whole file or none
+    return arch
 
 
 def arch_from_config(config, source: str = "") -> Arch:

@@ -8,6 +8,7 @@ speed model's, not a guess of lengths.
 """
 
 import statistics
+from pathlib import Path
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.plan.speed import Speed
@@ -78,9 +79,10 @@ def compare_lines(s: Speed, m: dict[str, float]) -> list[str]:
     return out
 
 
-def run_speed_lines(cfg: MoltConfig, actor: list[dict], rollout: list[dict]) -> list[str]:
-    """`molt-hpc status`'s block: the plan's prediction at the run's measured lengths beside the run."""
-    from molt_hpc.plan.arch import arch_of
+def run_speed_lines(cfg: MoltConfig, actor: list[dict], rollout: list[dict], run_dir: Path) -> list[str]:
+    """`molt-hpc status`'s block: the plan's prediction at the run's measured lengths beside the run (the
+    model's shape cached in the run directory's `plan_arch.json`)."""
+    from molt_hpc.plan.arch import arch_cached
     from molt_hpc.plan.speed import predict
     from molt_hpc.plan.verdict import make_plan
 
@@ -92,7 +94,7 @@ def run_speed_lines(cfg: MoltConfig, actor: list[dict], rollout: list[dict]) -> 
     prompt = max(0.0, m["tokens"] / samples - response) if response is not None and m["tokens"] else None
     try:
         local = not (cfg.slurm.actor.gpus_per_node or cfg.slurm.engines.gpus_per_node)
-        plan = make_plan(cfg, arch_of(cfg.model), local=local)
+        plan = make_plan(cfg, arch_cached(cfg.model, run_dir / "plan_arch.json"), local=local)
     except ValueError as err:  # the model's shape is not readable here: the measured side alone
         return [f"speed: no prediction ({err})"]
     return compare_lines(predict(plan, prompt, response, m.get("accepted", 1.0)), m)
