@@ -90,3 +90,17 @@ def test_an_unknown_task_fails_preflight_with_one_line(tmp_path: Path) -> None:
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert "data.generator: unknown reasoning-gym task 'basic_arithmetc'" in lines[0]
+
+
+def test_the_format_env_adds_its_bonus_to_reward_not_to_score() -> None:
+    env_cls = load_agent(str(ROOT / "envs" / "reasoning_gym_format.py"))
+    row = next(generate(GeneratorConfig(tasks=[{"name": "basic_arithmetic", "size": 1, "seed": 3}])))
+    extra = {"task": row["task"], "entry": row["entry"]}
+
+    def result(reply: str):
+        return env_cls().step(State(prompt=row["prompt"], label=row["label"], row=extra, action_text=reply))
+
+    right, wrong, missing = result(f"<answer>{row['label']}</answer>"), result("<answer>x</answer>"), result("x")
+    assert (right.reward, right.score) == (1.0, 1.0)
+    assert (wrong.reward, wrong.score) == (0.2, 0.0)  # well formed: the bonus, never a pass
+    assert (missing.reward, missing.score) == (0.0, 0.0)

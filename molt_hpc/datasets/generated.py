@@ -8,6 +8,7 @@ rather than regenerated into different rows under the same run. A row is `{"id",
 reads (`envs/reasoning_gym.py`).
 """
 
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,3 +83,22 @@ def prompt_files(cfg: MoltConfig, run_dir: Path) -> tuple[str, str | None]:
     if ev is None:
         return train, None
     return train, str(materialize(ev.generator, data / "eval.jsonl")) if ev.generator else ev.path
+
+
+@functools.cache
+def _scorer(task: str):
+    """The task's scoring function (a reasoning-gym dataset of its default config, built once per process)."""
+    from reasoning_gym import get_score_answer_fn
+
+    return get_score_answer_fn(task)
+
+
+def score_reply(row: dict[str, Any], text: str) -> tuple[float, bool]:
+    """(the task's own score of the reply's final answer, whether it had one) for a generated row."""
+    from molt_hpc.agents.grading import extract_answers
+
+    answers = extract_answers(text)
+    final = answers[-1].strip() if answers else ""
+    if row.get("entry") is None or "task" not in row:
+        raise ValueError("reasoning-gym rows carry `task` and `entry`: generate them with [data.generator]")
+    return (float(_scorer(row["task"])(final, row["entry"])) if final else 0.0), bool(final)
