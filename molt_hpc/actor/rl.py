@@ -20,6 +20,7 @@ from molt_hpc.actor.moe_router import MoeRouting
 from molt_hpc.actor.packing import sequence_layout
 from molt_hpc.actor.step import Models, train_step
 from molt_hpc.actor.sync import EngineSync
+from molt_hpc.actor.task import Task
 from molt_hpc.actor.vision import ImageInputs
 from molt_hpc.actor.world import World
 from molt_hpc.config import MoltConfig
@@ -73,7 +74,7 @@ def build_models(cfg: MoltConfig, world: World, base: Path, ckpt: Path | None) -
     return models
 
 
-class RlTask:
+class RlTask(Task):
     """RL's models, the buffer, the engines' refits and the step's memory peaks on one rank."""
 
     def __init__(self, cfg: MoltConfig, run: RunDir, world: World):

@@ -22,6 +22,7 @@ from molt_hpc.actor import build, state
 from molt_hpc.actor.control import Control, Requests
 from molt_hpc.actor.packing import rank_micro_batches, sequence_layout
 from molt_hpc.actor.step import Meter, optimizer_step
+from molt_hpc.actor.task import Task
 from molt_hpc.actor.trainer import Trainer
 from molt_hpc.actor.world import World, run_rank
 from molt_hpc.algorithm import Experience
@@ -67,7 +68,7 @@ class Stage(Protocol):
     def evaluate(self, model: nn.Module, rows: list[Any], mbs: list, world: World) -> dict[str, float]: ...
 
 
-class StageTask:
+class StageTask(Task):
     """A supervised stage's data, model and evaluation on one rank."""
 
     def __init__(self, cfg: MoltConfig, world: World, stage: Stage):
@@ -136,9 +137,6 @@ class StageTask:
         assert self.order is not None
         return {"data_position": self.order.state(), "stage": self.cfg.run.stage}
 
-    def saved(self, run_state: dict[str, Any]) -> None:
-        pass
-
     def next_batch(self, version: int, control: Control) -> tuple[list[int] | None, Requests]:
         """The next `batch_size` row indices, taken only once a checkpoint asked for now has saved the walk."""
         assert self.order is not None
@@ -179,22 +177,10 @@ class StageTask:
             return self.evaluate(step)
         return {}
 
-    def step_end(self, wait_s: float, checkpoint_s: float | None) -> dict[str, Any]:
-        return {}
-
-    def serve(self, req: Requests, version: int) -> None:
-        pass
-
     def start(self, step: int) -> dict[str, Any] | None:
         if step == 0 and self.eval_data is not None:
             return {"step": 0, **self.evaluate(step)}
         return None
-
-    def finish(self, step: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def reshard(model: nn.Module) -> None:

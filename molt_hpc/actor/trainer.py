@@ -4,7 +4,7 @@
 resolution, the checkpoint to resume from, the seeds, the optimizer/schedule/RNG restore, signals and
 control files (`control`), `metrics.jsonl` and the step line, checkpoints (once per step boundary, every
 `checkpoint.interval` steps and at the end) and the loop itself. A `Task` adds what differs: its models,
-its batches, its update and the work around a step. RL's task (`rl.RlTask`) is fed by the replay buffer
+its batches, its update and the work around a step (`task.Task`). RL's task (`rl.RlTask`) is fed by the replay buffer
 and refits the engines; the supervised stages' (`supervised.StageTask`) walk a dataset and evaluate.
 
 Per step: wait for a batch (serving checkpoint/stop requests meanwhile), train, the task's work after a
@@ -16,7 +16,7 @@ request checkpoints and exits 0.
 import random
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,68 +24,13 @@ import torch
 from molt_hpc.actor import state
 from molt_hpc.actor.control import Control, Requests
 from molt_hpc.actor.rl import RlTask
+from molt_hpc.actor.task import Task
 from molt_hpc.actor.world import World, from_main, run_rank
 from molt_hpc.algorithm.logprob_kernels import check_kernel
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import MetricsWriter, get_logger, step_line
 from molt_hpc.models import resolve_model
 from molt_hpc.rundir import RunDir
-
-
-class Task(Protocol):
-    """What one kind of training adds to the loop. Every method but `resume_point` runs on every rank."""
-
-    def resume_point(self, run: RunDir, base: Path, required: bool) -> Path | None:
-        """The verified checkpoint to resume from, checked against this task's models (rank 0)."""
-        ...
-
-    def build(self, base: Path, ckpt: Path | None) -> list[state.Trainable]:
-        """Load the models (from `ckpt` when resuming, else `base`) and the data; the trained parts."""
-        ...
-
-    def restore(self, run_state: dict[str, Any]) -> None:
-        """Take back the task's own part of a checkpoint's run state (its data position)."""
-        ...
-
-    def run_state(self) -> dict[str, Any]:
-        """The task's own keys of the run state a checkpoint saves."""
-        ...
-
-    def saved(self, run_state: dict[str, Any]) -> None:
-        """A checkpoint with `run_state` was published (RL acks the groups it covers)."""
-        ...
-
-    def next_batch(self, version: int, control: Control) -> tuple[Any | None, Requests]:
-        """The next step's batch (None: no step now) and the requests the loop serves first."""
-        ...
-
-    def train(self, batch: Any) -> dict[str, Any]:
-        """One optimizer step on `batch`; its record fields (`tokens` among them)."""
-        ...
-
-    def after_step(self, step: int, batch: Any) -> dict[str, Any]:
-        """The work after step `step` trained `batch`, before its checkpoint; record fields it adds."""
-        ...
-
-    def step_end(self, wait_s: float, checkpoint_s: float | None) -> dict[str, Any]:
-        """Record fields of the whole iteration, read after its checkpoint."""
-        ...
-
-    def serve(self, req: Requests, version: int) -> None:
-        """Requests beyond checkpoint and stop (RL: the engines changed, refit)."""
-        ...
-
-    def start(self, step: int) -> dict[str, Any] | None:
-        """Before the first step of this process; a record to write, if any."""
-        ...
-
-    def finish(self, step: int) -> None:
-        """After the last step, before the final checkpoint."""
-        ...
-
-    def close(self) -> None:
-        """Close what the task opened."""
-        ...
 
 
 class Trainer:
