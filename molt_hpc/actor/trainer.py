@@ -3,9 +3,9 @@
 `Trainer` owns the skeleton every kind of training shares: the log-prob kernel check, the model's
 resolution, the checkpoint to resume from, the seeds, the optimizer/schedule/RNG restore, signals and
 control files (`control`), `metrics.jsonl` and the step line, checkpoints (once per step boundary, every
-`checkpoint.interval` steps and at the end) and the loop itself. A `Task` adds what differs: its models,
-its batches, its update and the work around a step (`task.Task`). RL's task (`rl.RlTask`) is fed by the replay buffer
-and refits the engines; the supervised stages' (`supervised.StageTask`) walk a dataset and evaluate.
+`checkpoint.interval` steps and at the end) and the loop itself. A `task.Task` adds what differs: its
+models, its batches, its update and the work around a step. RL's task (`rl.RlTask`) is fed by the replay
+buffer and refits the engines; the supervised stages' (`supervised.StageTask`) walk a dataset and evaluate.
 
 Per step: wait for a batch (serving checkpoint/stop requests meanwhile), train, the task's work after a
 step (RL: refit every `refit.interval` steps; stages: held-out evaluation), a checkpoint when due, one
