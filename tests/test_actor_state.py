@@ -64,6 +64,7 @@ def worker(run_dir: Path, out: Path) -> None:
 
     from molt_hpc import checkpoint as ck
     from molt_hpc.actor import state
+    from molt_hpc.actor.rl import RlTask
     from molt_hpc.actor.trainer import Trainer
     from molt_hpc.actor.world import init_world
     from molt_hpc.config import load_config
@@ -75,9 +76,10 @@ def worker(run_dir: Path, out: Path) -> None:
     world = init_world(cfg.actor)
     setup_logging(f"actor r{world.rank}")
     run = RunDir(run_dir)
-    t = Trainer(cfg, run, world, resume=False)
-    groups, _ = t.feed.fetch(cfg.actor.groups_per_step, t.version, t.control, t.sync)
-    models = {"policy": t.models.policy.model, "reference": t.models.reference, "critic": t.models.critic.model}
+    t = Trainer(cfg, run, world, RlTask(cfg, run, world), resume=False)
+    groups, _ = t.task.next_batch(t.version, t.control)
+    m = t.task.models
+    models = {"policy": m.policy.model, "reference": m.reference, "critic": m.critic.model}
     before = {k: _full(m) for k, m in models.items()}
     t.train(groups, wait_s=0.0)
     after = {k: _full(m) for k, m in models.items()}
@@ -90,7 +92,7 @@ def worker(run_dir: Path, out: Path) -> None:
     requests = _control_requests(t.control, world)
     if world.is_main:
         (out / "control.json").write_text(json.dumps(requests))
-    again = Trainer(cfg, run, world, resume=True)
+    again = Trainer(cfg, run, world, RlTask(cfg, run, world), resume=True)
     ckpt = ck.latest_checkpoint(run.checkpoints)
     extra = {k: v for k, v in ck.read_run_state(ckpt).items() if k not in RUN_STATE_OWN}
     state.save(

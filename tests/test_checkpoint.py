@@ -110,7 +110,7 @@ def test_bad_model_directories_fail_before_loading(tiny_model_dir: Path, tmp_pat
 
 
 def test_resume_rules(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from molt_hpc.actor.trainer import resume_point
+    from molt_hpc.actor.rl import resume_point
     from tests.test_actor_support import make_run
 
     cfg, run = make_run(tmp_path, "r", tiny_model_dir)

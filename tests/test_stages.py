@@ -3,7 +3,7 @@ the loss and gradient norm of one rank on padded rows (the global means), and th
 is an HF sequence-classification model whose scores and saved statistics a plain transformers load
 reproduces.
 
-Real parts: the tiny model built offline, the shipped reversal data, `StageTrainer` with FSDP2 and
+Real parts: the tiny model built offline, the shipped reversal data, the `Trainer` with FSDP2 and
 its micro-batching, torch.distributed gloo groups of 1 and 2 processes (`tests.ranks.spawn_ranks`).
 """
 
@@ -40,7 +40,8 @@ def _worker(rank: int, size: int, port: int, tmp: str, model_dir: str, layout: t
                       MASTER_PORT=str(port))  # fmt: skip
     import torch.distributed as dist
 
-    from molt_hpc.actor.supervised import StageTrainer, make_stage
+    from molt_hpc.actor.supervised import StageTask, make_stage
+    from molt_hpc.actor.trainer import Trainer
     from molt_hpc.actor.world import close_world, init_world
     from molt_hpc.config import to_toml
     from molt_hpc.rundir import create_run_dir
@@ -53,9 +54,10 @@ def _worker(rank: int, size: int, port: int, tmp: str, model_dir: str, layout: t
         dist.barrier()
         from molt_hpc.rundir import RunDir
 
-        trainer = StageTrainer(cfg, run or RunDir(Path(cfg.run.root) / cfg.run.name), world, make_stage(cfg), False)
-        step = trainer.train(trainer.order.take(cfg.sft.batch_size if stage == "sft" else cfg.rm.batch_size))
-        step.update(trainer.evaluate())
+        task = StageTask(cfg, world, make_stage(cfg))
+        trainer = Trainer(cfg, run or RunDir(Path(cfg.run.root) / cfg.run.name), world, task, False)
+        step = trainer.train(task.order.take(cfg.sft.batch_size if stage == "sft" else cfg.rm.batch_size), 0.0)
+        step.update(task.evaluate(trainer.step))
         trainer.checkpoint()
         results[stage] = step
         trainer.close()

@@ -24,6 +24,7 @@ from molt_hpc.actor.attention import DocumentAttention
 from molt_hpc.actor.moe_router import prepare_routers
 from molt_hpc.actor.offload import OptimizerOffload
 from molt_hpc.actor.parallelize import parallelize
+from molt_hpc.actor.state import Trainable
 from molt_hpc.actor.world import World
 from molt_hpc.checkpoint import check_shapes, model_shapes
 from molt_hpc.config import MoltConfig
@@ -152,3 +153,9 @@ def build_optimizer(model: nn.Module, cfg: ActorConfig, lr: float) -> torch.opti
 
 def build_scheduler(opt: torch.optim.Optimizer, cfg: ActorConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg, total_steps))
+
+
+def trainable(name: str, model: nn.Module, cfg: MoltConfig, lr: float) -> Trainable:
+    """`model` with its AdamW (at `lr`) and its schedule over `run.steps`, saved under `name`."""
+    opt = build_optimizer(model, cfg.actor, lr)
+    return Trainable(name, model, opt, build_scheduler(opt, cfg.actor, cfg.run.steps))

@@ -11,19 +11,17 @@ held-out scores into the model's config, so RL can normalise them (`reward_model
 """
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from molt_hpc.actor.attention import attention_setup
-from molt_hpc.actor.packing import rank_micro_batches
 from molt_hpc.actor.step import Meter
 from molt_hpc.actor.world import World, gather_all
 from molt_hpc.algorithm import Experience
 from molt_hpc.algorithm.supervised import bradley_terry, pair_accuracy
 from molt_hpc.config import MoltConfig
-from molt_hpc.datasets import Pair, PreferenceDataset, ReplyMarkers
+from molt_hpc.datasets import Pair, PreferenceDataset
 from molt_hpc.models.reward import MEAN_KEY, STD_KEY, token_scores
 
 
@@ -71,17 +69,16 @@ def side_scores(model: nn.Module, mb: Experience) -> tuple[Tensor, Tensor, Tenso
 
 
 class RewardStage:
+    """What reward-model training adds to the supervised task: pairs as rows, Bradley-Terry, pair metrics."""
+
     part = "reward"
     loss_key = "rm_loss"
+    dataset = PreferenceDataset
 
     def __init__(self, cfg: MoltConfig):
         assert cfg.rm is not None
         self.cfg, self.section = cfg, cfg.rm
         self.row_tokens = 2 * cfg.rm.max_tokens
-        self.pack_tokens: int | None = None
-        self.train_data: PreferenceDataset | None = None
-        self.eval_data: PreferenceDataset | None = None
-        self.pad_id = 0
         self.moe = None  # a reward model's MoE routers (if any) run as transformers runs them
 
     def expected_shapes(self, base: Path) -> dict[str, tuple[int, ...]]:
@@ -92,23 +89,16 @@ class RewardStage:
             model = AutoModelForSequenceClassification.from_config(config)
         return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
-    def load_data(self, tokenizer: Any) -> tuple[PreferenceDataset, PreferenceDataset | None]:
-        sec, markers = self.section, ReplyMarkers.probe(tokenizer)
-        self.train_data = PreferenceDataset.load(sec.data, sec, tokenizer, markers)
-        if sec.eval_data:
-            self.eval_data = PreferenceDataset.load(sec.eval_data, sec, tokenizer, markers, limit=sec.eval_max_rows)
-        return self.train_data, self.eval_data
+    def rows(self, data: PreferenceDataset) -> list[Pair]:
+        return data.pairs
 
-    def _micro_batches(self, pairs: list[Pair], world: World):
-        exp = pair_experience(pairs, self.pad_id)
-        rows = torch.arange(exp.sequences.shape[0])
-        return exp, rank_micro_batches(exp, rows, self.cfg.actor.micro_batch_size, self.pack_tokens, world)
+    def experience(self, rows: list[Pair], pad_id: int) -> Experience:
+        return pair_experience(rows, pad_id)
 
-    def train(self, model: nn.Module, rows: list[int], world: World, meter: Meter) -> dict[str, float]:
-        assert self.train_data is not None
-        pairs = [self.train_data.pairs[i] for i in rows]
+    def train(
+        self, model: nn.Module, pairs: list[Pair], exp: Experience, mbs: list, world: World, meter: Meter
+    ) -> dict[str, float]:
         margins = torch.tensor([p.margin for p in pairs])
-        exp, mbs = self._micro_batches(pairs, world)
         for mb in mbs:
             b = mb.batch.to(world.device)
             index, chosen, rejected, pooled = side_scores(model, b)
@@ -123,10 +113,7 @@ class RewardStage:
         return {"tokens": int(exp.attention_mask.sum()), "pairs": len(pairs)}
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, world: World) -> dict[str, float]:
-        assert self.eval_data is not None
-        pairs = self.eval_data.pairs
-        _, mbs = self._micro_batches(pairs, world)
+    def evaluate(self, model: nn.Module, pairs: list[Pair], mbs: list, world: World) -> dict[str, float]:
         mine: dict[int, tuple[float, float]] = {}
         for mb in mbs:
             index, chosen, rejected, _ = side_scores(model, mb.batch.to(world.device))

@@ -10,20 +10,18 @@ The checkpoint's `policy` directory is an HF causal LM, a `model.path` for RL as
 
 import contextlib
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from molt_hpc.actor import build
 from molt_hpc.actor.batch import policy_logprobs
-from molt_hpc.actor.packing import rank_micro_batches
 from molt_hpc.actor.step import Meter
 from molt_hpc.actor.world import World, sum_ranks
 from molt_hpc.algorithm import Experience, global_token_count, make_experience
 from molt_hpc.algorithm.supervised import sft_loss
 from molt_hpc.config import MoltConfig
-from molt_hpc.datasets import ReplyMarkers, SftDataset, SftSample
+from molt_hpc.datasets import SftDataset, SftSample
 from molt_hpc.trajectory import Trajectory
 
 
@@ -39,38 +37,31 @@ def sft_experience(samples: list[SftSample], pad_id: int) -> Experience:
 
 
 class SftStage:
+    """What SFT adds to the supervised task: demonstrations as experience, the NLL of their replies."""
+
     part = "policy"
     loss_key = "sft_loss"
+    dataset = SftDataset
 
     def __init__(self, cfg: MoltConfig):
         assert cfg.sft is not None
         self.cfg, self.section = cfg, cfg.sft
         self.row_tokens = cfg.sft.max_tokens
-        self.pack_tokens: int | None = None
-        self.train_data: SftDataset | None = None
-        self.eval_data: SftDataset | None = None
-        self.pad_id = 0
         self.moe = None
 
     def expected_shapes(self, base: Path) -> dict[str, tuple[int, ...]]:
         return build.expected_shapes(base)
 
-    def load_data(self, tokenizer: Any) -> tuple[SftDataset, SftDataset | None]:
-        sec, markers = self.section, ReplyMarkers.probe(tokenizer)
-        self.train_data = SftDataset.load(sec.data, sec, tokenizer, markers)
-        if sec.eval_data:
-            self.eval_data = SftDataset.load(sec.eval_data, sec, tokenizer, markers, limit=sec.eval_max_rows)
-        return self.train_data, self.eval_data
+    def rows(self, data: SftDataset) -> list[SftSample]:
+        return data.samples
 
-    def _micro_batches(self, samples: list[SftSample], world: World):
-        exp = sft_experience(samples, self.pad_id)
-        rows = torch.arange(exp.sequences.shape[0])
-        return exp, rank_micro_batches(exp, rows, self.cfg.actor.micro_batch_size, self.pack_tokens, world)
+    def experience(self, rows: list[SftSample], pad_id: int) -> Experience:
+        return sft_experience(rows, pad_id)
 
-    def train(self, model: nn.Module, rows: list[int], world: World, meter: Meter) -> dict[str, float]:
-        assert self.train_data is not None
+    def train(
+        self, model: nn.Module, rows: list[SftSample], exp: Experience, mbs: list, world: World, meter: Meter
+    ) -> dict[str, float]:
         act = self.cfg.actor
-        exp, mbs = self._micro_batches([self.train_data.samples[i] for i in rows], world)
         count = global_token_count([mb.batch.action_mask for mb in mbs], group=world.dp_group)
         for mb in mbs:
             b = mb.batch.to(world.device)
@@ -87,9 +78,7 @@ class SftStage:
         return {**out, **(self.moe.step_metrics(exp) if self.moe else {})}
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, world: World) -> dict[str, float]:
-        assert self.eval_data is not None
-        _, mbs = self._micro_batches(self.eval_data.samples, world)
+    def evaluate(self, model: nn.Module, rows: list[SftSample], mbs: list, world: World) -> dict[str, float]:
         total, count = 0.0, 0.0
         for mb in mbs:
             b = mb.batch.to(world.device)

@@ -4,7 +4,7 @@ Weights go out as HF-layout safetensors shards gathered bucket by bucket (rank 0
 optimizer state goes through torch DCP (every rank writes its shard; a load reshards onto any world
 size); the run state (step, version, schedulers, every rank's RNG, buffer and data positions) is one
 JSON. Rank 0 verifies and publishes; the other ranks wait at a barrier, so a save returns on every
-rank only when the checkpoint is whole.
+rank only when the checkpoint is whole. `latest_to_resume` is the rule of which checkpoint a run resumes from.
 """
 
 import base64
@@ -24,7 +24,9 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from molt_hpc import checkpoint as ck
 from molt_hpc.actor.weights import bucket_count_bytes, full_buckets, plan_buckets
 from molt_hpc.actor.world import World, gather_all, share
+from molt_hpc.config import MoltConfig
 from molt_hpc.log import get_logger
+from molt_hpc.rundir import RunDir
 
 
 @dataclass
@@ -117,6 +119,23 @@ def restore(world: World, ckpt: Path, parts: list[Trainable], seed: int) -> dict
         )  # fmt: skip
         reseed(seed, state["step"], world.rank)
     return state
+
+
+def latest_to_resume(cfg: MoltConfig, run: RunDir, required: bool) -> Path | None:
+    """The run's latest checkpoint, verified, when `checkpoint.resume` allows resuming from it (rank 0)."""
+    latest = ck.latest_checkpoint(run.checkpoints)
+    mode = "required" if required else cfg.checkpoint.resume
+    if latest is None:
+        if mode == "required":
+            raise ValueError(f"nothing to resume: {run.checkpoints} has no checkpoint (no `latest`)")
+        return None
+    if mode == "never":
+        raise ValueError(
+            f"{run.path} already has checkpoint {latest.name} and checkpoint.resume = 'never': "
+            "use a new run.name, or set checkpoint.resume = 'auto' to continue it"
+        )
+    ck.verify(latest)
+    return latest
 
 
 def reseed(seed: int, step: int, rank: int) -> None:

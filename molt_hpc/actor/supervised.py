@@ -1,41 +1,37 @@
-"""The trainer's loop for the supervised stages (`molt-hpc sft`, `molt-hpc rm train`): `main(cfg, run_dir)`.
+"""The supervised stages' task in the trainer's loop (`molt-hpc sft`, `molt-hpc rm train`): `main(cfg, run_dir)`.
 
-The same trainer as RL, fed differently: the world and meshes (`world`), FSDP2 over a plain
-transformers model (`parallelize`), AdamW and its schedule (`build`), packed or padded micro-batches
-(`packing`), the optimizer step (`step.optimizer_step`) and its metrics (`step.Meter`), checkpoints
-and resume (`state`), signals and control files (`control`), `metrics.jsonl` and the step line. A
-stage (`sft.SftStage`, `rm.RewardStage`) adds what differs: the model it trains, its batches (a
-length-balanced walk over a dataset instead of groups from the replay buffer) and its loss. There
-are no engines, no refit and no buffer.
-
-Per step: the next `batch_size` rows → this rank's micro-batches → forward, loss, backward → one
-optimizer step. Held-out evaluation at step 0, every `eval_every` steps and at the end; a
-checkpoint every `checkpoint.interval` steps and at the end. SIGTERM or `control/stop` checkpoints
-and exits 0; SIGUSR1 or `control/checkpoint` checkpoints and goes on.
+The same trainer as RL (`trainer.Trainer`: resume, seeds, restore, signals and control files,
+checkpoints, `metrics.jsonl` and the step line), fed differently. `StageTask` owns what the stages
+share: the datasets and their length-balanced walk (`datasets.StepOrder`, its position saved as the
+run state's `data_position`), the trained model with FSDP2 and its AdamW (`build`), packed or padded
+micro-batches (`packing`), the optimizer step (`step.optimizer_step`) and its metrics (`step.Meter`),
+and the held-out evaluation at step 0, every `eval_every` steps and at the end. A `Stage`
+(`sft.SftStage`, `rm.RewardStage`) adds what differs: its model part and expected shapes, how rows
+become an `Experience`, its per-micro-batch loss and its evaluation metrics. There are no engines,
+no refit and no buffer.
 """
 
-import random
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 from torch import nn
 
 from molt_hpc.actor import build, state
 from molt_hpc.actor.control import Control, Requests
-from molt_hpc.actor.packing import sequence_layout
+from molt_hpc.actor.packing import rank_micro_batches, sequence_layout
 from molt_hpc.actor.step import Meter, optimizer_step
-from molt_hpc.actor.trainer import _shared, latest_to_resume
+from molt_hpc.actor.task import Task
+from molt_hpc.actor.trainer import Trainer
 from molt_hpc.actor.world import World, run_rank
-from molt_hpc.algorithm.logprob_kernels import check_kernel
+from molt_hpc.algorithm import Experience
 from molt_hpc.checkpoint import check_shapes
 from molt_hpc.config import MoltConfig
 from molt_hpc.config.stages import SupervisedData
-from molt_hpc.datasets import StepOrder
-from molt_hpc.log import MetricsWriter, get_logger, step_line
-from molt_hpc.models import load_tokenizer, pad_token_id, resolve_model
+from molt_hpc.datasets import ReplyMarkers, StepOrder
+from molt_hpc.log import get_logger
+from molt_hpc.models import load_tokenizer, pad_token_id
 from molt_hpc.models.sharded import meta_model
 from molt_hpc.rundir import RunDir
 
@@ -46,61 +42,68 @@ class Stage(Protocol):
     part: str
     """The trained model's kind (`build.load_model`'s role) and its name in checkpoints: `policy`, `reward`."""
     section: SupervisedData
+    dataset: Any
+    """The dataset class: `load(path, section, tokenizer, markers, limit=None)`, `lengths`, `key`, `bad_rows`."""
     row_tokens: int
     """Tokens of the longest row a micro-batch may have to hold (a packed micro-batch's default budget unit)."""
     loss_key: str
     """The record's name of the training loss (`sft_loss`, `rm_loss`)."""
-    pack_tokens: int | None
-    """Tokens of one packed micro-batch, None for padded rows (set by the trainer)."""
-    pad_id: int
-    """The model's pad token id (set by the trainer)."""
     moe: Any
     """The policy's `MoeRouting` (aux losses, routing metrics) when it is an MoE model; None otherwise."""
 
     def expected_shapes(self, base: Path) -> dict[str, tuple[int, ...]]: ...
 
-    def load_data(self, tokenizer: Any) -> tuple[Any, Any | None]: ...
+    def rows(self, data: Any) -> list[Any]:
+        """The dataset's rows (samples, pairs), indexed as `StepOrder` counts them."""
+        ...
 
-    def train(self, model: nn.Module, rows: list[int], world: World, meter: Meter) -> dict[str, float]: ...
+    def experience(self, rows: list[Any], pad_id: int) -> Experience: ...
 
-    def evaluate(self, model: nn.Module, world: World) -> dict[str, float]: ...
+    def train(
+        self, model: nn.Module, rows: list[Any], exp: Experience, mbs: list, world: World, meter: Meter
+    ) -> dict[str, float]:
+        """Forward and backward of this rank's micro-batches `mbs` of the step's rows; their metrics."""
+        ...
+
+    def evaluate(self, model: nn.Module, rows: list[Any], mbs: list, world: World) -> dict[str, float]: ...
 
 
-class StageTrainer:
-    """Everything one rank holds while training a stage."""
+class StageTask(Task):
+    """A supervised stage's data, model and evaluation on one rank."""
 
-    def __init__(self, cfg: MoltConfig, run: RunDir, world: World, stage: Stage, resume: bool):
-        self.cfg, self.rundir, self.world, self.stage = cfg, run, world, stage
+    def __init__(self, cfg: MoltConfig, world: World, stage: Stage):
+        self.cfg, self.world, self.stage = cfg, world, stage
         self.log = get_logger()
-        check_kernel(cfg.actor.logprob_kernel, world.device)  # before minutes of loading
-        self.base = _shared(lambda: resolve_model(cfg.model, run.models), world)
-        ckpt = _shared(lambda: self._resume_point(resume), world)
-        random.seed(cfg.run.seed)
-        np.random.seed(cfg.run.seed)
-        torch.manual_seed(cfg.run.seed)
-        self.train_data, self.eval_data = stage.load_data(load_tokenizer(self.base))
-        sec = stage.section
-        self.order = StepOrder(self.train_data.lengths, sec.length_buckets, cfg.run.seed, self.train_data.key)
+        self.pack_tokens: int | None = None
+        self.pad_id = 0
+        self.train_data: Any = None
+        self.eval_data: Any = None
+        self.order: StepOrder | None = None
+        self.part: state.Trainable | None = None
+
+    def resume_point(self, run: RunDir, base: Path, required: bool) -> Path | None:
+        latest = state.latest_to_resume(self.cfg, run, required)
+        if latest is not None:
+            check_shapes(latest / self.stage.part, self.stage.expected_shapes(base))
+        return latest
+
+    def build(self, base: Path, ckpt: Path | None) -> list[state.Trainable]:
+        self.load_data(base)
+        self.part = self._build(ckpt / self.stage.part if ckpt else base)
+        return [self.part]
+
+    def load_data(self, base: Path) -> None:
+        """The training and held-out rows (tokenized with `base`'s tokenizer) and the walk over them."""
+        sec, stage, tokenizer = self.stage.section, self.stage, load_tokenizer(base)
+        markers = ReplyMarkers.probe(tokenizer)
+        self.train_data = stage.dataset.load(sec.data, sec, tokenizer, markers)
+        if sec.eval_data:
+            self.eval_data = stage.dataset.load(sec.eval_data, sec, tokenizer, markers, limit=sec.eval_max_rows)
+        self.order = StepOrder(self.train_data.lengths, sec.length_buckets, self.cfg.run.seed, self.train_data.key)
         self.log.info(
             "%s: %d training rows from %s (%s bad), %s eval rows", stage.part, len(self.train_data), sec.data,
             sum(self.train_data.bad_rows.values()), len(self.eval_data) if self.eval_data else "no",
         )  # fmt: skip
-        self.part = self._build(ckpt / stage.part if ckpt else self.base)
-        self.step = 0
-        self.saved_step: int | None = None
-        if ckpt is not None:
-            rs = state.restore(world, ckpt, [self.part], cfg.run.seed)
-            self.step = self.saved_step = rs["step"]
-            self.order.restore(rs["data_position"])
-            self.log.info("resumed from %s: step %d", ckpt, self.step)
-        self.control = Control(run.path, world.is_main)
-        self.metrics = MetricsWriter(run.metrics, source="actor") if world.is_main else None
-
-    def _resume_point(self, required: bool) -> Path | None:
-        latest = latest_to_resume(self.cfg, self.rundir, required)
-        if latest is not None:
-            check_shapes(latest / self.stage.part, self.stage.expected_shapes(self.base))
-        return latest
 
     def _build(self, path: Path) -> state.Trainable:
         cfg, act, world, stage = self.cfg, self.cfg.actor, self.world, self.stage
@@ -110,89 +113,74 @@ class StageTrainer:
         docs, pack = sequence_layout(cfg, world, meta)
         if pack is not None:  # the stage's rows, not the rollouts', set a packed micro-batch's default size
             pack = act.max_tokens_per_micro_batch or act.micro_batch_size * stage.row_tokens
-        stage.pack_tokens = pack
+        self.pack_tokens = pack
         self.log.info("micro-batches: %s", f"packed, {pack} tokens" if pack else f"{act.micro_batch_size} padded rows")
         model = build.load_model(path, cfg, world, stage.part, documents=docs)  # type: ignore[arg-type]
-        stage.pad_id = pad_token_id(model.config)
+        self.pad_id = pad_token_id(model.config)
         if stage.part == "policy":  # an MoE policy: its routers in fp32, its aux losses (no replay: no engines)
             from molt_hpc.actor.moe_router import MoeRouting
 
             stage.moe = MoeRouting.for_policy(model, cfg)
-        opt = build.build_optimizer(model, act, act.lr)
-        return state.Trainable(self.stage.part, model, opt, build.build_scheduler(opt, act, cfg.run.steps))
+        return build.trainable(stage.part, model, cfg, act.lr)
 
-    def checkpoint(self) -> None:
-        if self.saved_step == self.step:
-            return
-        t0 = time.perf_counter()
-        c = self.cfg.checkpoint
-        run_state = {"version": self.step, "data_position": self.order.state(), "model": str(self.base),
-                     "stage": self.cfg.run.stage}  # fmt: skip
-        path = state.save(
-            self.world, self.rundir.checkpoints, self.step, [self.part], run_state, tokenizer_src=self.base,
-            shard_bytes=c.shard_mb << 20, keep_last=c.keep_last, save_optimizer=c.save_optimizer,
-        )  # fmt: skip
-        self.saved_step = self.step
-        self.log.info("checkpoint %s (%.2fs)", path.name, time.perf_counter() - t0)
+    def micro_batches(self, rows: list[Any]) -> tuple[Experience, list]:
+        """`rows` as one batch, and this rank's micro-batches of it."""
+        exp = self.stage.experience(rows, self.pad_id)
+        index = torch.arange(exp.sequences.shape[0])
+        return exp, rank_micro_batches(exp, index, self.cfg.actor.micro_batch_size, self.pack_tokens, self.world)
 
-    def evaluate(self) -> dict[str, float]:
-        if self.eval_data is None:
-            return {}
-        t0 = time.perf_counter()
-        out = self.stage.evaluate(self.part.model, self.world)
-        reshard(self.part.model)
-        self.log.info("eval at step %d: %s (%.1fs)", self.step, _fmt(out), time.perf_counter() - t0)
-        return out
+    def restore(self, run_state: dict[str, Any]) -> None:
+        assert self.order is not None
+        self.order.restore(run_state["data_position"])
 
-    def write(self, record: dict[str, Any]) -> None:
-        if self.metrics is not None:
-            self.metrics.write(record)
-        self.log.info(step_line(record["step"], record))
+    def run_state(self) -> dict[str, Any]:
+        assert self.order is not None
+        return {"data_position": self.order.state(), "stage": self.cfg.run.stage}
 
-    def close(self) -> None:
-        if self.metrics is not None:
-            self.metrics.close()
-
-    def serve(self, req: Requests) -> None:
+    def next_batch(self, version: int, control: Control) -> tuple[list[int] | None, Requests]:
+        """The next `batch_size` row indices, taken only once a checkpoint asked for now has saved the walk."""
+        assert self.order is not None
+        req = control.poll()
         if req.checkpoint or req.stop:
-            self.checkpoint()
-            self.control.served(req)
+            return None, req
+        return self.order.take(self.stage.section.batch_size), req
 
-    def run(self) -> int:
-        sec, steps = self.stage.section, self.cfg.run.steps
-        if self.step == 0 and self.eval_data is not None:
-            self.write({"step": 0, **self.evaluate()})
-        while self.step < steps:
-            req = self.control.poll()
-            self.serve(req)
-            if req.stop:
-                self.log.info("stopped at step %d after a checkpoint", self.step)
-                return 0
-            record = self.train(self.order.take(sec.batch_size))
-            if self.step % sec.eval_every == 0 or self.step == steps:
-                record.update(self.evaluate())
-            if self.cfg.checkpoint.interval and self.step % self.cfg.checkpoint.interval == 0:
-                self.checkpoint()
-            self.write(record)
-        self.checkpoint()
-        self.control.mark_done()
-        self.log.info("training finished after %d steps", self.step)
-        return 0
-
-    def train(self, rows: list[int]) -> dict[str, Any]:
-        t0 = time.perf_counter()
+    def train(self, batch: list[int]) -> dict[str, Any]:
+        assert self.part is not None
         meter = Meter()
-        stats = self.stage.train(self.part.model, rows, self.world, meter)
+        rows = self.stage.rows(self.train_data)
+        rows = [rows[i] for i in batch]
+        exp, mbs = self.micro_batches(rows)
+        stats = self.stage.train(self.part.model, rows, exp, mbs, self.world, meter)
         meter.update("policy")
         out = meter.reduce()
         out[self.stage.loss_key] = out.pop("loss", 0.0)
         norm = optimizer_step(self.part, self.cfg.actor.grad_clip)
         out.update(lr=self.part.optimizer.param_groups[0]["lr"], grad_norm=norm)
         self.part.scheduler.step()
-        self.step += 1
-        step_s = time.perf_counter() - t0
-        return {"step": self.step, "version": self.step, **out, **stats, "step_s": step_s,
-                "tokens_per_s": stats.get("tokens", 0) / step_s}  # fmt: skip
+        return {**out, **stats}
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The held-out metrics at `step` (none without `eval_data`)."""
+        if self.eval_data is None:
+            return {}
+        assert self.part is not None
+        t0 = time.perf_counter()
+        rows = self.stage.rows(self.eval_data)
+        out = self.stage.evaluate(self.part.model, rows, self.micro_batches(rows)[1], self.world)
+        reshard(self.part.model)
+        self.log.info("eval at step %d: %s (%.1fs)", step, _fmt(out), time.perf_counter() - t0)
+        return out
+
+    def after_step(self, step: int, batch: list[int]) -> dict[str, Any]:
+        if step % self.stage.section.eval_every == 0 or step == self.cfg.run.steps:
+            return self.evaluate(step)
+        return {}
+
+    def start(self, step: int) -> dict[str, Any] | None:
+        if step == 0 and self.eval_data is not None:
+            return {"step": 0, **self.evaluate(step)}
+        return None
 
 
 def reshard(model: nn.Module) -> None:
@@ -222,7 +210,7 @@ def make_stage(cfg: MoltConfig) -> Stage:
 
 def main(cfg: MoltConfig, run_dir: str | Path, *, resume: bool = False) -> int:
     """Train the stage of the run in `run_dir` on this rank (torchrun starts one per rank); the exit code.
-    The shutdown is the RL trainer's: metrics closed, a barrier on a clean end, the groups destroyed;
-    the entry point then leaves through `end_process`."""
+    The shutdown is RL's: metrics closed, a barrier on a clean end, the groups destroyed; the entry point
+    then leaves through `end_process`."""
     run = RunDir(Path(run_dir).absolute())
-    return run_rank(cfg, lambda world: StageTrainer(cfg, run, world, make_stage(cfg), resume))
+    return run_rank(cfg, lambda world: Trainer(cfg, run, world, StageTask(cfg, world, make_stage(cfg)), resume))

@@ -7,6 +7,7 @@ so that a CP group is adjacent ranks of one node.
 """
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -168,6 +169,20 @@ def share(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def from_main(fn: Callable[[], Any], world: World) -> Any:
+    """`fn()` on rank 0, its result (or its ValueError) on every rank."""
+    result, error = None, None
+    if world.is_main:
+        try:
+            result = fn()
+        except ValueError as err:  # raised again on every rank, so all stop with the same message
+            error = str(err)
+    result, error = share((result, error))
+    if error is not None:
+        raise ValueError(error)
+    return result
 
 
 def gather_all(obj: Any) -> list[Any]:
