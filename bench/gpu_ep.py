@@ -40,7 +40,7 @@ TINY = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_d
 def build(shape: dict, layers: int, device: torch.device):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from molt_hpc.models import quiet_transformers
+    from molt_hpc.hf_logging import quiet_transformers
 
     quiet_transformers()
     config = Qwen3MoeConfig(**shape, num_hidden_layers=layers, norm_topk_prob=True, max_position_embeddings=32768,

@@ -67,7 +67,8 @@ def predict(shape: str, cfg, device: str):
     from gpu_common import qwen2_config
 
     from molt_hpc.plan.arch import arch_from_config
-    from molt_hpc.plan.trainer import shape_of, trainer_memory
+    from molt_hpc.plan.shape import shape_of
+    from molt_hpc.plan.trainer import trainer_memory
 
     arch = arch_from_config(qwen2_config(shape))
     return trainer_memory(arch, shape_of(cfg, 1, device, arch)).peak

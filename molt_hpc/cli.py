@@ -261,7 +261,7 @@ def buffer_stats_cmd(run_dir: str) -> None:
 @click.argument("run_dir")
 def buffer_clean_cmd(run_dir: str) -> None:
     """Remove a finished or stopped run's /dev/shm spool (refused while the run is live)."""
-    from molt_hpc.buffer.cleanup import clean
+    from molt_hpc.launch.clean import clean
 
     click.echo(clean(run_dir))
 
@@ -295,7 +295,7 @@ def submit_cmd(
     cfg = resume_config(resume_dir, overrides) if resume_dir else _load(config, overrides)
     _rl_only(cfg)
     if dry_run:  # the script, and the pre-flight's verdict: a job that submit would refuse exits 2 here too
-        from molt_hpc.launch.preflight import PreflightError
+        from molt_hpc.launch.preflight_files import PreflightError
 
         try:
             cfg, refused = _preflight(cfg), None

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from molt_hpc.actor.context_parallel import ContextParallel, head_to_seq, kv_repeats, seq_to_head
 from molt_hpc.algorithm import Experience
+from molt_hpc.models.blocks import language_blocks
 
 ATTENTION = "molt_document_attention"
 KERNELS = ("sdpa", "flash_attention_2")
@@ -217,8 +218,6 @@ def check_model(model: nn.Module, attn: str, cp: int) -> None:
         )
     config = model.config.get_text_config()
     other = sorted(set(getattr(config, "layer_types", None) or []) - {"full_attention"})
-    from molt_hpc.actor.parallelize import language_blocks
-
     if other or any(not hasattr(b, "self_attn") for b in language_blocks(model)):
         raise ValueError(
             f"{what}: {type(model).__name__} has layers other than full softmax attention "

@@ -28,8 +28,9 @@ from molt_hpc.actor.world import World
 from molt_hpc.checkpoint import check_shapes, model_shapes
 from molt_hpc.config import MoltConfig
 from molt_hpc.config.train import ActorConfig
+from molt_hpc.hf_logging import quiet_transformers
 from molt_hpc.log import get_logger
-from molt_hpc.models import check_model_dir, quiet_transformers
+from molt_hpc.models import check_model_dir
 from molt_hpc.models.moe import find_routers
 from molt_hpc.models.sharded import load_sharded
 

@@ -27,7 +27,7 @@ from molt_hpc.actor import build, state
 from molt_hpc.actor.control import Control, Requests
 from molt_hpc.actor.packing import sequence_layout
 from molt_hpc.actor.step import Meter, optimizer_step
-from molt_hpc.actor.trainer import _shared, latest_to_resume
+from molt_hpc.actor.trainer import latest_to_resume, on_main_rank
 from molt_hpc.actor.world import World, run_rank
 from molt_hpc.algorithm.logprob_kernels import check_kernel
 from molt_hpc.checkpoint import check_shapes
@@ -73,8 +73,8 @@ class StageTrainer:
         self.cfg, self.rundir, self.world, self.stage = cfg, run, world, stage
         self.log = get_logger()
         check_kernel(cfg.actor.logprob_kernel, world.device)  # before minutes of loading
-        self.base = _shared(lambda: resolve_model(cfg.model, run.models), world)
-        ckpt = _shared(lambda: self._resume_point(resume), world)
+        self.base = on_main_rank(lambda: resolve_model(cfg.model, run.models), world)
+        ckpt = on_main_rank(lambda: self._resume_point(resume), world)
         random.seed(cfg.run.seed)
         np.random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)

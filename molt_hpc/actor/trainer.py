@@ -66,7 +66,7 @@ def latest_to_resume(cfg: MoltConfig, run: RunDir, required: bool) -> Path | Non
     return latest
 
 
-def _shared(fn, world: World):
+def on_main_rank(fn, world: World):
     """`fn()` on rank 0, its result (or its ValueError) on every rank."""
     result, error = None, None
     if world.is_main:
@@ -87,8 +87,8 @@ class Trainer:
         self.cfg, self.rundir, self.world = cfg, run, world
         self.log = get_logger()
         check_kernel(cfg.actor.logprob_kernel, world.device)  # before minutes of loading
-        self.base = _shared(lambda: resolve_model(cfg.model, run.models), world)
-        ckpt = _shared(lambda: resume_point(cfg, run, self.base, resume), world)
+        self.base = on_main_rank(lambda: resolve_model(cfg.model, run.models), world)
+        ckpt = on_main_rank(lambda: resume_point(cfg, run, self.base, resume), world)
         random.seed(cfg.run.seed)
         np.random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)

@@ -171,7 +171,7 @@ def _truncate(traj: Trajectory, max_len: int, vision: VisionSpec | None = None, 
     )
 
 
-def _pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     """First-fit decreasing: sample indices per row, each row holding at most `capacity` tokens."""
     rows: list[list[int]] = []
     free: list[int] = []
@@ -234,7 +234,7 @@ def make_experience(
         raise ValueError("trajectories carry images: make_experience needs the model's VisionSpec (vision=...)")
     kept = [_truncate(t, max_len, vision, pad_id) for t in trajectories]
     lengths = [len(k.tokens) for k in kept]
-    layout = _pack_rows(lengths, max_len) if pack else [[i] for i in range(len(kept))]
+    layout = pack_rows(lengths, max_len) if pack else [[i] for i in range(len(kept))]
     b, t = len(layout), max(sum(lengths[i] for i in row) for row in layout)
 
     buf = _Rows.empty(b, t, pad_id, _routed_shape(kept))

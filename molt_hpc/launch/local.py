@@ -74,7 +74,7 @@ def split_gpus(cfg: MoltConfig, gpus: list[str]) -> tuple[list[str], list[str]]:
     return gpus[: max(actor_n, 1)] if actor_n else [], gpus if engine_n else []
 
 
-def _gpu_env(gpus: list[str]) -> dict[str, str]:
+def gpu_env(gpus: list[str]) -> dict[str, str]:
     # An empty list hides every GPU, so a CPU-only pool never grabs one by accident.
     return {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
 
@@ -112,8 +112,8 @@ def run_local(cfg: MoltConfig) -> int:
     vllm_first = False
     if gpus:
         actor_gpus, pool_gpus = split_gpus(cfg, gpus)
-        actor.env.update(_gpu_env(actor_gpus))
-        pool.env.update(_gpu_env(pool_gpus))
+        actor.env.update(gpu_env(actor_gpus))
+        pool.env.update(gpu_env(pool_gpus))
         log.info("GPUs: actor pool %s, engine pool %s", actor_gpus or "none", pool_gpus or "none")
         vllm_first = cfg.engines.kind == "vllm" and bool(set(actor_gpus) & set(pool_gpus))
     trackers = Trackers(cfg.logging, run, cfg.run.name)
@@ -156,7 +156,7 @@ def _wait_for_engines(cfg: MoltConfig, run: RunDir, pool: Child, stopping) -> in
     while _live_registrations(run) < cfg.engines.count:
         code = pool.poll()
         if code is not None:
-            return _died(pool, code, run)
+            return child_died(pool, code, run)
         if stopping():
             return 0
         if time.monotonic() > deadline:
@@ -200,11 +200,11 @@ def _supervise(run: RunDir, actor: Child, pool: Child, progress: Progress, watch
             if code == 0 and interrupted():
                 log.info("stopped after a checkpoint%s", _resume_hint(run, "; continue with: "))
                 return 0
-            return _died(actor, code, run)
+            return child_died(actor, code, run)
         code = pool.poll()
         # The orchestrator ends on its own once training is done or a stop was asked: wait for the trainer.
         if code is not None and not (code == 0 and (stopping or done)) and watchdog.check() is None:
-            return _died(pool, code, run)
+            return child_died(pool, code, run)
         if stop_deadline is not None and time.monotonic() > stop_deadline:
             log.error("the trainer did not stop within %.0f s; stopping everything", STOP_WAIT_S)
             return 1
@@ -250,7 +250,7 @@ def _failed(run: RunDir, failure: dict, clean: bool) -> int:
     return 1
 
 
-def _died(child: Child, code: int, run: RunDir) -> int:
+def child_died(child: Child, code: int, run: RunDir) -> int:
     log = get_logger()
     user_error = user_error_line(child.log) if code == 2 else None
     if user_error is not None:  # the child refused its input: that line is the whole story

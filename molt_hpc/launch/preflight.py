@@ -8,8 +8,8 @@ files by absolute path. Then, cheapest first: the files and directories the conf
 model's image processor), the data (the first rows parse with the configured keys and render through
 the chat template, their images load and expand; prompts over `data.max_prompt_tokens`). A supervised
 stage checks its own files instead of the prompts and the agent, and a `[reward_model]` is checked
-against the policy (`preflight_stages`). Every failure is one `PreflightError` line: the key, what is
-wrong, the fix.
+against the policy (`preflight_stages`). Every failure is one `PreflightError` line (`preflight_files`):
+the key, what is wrong, the fix.
 """
 
 import contextlib
@@ -19,9 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from molt_hpc.config import ConfigError, MoltConfig
+from molt_hpc.config import MoltConfig
 from molt_hpc.config.load import validate
 from molt_hpc.launch.preflight_data import check_rows
+from molt_hpc.launch.preflight_files import PreflightError, check_file, where_read
 from molt_hpc.launch.preflight_stages import (
     absolute_stage_paths,
     check_reward_model_section,
@@ -31,10 +32,6 @@ from molt_hpc.launch.preflight_stages import (
 from molt_hpc.launch.procs import REPO
 
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
-
-
-class PreflightError(ConfigError):
-    """The run cannot start as configured; the message names the key and the fix."""
 
 
 def is_file_spec(agent: str) -> bool:
@@ -64,26 +61,12 @@ def resolve_paths(cfg: MoltConfig, cwd: Path) -> MoltConfig:
     return validate(data, "the config with absolute paths")
 
 
-def _where(original: str, cwd: Path) -> str:
-    """How a relative path was read, for a message about it."""
-    rel = not Path(original).expanduser().is_absolute()
-    return f" (relative paths are taken from the working directory, {cwd})" if rel else ""
-
-
-def check_file(key: str, original: str, resolved: str, cwd: Path, fix: str) -> None:
-    path = Path(resolved)
-    if not path.exists():
-        raise PreflightError(f"{key} = {original!r}: {path} does not exist{_where(original, cwd)}; {fix}")
-    if not path.is_file():
-        raise PreflightError(f"{key} = {original!r}: {path} is not a file; {fix}")
-
-
 def check_run_root(cfg: MoltConfig, original: str, cwd: Path) -> None:
     root = Path(cfg.run.root)
     existing = next(p for p in (root, *root.parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise PreflightError(
-            f"run.root = {original!r}: run directories cannot be made under {root}{_where(original, cwd)} "
+            f"run.root = {original!r}: run directories cannot be made under {root}{where_read(original, cwd)} "
             f"({existing} is not a writable directory); point run.root at a directory you can write"
         )
 
@@ -154,7 +137,7 @@ def check_model(cfg: MoltConfig, original: str, cwd: Path) -> tuple[Any, Any]:
     except ValueError as err:
         raise PreflightError(f"model.path = {original!r}: {err}") from None
     if not model_dir.is_dir():
-        raise PreflightError(f"model.path = {original!r}: {model_dir} does not exist{_where(original, cwd)}; {fix}")
+        raise PreflightError(f"model.path = {original!r}: {model_dir} does not exist{where_read(original, cwd)}; {fix}")
     if not (model_dir / "config.json").is_file():
         raise PreflightError(f"model.path = {original!r}: {model_dir} has no config.json; {fix}")
     if not any(next(model_dir.glob(g), None) for g in WEIGHT_GLOBS):

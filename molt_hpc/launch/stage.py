@@ -12,7 +12,7 @@ import os
 import time
 
 from molt_hpc.config import MoltConfig
-from molt_hpc.launch.local import _died, _gpu_env, actor_child, prepare_run, visible_gpus
+from molt_hpc.launch.local import actor_child, child_died, gpu_env, prepare_run, visible_gpus
 from molt_hpc.launch.procs import StopSignals
 from molt_hpc.launch.progress import Progress
 from molt_hpc.log import get_logger, read_metrics
@@ -65,7 +65,7 @@ def run_stage_local(cfg: MoltConfig) -> int:
     gpus = visible_gpus()
     if gpus:
         mine = [] if cfg.actor.device == "cpu" else gpus[: cfg.actor.ranks]
-        actor.env.update(_gpu_env(mine))
+        actor.env.update(gpu_env(mine))
         log.info("GPUs: actor pool %s", mine or "none")
     actor.start()
     atomic_write(run.path / "processes.json", json.dumps({actor.name: actor.pid}))
@@ -87,7 +87,7 @@ def run_stage_local(cfg: MoltConfig) -> int:
         if code == 0 and stops.count:
             log.info("stopped after a checkpoint; continue with: %s", resume)
             return 0
-        return _died(actor, code, run)
+        return child_died(actor, code, run)
     except KeyboardInterrupt:
         log.warning("stopped at once; resume from the last checkpoint with: %s", resume)
         return 130

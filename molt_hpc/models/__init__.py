@@ -1,7 +1,8 @@
 """Model kinds and where they come from: one home for every model molt-hpc builds, converts or loads.
 
 - `load`: any HF-layout directory (checks, local files only, quiet transformers).
-- `resolve`: `model.path` to a directory; the `builtin:` registry, each built once into the model cache.
+- `resolve`: `model.path` to a directory; the `builtin:` registry.
+- `cache`: `build_once`, each builtin model built once into the model cache and published atomically.
 - `tiny_char`: `builtin:tiny-char`, the offline character-level Qwen3 the CPU demo and tests train.
 - `tiny_vl`: `builtin:tiny-vl`, the offline tiny Qwen2-VL (tiny-char's tokenizer plus the vision tokens).
 - `tiny_moe`: `builtin:tiny-moe`, the offline tiny Qwen3-MoE over the same tokenizer (router replay, EP).
@@ -11,8 +12,10 @@
 - `reward`: reward models (a one-label sequence-classification head, its score read at the last token).
 """
 
-from molt_hpc.models.load import check_model_dir, load_causal_lm, load_tokenizer, pad_token_id, quiet_transformers
-from molt_hpc.models.resolve import BUILTINS, build_once, resolve_model
+from molt_hpc.hf_logging import quiet_transformers
+from molt_hpc.models.cache import build_once
+from molt_hpc.models.load import check_model_dir, load_causal_lm, load_tokenizer, pad_token_id
+from molt_hpc.models.resolve import BUILTINS, resolve_model
 from molt_hpc.models.tiny_char import SPECIALS, build_tiny, build_tiny_tokenizer
 from molt_hpc.models.tiny_moe import build_tiny_moe
 

@@ -84,7 +84,7 @@ def report(plan: Plan, suggestions: list[Suggestion]) -> str:
 
 
 def _tokens(plan: Plan) -> int:
-    from molt_hpc.plan.trainer import shape_of
+    from molt_hpc.plan.shape import shape_of
 
     return shape_of(plan.cfg, plan.placement.actor_ranks, plan.placement.actor_device, plan.arch).tokens
 

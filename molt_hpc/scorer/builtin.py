@@ -18,7 +18,7 @@ from molt_hpc.config import MoltConfig
 from molt_hpc.log import get_logger, setup_logging
 from molt_hpc.net import serve_until_signal
 from molt_hpc.rundir import RunDir
-from molt_hpc.scorer import register_scorer, scorer_file
+from molt_hpc.scorer.registry import register_scorer, scorer_file
 
 
 def parse_classify(body: Any, vocab_size: int, max_len: int) -> tuple[list[list[int]], bool]:

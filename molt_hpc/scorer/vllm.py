@@ -21,7 +21,7 @@ from pathlib import Path
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import get_logger, log_tail, setup_logging
 from molt_hpc.rundir import RunDir
-from molt_hpc.scorer import register_scorer, scorer_file
+from molt_hpc.scorer.registry import register_scorer, scorer_file
 
 
 def vllm_score_command(cfg: MoltConfig, model_dir: str | Path, port: int, index: int) -> list[str]:
