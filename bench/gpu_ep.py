@@ -54,10 +54,10 @@ def build(shape: dict, layers: int, device: torch.device):
 def case_time(shape, layers, world, ids, ep: int, dispatch: str, dtype) -> tuple[float, float]:
     """(median step seconds, peak GiB) of one configuration; nan on out-of-memory."""
     from molt_hpc.actor.build import build_optimizer
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.state import Trainable
     from molt_hpc.actor.step import optimizer_step
     from molt_hpc.config.train import ActorConfig
+    from molt_hpc.parallel import parallelize
 
     cfg = ActorConfig(ep=ep, ep_dispatch=dispatch, device=world.device.type, lr=1e-5)
     model = opt = None

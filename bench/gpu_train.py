@@ -213,9 +213,9 @@ def run_trainer(shape: str, world, group: Group, cfg, profile: bool, out: Path |
     """`train_step` on a model built the trainer's way (random weights instead of a checkpoint); with
     `profile`, one more step under the torch profiler, its table printed."""
     from molt_hpc.actor import build
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.state import Trainable
     from molt_hpc.actor.step import Models, train_step
+    from molt_hpc.parallel import parallelize
 
     model = build_model(shape, torch.float32, world.device, seed=0).train()
     build.disable_dropout(model)

@@ -80,9 +80,9 @@ def measure(shape: str, cfg, group, world) -> tuple[float, float]:
 
     from molt_hpc.actor import build
     from molt_hpc.actor.packing import sequence_layout
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.state import Trainable
     from molt_hpc.actor.step import Models, train_step
+    from molt_hpc.parallel import parallelize
 
     model = build_model(shape, torch.float32, world.device, seed=0).train()
     build.disable_dropout(model)

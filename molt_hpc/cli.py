@@ -295,7 +295,7 @@ def submit_cmd(
     cfg = resume_config(resume_dir, overrides) if resume_dir else _load(config, overrides)
     _rl_only(cfg)
     if dry_run:  # the script, and the pre-flight's verdict: a job that submit would refuse exits 2 here too
-        from molt_hpc.launch.preflight_files import PreflightError
+        from molt_hpc.launch.preflight.files import PreflightError
 
         try:
             cfg, refused = _preflight(cfg), None
@@ -308,7 +308,7 @@ def submit_cmd(
             raise refused
         return
     cfg = _preflight(cfg)
-    from molt_hpc.launch.slurm_checks import check_slurm_reachable
+    from molt_hpc.launch.slurm.checks import check_slurm_reachable
 
     check_slurm_reachable()  # cheap, and no plan is worth making for a job that cannot be submitted
     if not no_plan:

@@ -92,7 +92,7 @@ def _process_lines(run_dir: Path) -> list[str]:
 
 def _slurm_lines(run_dir: Path) -> list[str]:
     """The run's Slurm job (state, restarts, nodes) and its running steps; [] for a local run."""
-    from molt_hpc.launch.slurm_state import (
+    from molt_hpc.launch.slurm.state import (
         job_components,
         job_step_lines,
         queue_detail,

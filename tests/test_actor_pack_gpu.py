@@ -11,10 +11,10 @@ import copy
 import pytest
 import torch
 
-from molt_hpc.actor.attention import DocumentAttention, attention_setup, use_document_attention
 from molt_hpc.actor.batch import policy_logprobs
 from molt_hpc.actor.packing import packed
 from molt_hpc.algorithm import experience_from_groups, logprobs_from_logits
+from molt_hpc.parallel.attention import DocumentAttention, attention_setup, use_document_attention
 from tests.test_actor_cp import groups
 
 pytestmark = [

@@ -27,8 +27,8 @@ from molt_hpc.config import load_config
 from molt_hpc.data import PromptDataset
 from molt_hpc.engine.client import EngineHTTPError, generate
 from molt_hpc.engine.vision import VisionRunner, row_images
-from molt_hpc.engine.vllm_front import Front, build_front
-from molt_hpc.engine.vllm_main import vllm_command
+from molt_hpc.engine.vllm.front import Front, build_front
+from molt_hpc.engine.vllm.main import vllm_command
 from molt_hpc.models import load_causal_lm, load_tokenizer
 from molt_hpc.trajectory import TraceImage, Trajectory
 from molt_hpc.vision.images import image_bytes

@@ -75,14 +75,14 @@ def _per_sample(exp, values):
 def _worker(_rank: int, out: str) -> None:
     import copy
 
-    from molt_hpc.actor.attention import DocumentAttention
     from molt_hpc.actor.batch import policy_logprobs
     from molt_hpc.actor.head import FUSED_OK
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.weights import full_tensor
     from molt_hpc.actor.world import init_world
     from molt_hpc.algorithm import make_experience
     from molt_hpc.config.train import ActorConfig
+    from molt_hpc.parallel import parallelize
+    from molt_hpc.parallel.attention import DocumentAttention
 
     torch.set_num_threads(1)
     cfg = ActorConfig(device="cpu")

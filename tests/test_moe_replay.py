@@ -194,7 +194,7 @@ def test_replay_keeps_engine_logprobs_after_the_router_moves(top1_engine) -> Non
 
 def test_config_and_flags(tmp_path) -> None:
     from molt_hpc.config import ConfigError, load_config
-    from molt_hpc.engine.vllm_main import vllm_command
+    from molt_hpc.engine.vllm.main import vllm_command
 
     cfg = load_config(None, ["actor.router_replay=true", "engines.kind=vllm", "actor.device=cuda"])
     assert "--enable-return-routed-experts" in vllm_command(cfg, tmp_path, 8000, 0)

@@ -5,7 +5,7 @@ Every rank holds the whole step's `Experience` (rank 0 shared the groups); rows 
 rank differ and the global token mean evens it out. FSDP needs every rank to run the same number of
 forwards: a rank short of rows runs a padding micro-batch whose action mask is empty (it contributes
 exactly zero). A model on document attention (packing, context parallelism) is fed through
-`molt_hpc.actor.attention.RowSlice`: this rank's slice of the rows, outputs gathered back whole.
+`molt_hpc.parallel.attention.RowSlice`: this rank's slice of the rows, outputs gathered back whole.
 """
 
 import itertools
@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from molt_hpc.actor.attention import attention_setup
 from molt_hpc.actor.head import hidden_and_head
 from molt_hpc.actor.packing import rank_micro_batches
 from molt_hpc.actor.vision import ImageInputs
@@ -26,6 +25,7 @@ from molt_hpc.algorithm import (
     target_token_logprobs,
     token_logprobs,
 )
+from molt_hpc.parallel.attention import attention_setup
 
 
 def mini_batch_rows(exp: Experience, mini_batches: int) -> list[Tensor]:

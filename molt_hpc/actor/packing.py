@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from molt_hpc.actor.attention import DocumentAttention, check_model
 from molt_hpc.actor.world import World, max_over_ranks
 from molt_hpc.algorithm.experience import TOKEN_FIELDS, Experience, pack_rows
 from molt_hpc.config import MoltConfig
 from molt_hpc.config.train import ActorConfig
+from molt_hpc.parallel.attention import DocumentAttention, check_model
 
 FILL = {"seq_index": -1, "versions": -1, "routed_experts": -1}
 """Value of a token field where a micro-batch has no token of the step's batch (0 / False otherwise)."""

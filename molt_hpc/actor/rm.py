@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from molt_hpc.actor.attention import attention_setup
 from molt_hpc.actor.packing import rank_micro_batches
 from molt_hpc.actor.step import Meter
 from molt_hpc.actor.world import World, gather_all
@@ -25,6 +24,7 @@ from molt_hpc.algorithm.supervised import bradley_terry, pair_accuracy
 from molt_hpc.config import MoltConfig
 from molt_hpc.datasets import Pair, PreferenceDataset, ReplyMarkers
 from molt_hpc.models.reward import MEAN_KEY, STD_KEY, token_scores
+from molt_hpc.parallel.attention import attention_setup
 
 
 def pair_experience(pairs: list[Pair], pad_id: int) -> Experience:

@@ -6,7 +6,7 @@ groups (and `critic_epochs × mini_batches` of the critic). Each update's loss i
 tokens divided by the token count of that mini-batch over *all* ranks; FSDP averages gradients
 over ranks, so each rank scales its loss by the world size to turn that average into the sum.
 With context parallelism the ranks of a CP group share rows: the token count runs over data-parallel
-ranks only and the scale is the data-parallel size (`molt_hpc.actor.context_parallel`).
+ranks only and the scale is the data-parallel size (`molt_hpc.parallel.context`).
 """
 
 import contextlib
@@ -17,8 +17,6 @@ from torch import nn
 
 from molt_hpc.actor.batch import critic_values, mini_batch_rows, policy_logprobs, rows_forward
 from molt_hpc.actor.clip import clip_grad_norm
-from molt_hpc.actor.expert_parallel import clip_grad_norm as clip_grad_norm_meshes
-from molt_hpc.actor.expert_parallel import on_several_meshes
 from molt_hpc.actor.moe_router import MoeRouting
 from molt_hpc.actor.packing import rank_micro_batches
 from molt_hpc.actor.state import Trainable
@@ -34,6 +32,8 @@ from molt_hpc.algorithm import (
     value_loss,
 )
 from molt_hpc.config import MoltConfig
+from molt_hpc.parallel.expert import clip_grad_norm as clip_grad_norm_meshes
+from molt_hpc.parallel.expert import on_several_meshes
 from molt_hpc.trajectory import Group
 
 SUMMED = {"loss", "policy_loss", "value_loss"}  # already divided by the global token count

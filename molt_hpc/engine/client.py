@@ -3,7 +3,7 @@
 Every call carries the run's token. Images (vision-language models) ride in one molt-hpc field of the
 generate body, `"mm": {"images": [data URIs], "spans": [[offset, length], ...]}`: each image and the run
 of (already expanded) placeholder tokens its features fill; the builtin engine reads it as it is, the
-vLLM front turns it into vLLM's render + `features` (`molt_hpc.engine.vllm_mm`).
+vLLM front turns it into vLLM's render + `features` (`molt_hpc.engine.vllm.mm`).
 A non-2xx answer raises `EngineHTTPError` with the status and the server's message, so callers can
 retry 5xx and connection errors and fail fast on 4xx.
 """

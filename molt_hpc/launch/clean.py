@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from molt_hpc.buffer.cleanup import REMOVED_FILE, pid_alive, remove_spool, shm_spool
-from molt_hpc.launch.slurm_state import ACTIVE_STATES, job_state, read_job_id
+from molt_hpc.launch.slurm.state import ACTIVE_STATES, job_state, read_job_id
 
 
 def live_reason(run_dir: str | Path) -> str | None:

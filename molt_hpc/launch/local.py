@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 from molt_hpc import fault
-from molt_hpc.actor.ep_check import check_ep, model_experts
 from molt_hpc.buffer.cleanup import release_finished
 from molt_hpc.config import MoltConfig, to_toml
 from molt_hpc.launch.procs import REPO, Child, StopSignals, exit_report, job_command, stop_all
@@ -30,6 +29,7 @@ from molt_hpc.launch.progress import Progress
 from molt_hpc.launch.watchdog import Watchdog
 from molt_hpc.log import MetricsWriter, get_logger, log_tail
 from molt_hpc.models import resolve_model
+from molt_hpc.parallel.ep_check import check_ep, model_experts
 from molt_hpc.rundir import RunDir, atomic_write, create_run_dir
 from molt_hpc.trackers import Trackers, check_optional_packages
 

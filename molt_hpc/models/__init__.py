@@ -9,6 +9,8 @@
 - `gguf`: GGUF checkpoints from installed packages (`builtin:smollm2`), converted once to safetensors.
 - `sharded`: the trainer's loading: a model built on the meta device, sharded, each rank reading only its
   slices of the safetensors files (`slices`: names, fused MoE experts, region reads).
+- `blocks`: the repeated decoder blocks of a model (the language model's alone for a VLM).
+- `router_replay`: the fp32 replay forward a MoE router gets in the trainer (`swap_routers`).
 - `reward`: reward models (a one-label sequence-classification head, its score read at the last token).
 """
 

@@ -43,7 +43,7 @@ def build_score_front(front):
     from aiohttp import web
 
     from molt_hpc.engine.http import error, errors_middleware, read_json, token_middleware
-    from molt_hpc.engine.vllm_front import call_upstream, relay, upstream_message
+    from molt_hpc.engine.vllm.front import call_upstream, relay, upstream_message
 
     app = web.Application(middlewares=[token_middleware(front.token), errors_middleware], client_max_size=1 << 28)
 
@@ -81,8 +81,8 @@ async def serve(cfg: MoltConfig, run: RunDir, index: int) -> int:
     from aiohttp import web
 
     from molt_hpc.engine.main import public_url
-    from molt_hpc.engine.vllm_front import Front
-    from molt_hpc.engine.vllm_main import check_vllm, start_vllm, stop_vllm, vllm_env, wait_healthy
+    from molt_hpc.engine.vllm.front import Front
+    from molt_hpc.engine.vllm.main import check_vllm, start_vllm, stop_vllm, vllm_env, wait_healthy
     from molt_hpc.models.reward import resolve_reward_model
     from molt_hpc.net import free_port
 

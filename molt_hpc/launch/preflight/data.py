@@ -17,7 +17,7 @@ SAMPLE_ROWS = 256
 
 
 def _fail(message: str) -> None:
-    from molt_hpc.launch.preflight_files import PreflightError
+    from molt_hpc.launch.preflight.files import PreflightError
 
     raise PreflightError(message)
 

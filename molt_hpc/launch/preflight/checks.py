@@ -8,7 +8,7 @@ files by absolute path. Then, cheapest first: the files and directories the conf
 model's image processor), the data (the first rows parse with the configured keys and render through
 the chat template, their images load and expand; prompts over `data.max_prompt_tokens`). A supervised
 stage checks its own files instead of the prompts and the agent, and a `[reward_model]` is checked
-against the policy (`preflight_stages`). Every failure is one `PreflightError` line (`preflight_files`):
+against the policy (`stages.py`). Every failure is one `PreflightError` line (`files.py`):
 the key, what is wrong, the fix.
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.config.load import validate
-from molt_hpc.launch.preflight_data import check_rows
-from molt_hpc.launch.preflight_files import PreflightError, check_file, where_read
-from molt_hpc.launch.preflight_stages import (
+from molt_hpc.launch.preflight.data import check_rows
+from molt_hpc.launch.preflight.files import PreflightError, check_file, where_read
+from molt_hpc.launch.preflight.stages import (
     absolute_stage_paths,
     check_reward_model_section,
     check_stage_files,

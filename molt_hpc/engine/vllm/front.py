@@ -21,8 +21,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from molt_hpc.engine import vllm_mm
 from molt_hpc.engine.http import error, errors_middleware, read_json, token_middleware
+from molt_hpc.engine.vllm import mm as vllm_mm
 
 GENERATE_PATH = "/inference/v1/generate"
 RENDER_PATH = "/v1/chat/completions/render"

@@ -30,9 +30,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from molt_hpc.actor.ep_check import check_ep, num_experts
-from molt_hpc.actor.local_experts import EPGroup, local_experts_mlp
 from molt_hpc.log import get_logger
+from molt_hpc.parallel.ep_check import check_ep, num_experts
+from molt_hpc.parallel.local_experts import EPGroup, local_experts_mlp
 from molt_hpc.refit.experts import experts_modules
 
 IMPLEMENTATIONS = {"all_to_all": "molt_ep_all_to_all", "deep_ep": "molt_ep_deep_ep"}
@@ -95,7 +95,7 @@ def register(dispatch: str) -> None:
     if dispatch not in IMPLEMENTATIONS:
         raise ValueError(f"actor.ep_dispatch = {dispatch!r}: choose one of {', '.join(IMPLEMENTATIONS)}")
     if dispatch == "deep_ep":
-        from molt_hpc.actor.deepep import deep_ep_forward, require_deep_ep
+        from molt_hpc.parallel.deepep import deep_ep_forward, require_deep_ep
 
         require_deep_ep()
         ExpertsInterface.register(IMPLEMENTATIONS[dispatch], deep_ep_forward)

@@ -1,7 +1,7 @@
 """The experts this rank holds under expert parallelism, run on the rows sent to them: one grouped GEMM per
-weight, as transformers' grouped_mm path computes them. Both dispatches use it (`expert_parallel`'s
+weight, as transformers' grouped_mm path computes them. Both dispatches use it (`expert`'s
 all-to-all, `deepep`'s DeepEP kernels); the local expert weights pass through `scale_grad(1/ep)` (see
-`expert_parallel` on the gradient scale).
+`expert` on the gradient scale).
 """
 
 from dataclasses import dataclass
