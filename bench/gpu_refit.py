@@ -123,12 +123,12 @@ async def engine_answer(url: str, token: str) -> tuple[list[int], list[float], i
 
 def trainer_diff(model, url: str, token: str, device) -> tuple[float, int]:
     """Max |engine log-prob − trainer log-prob| on the engine's greedy tokens, and the engine's version."""
-    from molt_hpc.algorithm import logprobs_from_logits
+    from molt_hpc.algorithm import token_logprobs
 
     tokens, logprobs, version = asyncio.run(engine_answer(url, token))
     ids = torch.tensor([PROMPT + tokens], device=device)
     with torch.no_grad():
-        mine, _ = logprobs_from_logits(model(input_ids=ids).logits, ids)
+        mine, _ = token_logprobs(model(input_ids=ids).logits, ids)
     return float((mine[0, len(PROMPT) :].cpu() - torch.tensor(logprobs)).abs().max()), version
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from molt_hpc.actor.packing import packed, padded, rank_micro_batches
-from molt_hpc.algorithm import compute_advantages, experience_from_groups, logprobs_from_logits, policy_loss
+from molt_hpc.algorithm import compute_advantages, experience_from_groups, policy_loss, token_logprobs
 from molt_hpc.config import load_config
 from molt_hpc.parallel.attention import DocumentAttention, use_document_attention
 from molt_hpc.trajectory import Group, Trajectory
@@ -67,7 +67,7 @@ def config(*sets: str):
 
 def reference_logprobs(model, exp, temperature: float):
     logits = model(input_ids=exp.sequences, position_ids=exp.position_ids, use_cache=False).logits
-    return logprobs_from_logits(logits, exp.sequences, temperature=temperature, chunk=7, action_mask=exp.action_mask)
+    return token_logprobs(logits, exp.sequences, temperature=temperature, chunk=7, mask=exp.action_mask)
 
 
 def test_packed_logprobs_equal_padded_ones() -> None:
@@ -139,7 +139,7 @@ def test_a_leaked_attention_would_be_seen() -> None:
     mb = packed(exp, torch.arange(exp.sequences.shape[0]))
     leaky = plain(input_ids=mb.batch.sequences, position_ids=torch.arange(mb.batch.sequences.shape[1])[None],
                   use_cache=False).logits  # fmt: skip
-    lp, _ = logprobs_from_logits(leaky, mb.batch.sequences, action_mask=mb.batch.action_mask)
+    lp, _ = token_logprobs(leaky, mb.batch.sequences, mask=mb.batch.action_mask)
     got = torch.zeros_like(want)
     mb.put(got, lp)
     assert (got - want)[exp.action_mask].abs().max() > 1e-3

@@ -18,11 +18,6 @@ LONG_FUNCTIONS = {
     "molt_hpc/engine/vllm/front.py:build_front",  # being split into the front's route builders
     "molt_hpc/engine/server.py:build_app",  # to be split with the HTTP servers' validation
     "molt_hpc/router/main.py:build_app",  # to be split with the HTTP servers' validation
-    "molt_hpc/agents/step_runner.py:_play",  # to be split
-    "molt_hpc/algorithm/experience.py:make_experience",  # to be split
-    "molt_hpc/engine/main.py:build_engine",  # to be split
-    "molt_hpc/refit/sender.py:push",  # to be split
-    "molt_hpc/rollout/__init__.py:serve",  # to be split
 }
 
 

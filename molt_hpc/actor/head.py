@@ -11,7 +11,7 @@ included (one parameter under two names).
 A model qualifies when its LM head is a bias-free linear layer applied as it is (no logit soft-capping
 or scaling): checked once per model on the one position the model's own head computed (its logits vs
 the hidden state times the weight). Any other model, or one whose head is still sharded after the
-forward, returns None and runs the full-logits path (`logprobs_from_logits`).
+forward, returns None and runs the full-logits path (`token_logprobs` from logits).
 """
 
 import inspect
