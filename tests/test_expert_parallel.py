@@ -61,7 +61,7 @@ def use_fake_deep_ep(model) -> None:
     """Switch the EP experts to the DeepEP dispatch, DeepEP's buffer replaced by the gloo fake, fp32 on the wire."""
     from transformers.integrations.moe import ExpertsInterface
 
-    from molt_hpc.actor import deepep
+    from molt_hpc.parallel import deepep
     from molt_hpc.parallel.expert import IMPLEMENTATIONS
     from tests.fake_deep_ep import FakeDeepEPBuffer
 

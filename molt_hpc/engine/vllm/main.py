@@ -50,7 +50,7 @@ TESTED_VLLM = "0.26.0"
 FIX = "pip install 'molt-hpc[gpu]' (vllm==0.26.0, which pins torch 2.11), or set engines.kind = 'builtin'"
 STOP_GRACE_S = 20.0
 WORKER_EXTENSION = "molt_hpc.engine.vllm.ipc.MoltWorkerExtension"
-PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
 """Where `molt_hpc` is imported from here: vLLM's workers import the extension from there too."""
 PR_SET_PDEATHSIG = 1
 ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
