@@ -46,9 +46,9 @@ def baseline_step(model, opt, exp, cfg):
     count = LossScale(exp.num_action_tokens, samples, cfg.rollout.max_new_tokens)
     for mb in exp.split(cfg.actor.micro_batch_size):
         logits = model(input_ids=mb.sequences, position_ids=mb.position_ids).logits
-        from molt_hpc.algorithm import logprobs_from_logits
+        from molt_hpc.algorithm import token_logprobs
 
-        logp, ent = logprobs_from_logits(logits, mb.sequences, action_mask=mb.action_mask)
+        logp, ent = token_logprobs(logits, mb.sequences, mask=mb.action_mask)
         loss, _ = policy_loss(logp, mb.action_log_probs, mb.advantages, mb.action_mask, cfg.algorithm, count,
                               seq_index=mb.seq_index, n_samples=exp.num_samples, entropy=ent)  # fmt: skip
         loss.backward()

@@ -48,7 +48,7 @@ def build_model(shape: str, dtype: torch.dtype, device: str | torch.device, seed
     """A random-init Qwen2 causal LM of `shape`, created directly on `device` (dropout off, eval mode)."""
     from transformers import AutoModelForCausalLM
 
-    from molt_hpc.models import quiet_transformers
+    from molt_hpc.hf_logging import quiet_transformers
 
     quiet_transformers()
     torch.manual_seed(seed)

@@ -10,7 +10,7 @@
   (the path before sampling moved into the graph); sampling inside the graph; and fused projections
   on top: tokens/s and the decode step's time against its memory-bandwidth floor (weights + the K/V it
   reads, over the measured device-copy bandwidth);
-- the engine's log-probs against the trainer's recompute (`molt_hpc.algorithm.logprobs_from_logits`
+- the engine's log-probs against the trainer's recompute (`molt_hpc.algorithm.token_logprobs`
   over a bf16 forward of prompt + completion): max and mean absolute difference.
 
     python bench/gpu_engine.py [--out rows.jsonl] [--dry-run]
@@ -141,14 +141,14 @@ def step_floor(model, rows: int, width: int, bandwidth: float) -> float:
 
 def logprob_diff(model, prompts, outs, device, chunk: int = 16) -> tuple[float, float]:
     """Max and mean |engine log-prob − trainer recompute| over every generated token."""
-    from molt_hpc.algorithm import logprobs_from_logits
+    from molt_hpc.algorithm import token_logprobs
 
     diffs = []
     for s in range(0, len(prompts), chunk):
         seqs = [p + o.token_ids for p, o in zip(prompts[s : s + chunk], outs[s : s + chunk], strict=True)]
         ids = torch.tensor(seqs, device=device)
         with torch.no_grad():
-            logp, _ = logprobs_from_logits(model(input_ids=ids).logits, ids)
+            logp, _ = token_logprobs(model(input_ids=ids).logits, ids)
         for row, p, o in zip(logp, prompts[s : s + chunk], outs[s : s + chunk], strict=True):
             diffs.append((row[len(p) :].float().cpu() - torch.tensor(o.logprobs)).abs())
     d = torch.cat(diffs)

@@ -40,7 +40,7 @@ TINY = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_d
 def build(shape: dict, layers: int, device: torch.device):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from molt_hpc.models import quiet_transformers
+    from molt_hpc.hf_logging import quiet_transformers
 
     quiet_transformers()
     config = Qwen3MoeConfig(**shape, num_hidden_layers=layers, norm_topk_prob=True, max_position_embeddings=32768,
@@ -54,10 +54,10 @@ def build(shape: dict, layers: int, device: torch.device):
 def case_time(shape, layers, world, ids, ep: int, dispatch: str, dtype) -> tuple[float, float]:
     """(median step seconds, peak GiB) of one configuration; nan on out-of-memory."""
     from molt_hpc.actor.build import build_optimizer
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.state import Trainable
     from molt_hpc.actor.step import optimizer_step
     from molt_hpc.config.train import ActorConfig
+    from molt_hpc.parallel import parallelize
 
     cfg = ActorConfig(ep=ep, ep_dispatch=dispatch, device=world.device.type, lr=1e-5)
     model = opt = None

@@ -66,9 +66,9 @@ def trainer(plain, cfg, world):
     """`plain`'s copy set up the trainer's way: packing decision, `parallelize`, AdamW, schedule."""
     from molt_hpc.actor import build
     from molt_hpc.actor.packing import sequence_layout
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.state import Trainable
     from molt_hpc.actor.step import Models
+    from molt_hpc.parallel import parallelize
 
     model = copy.deepcopy(plain).train()
     docs, pack_tokens = sequence_layout(cfg, world, model)

@@ -123,12 +123,12 @@ async def engine_answer(url: str, token: str) -> tuple[list[int], list[float], i
 
 def trainer_diff(model, url: str, token: str, device) -> tuple[float, int]:
     """Max |engine log-prob − trainer log-prob| on the engine's greedy tokens, and the engine's version."""
-    from molt_hpc.algorithm import logprobs_from_logits
+    from molt_hpc.algorithm import token_logprobs
 
     tokens, logprobs, version = asyncio.run(engine_answer(url, token))
     ids = torch.tensor([PROMPT + tokens], device=device)
     with torch.no_grad():
-        mine, _ = logprobs_from_logits(model(input_ids=ids).logits, ids)
+        mine, _ = token_logprobs(model(input_ids=ids).logits, ids)
     return float((mine[0, len(PROMPT) :].cpu() - torch.tensor(logprobs)).abs().max()), version
 
 
@@ -146,9 +146,9 @@ def wait_url(run: RunDir, proc: subprocess.Popen, timeout: float = 600) -> str:
 
 def two_processes(out: Path | None, dry: bool, prefix: str = "") -> None:
     """The refit from this process (trainer) to an engine process, and the raw broadcasts (see the top)."""
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.sync import EngineSync
     from molt_hpc.actor.world import init_world
+    from molt_hpc.parallel import parallelize
 
     shape, dev = ("tiny", "cpu") if dry else ("7b", "cuda")
     sets = ["model.dtype='bfloat16'", "refit.host='127.0.0.1'", f"actor.device='{dev}'", f"engines.device='{dev}'",
@@ -249,8 +249,8 @@ def flat_cast_seconds(numel: int, device: torch.device) -> float:
 
 def slot_refits(model, url: str, run: RunDir, version: int, device) -> tuple[list[float], int]:
     """`RefitSender`'s slot path (256 MiB buckets) to the same engine, the first round a warm-up."""
-    from molt_hpc.actor.expert_gather import refit_metas
     from molt_hpc.config.infra import RefitConfig
+    from molt_hpc.parallel.expert_gather import refit_metas
     from molt_hpc.refit import RefitSender
 
     sender = RefitSender(run.path, RefitConfig(bucket_mb=256, host="127.0.0.1", backend="ipc"), run.token(), device)
@@ -269,9 +269,9 @@ def slot_refits(model, url: str, run: RunDir, version: int, device) -> tuple[lis
 
 def ipc_refit(out: Path | None, shape: str, dry: bool) -> None:
     """The refit from this process to an engine process on the same GPU, through CUDA IPC (see the top)."""
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.sync import EngineSync
     from molt_hpc.actor.world import init_world
+    from molt_hpc.parallel import parallelize
 
     dev = "cpu" if dry else "cuda"
     sets = ["model.dtype='bfloat16'", "refit.host='127.0.0.1'", f"actor.device='{dev}'", f"engines.device='{dev}'",

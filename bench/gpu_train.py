@@ -213,9 +213,9 @@ def run_trainer(shape: str, world, group: Group, cfg, profile: bool, out: Path |
     """`train_step` on a model built the trainer's way (random weights instead of a checkpoint); with
     `profile`, one more step under the torch profiler, its table printed."""
     from molt_hpc.actor import build
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.state import Trainable
     from molt_hpc.actor.step import Models, train_step
+    from molt_hpc.parallel import parallelize
 
     model = build_model(shape, torch.float32, world.device, seed=0).train()
     build.disable_dropout(model)
@@ -297,7 +297,7 @@ def loss_kernels(seq: int, prompt: int, rows: int, device, out: Path | None, voc
     """Forward + backward of the loss alone on `rows × seq` positions: CE vs the trainer's log-probs, from
     logits (today's trainer: the model's full logits) and from hidden states with each chunk kernel; then
     the bf16 gap of each against an fp32 recompute of the same inputs."""
-    from molt_hpc.algorithm import logprobs_from_logits, token_logprobs
+    from molt_hpc.algorithm import token_logprobs
 
     torch.manual_seed(0)
     ids = torch.randint(1, vocab, (rows, seq), device=device)
@@ -312,12 +312,12 @@ def loss_kernels(seq: int, prompt: int, rows: int, device, out: Path | None, voc
         F.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1)).backward()
 
     def from_logits():
-        logp, _ = logprobs_from_logits(logits, ids, action_mask=mask)
+        logp, _ = token_logprobs(logits, ids, mask=mask)
         logp.sum().backward()
 
     def from_hidden(kernel):
         def run():
-            logp, ent = token_logprobs(hid, weight, ids, action_mask=mask, kernel=kernel)
+            logp, ent = token_logprobs(hid, ids, lm_head_weight=weight, mask=mask, kernel=kernel)
             (logp.sum() + 0.01 * ent.sum()).backward()
 
         return run
@@ -326,7 +326,7 @@ def loss_kernels(seq: int, prompt: int, rows: int, device, out: Path | None, voc
         F.cross_entropy((hid[:, :-1] @ weight.t()).float().reshape(-1, vocab), ids[:, 1:].reshape(-1)).backward()
 
     def lm_head_then_logits():  # today's trainer: the model's LM head makes [B, T, V], then the chunked loss
-        logp, _ = logprobs_from_logits(hid @ weight.t(), ids, action_mask=mask)
+        logp, _ = token_logprobs(hid @ weight.t(), ids, mask=mask)
         logp.sum().backward()
 
     cases = {
@@ -351,11 +351,11 @@ def loss_kernels(seq: int, prompt: int, rows: int, device, out: Path | None, voc
                   baseline=base, ratio=t / base, note=f"peak {peaks[name]:.1f} GiB (inputs included)")  # fmt: skip
     # bf16 gap: each kernel on the bf16 inputs against the torch kernel on their fp32 copies
     hid32, w32 = hid.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
-    want, _ = token_logprobs(hid32, w32, ids, action_mask=mask)
+    want, _ = token_logprobs(hid32, ids, lm_head_weight=w32, mask=mask)
     want.sum().backward()
     for k in kernels:
         hid.grad = weight.grad = None
-        got, _ = token_logprobs(hid, weight, ids, action_mask=mask, kernel=k)
+        got, _ = token_logprobs(hid, ids, lm_head_weight=weight, mask=mask, kernel=k)
         got.sum().backward()
         gap = float((got.detach() - want.detach())[mask].abs().max())
         grad_gap = float((weight.grad.float() - w32.grad).norm() / w32.grad.norm())

@@ -83,8 +83,8 @@ def main() -> int:
     if args.dry_run or torch.cuda.device_count() < 2 or importlib.util.find_spec("vllm") is None:
         print("gpu_vllm: needs two CUDA GPUs and vLLM (pip install 'molt-hpc[gpu]'); nothing measured")
         return 0
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.world import init_world
+    from molt_hpc.parallel import parallelize
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-gpu-vllm-"))
     model_dir = tmp / "model"

@@ -3,10 +3,10 @@
 Qwen2-0.5B shape (untied head), random bf16 weights written once; 64 prompts of 128 tokens, 256 new
 tokens each (temperature 1, `ignore_eos`), one round after a warm-up round, rows in tokens/s:
 
-- `vllm serve` started with our flags (`molt_hpc.engine.vllm_main.vllm_command`), raw HTTP to its
+- `vllm serve` started with our flags (`molt_hpc.engine.vllm.main.vllm_command`), raw HTTP to its
   `/inference/v1/generate` (aiohttp, one session, 64 concurrent): with and without log-probs, and at 256
   concurrent requests (4 x the batch: what `max_num_seqs` and chunked prefill decide);
-- the same server through our front (`vllm_front`, its own process, as `engines.kind = "vllm"` runs it):
+- the same server through our front (`engine/vllm/front.py`, its own process, as `engines.kind = "vllm"` runs it):
   the front's hop, against raw HTTP at the same concurrency (target: <= 5% slower);
 - with `--sweep`, the server again per flag set of `SWEEP` (each start costs ~1 min): max_num_seqs,
   max_num_batched_tokens, async scheduling, prefix caching;
@@ -107,7 +107,7 @@ def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 400)
 
 
 def serve(cfg, model_dir: Path, extra: list[str], tmp: Path, token: str) -> tuple[subprocess.Popen, str, Path]:
-    from molt_hpc.engine.vllm_main import vllm_command, vllm_env
+    from molt_hpc.engine.vllm.main import vllm_command, vllm_env
     from molt_hpc.net import free_port
 
     port = free_port("127.0.0.1")
@@ -123,7 +123,7 @@ def serve(cfg, model_dir: Path, extra: list[str], tmp: Path, token: str) -> tupl
 def front_main(upstream: str, port: int, token: str) -> int:
     from aiohttp import web
 
-    from molt_hpc.engine.vllm_front import Front, build_front
+    from molt_hpc.engine.vllm.front import Front, build_front
 
     web.run_app(build_front(Front(upstream, token, 0)), host="127.0.0.1", port=port, access_log=None,
                 print=None)  # fmt: skip

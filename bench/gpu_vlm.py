@@ -3,7 +3,7 @@ front, the trainer's forward on the same GPU scores vLLM's samples, and a short 
 
 - check: vLLM (`engines.kind = "vllm"`, bf16, eager, a quarter of the GPU) serves the tiny Qwen2-VL the run
   resolves; the colour task's prompts (`data/color_train.jsonl`, one image each) go through our front (render
-  → `/inference/v1/generate` with `features`, `vllm_mm.py`), 64 seeded samples of 6 tokens at temperature 1.
+  → `/inference/v1/generate` with `features`, `engine/vllm/mm.py`), 64 seeded samples of 6 tokens at temperature 1.
   This process then runs the trainer's forward (`make_experience` + `policy_logprobs`: our PIL image
   processor's pixels, our mRoPE positions, packed and padded rows) over the same traces on the same GPU, in
   bf16 and in fp32, and reports the engine-vs-trainer log-prob gap (mean |Δ| over every action token, the
@@ -61,11 +61,11 @@ async def sample(url: str, token: str, prompts) -> list:
 
 def trainer_logprobs(model_dir: Path, trajs, vision, dtype: str, device: str, pack: bool) -> torch.Tensor:
     """The trainer's log-probs of every action token of `trajs` (in order), in `dtype`."""
-    from molt_hpc.actor.attention import DocumentAttention, use_document_attention
     from molt_hpc.actor.batch import policy_logprobs
     from molt_hpc.actor.vision import ImageInputs
     from molt_hpc.algorithm import make_experience
     from molt_hpc.models import load_causal_lm
+    from molt_hpc.parallel.attention import DocumentAttention, use_document_attention
 
     model = load_causal_lm(model_dir, dtype=dtype, device=device)
     if pack:

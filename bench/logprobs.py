@@ -30,7 +30,7 @@ def naive(hidden, weight, seqs, temperature):
 
 def chunked(chunk):
     def run(hidden, weight, seqs, temperature):
-        logp, ent = token_logprobs(hidden, weight, seqs, temperature=temperature, chunk=chunk)
+        logp, ent = token_logprobs(hidden, seqs, lm_head_weight=weight, temperature=temperature, chunk=chunk)
         return logp[:, 1:], ent[:, 1:]
 
     return run

@@ -63,11 +63,11 @@ def main() -> int:
 
     from molt_hpc.actor import build, state
     from molt_hpc.actor.packing import sequence_layout
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.step import Models, train_step
     from molt_hpc.actor.world import init_world
     from molt_hpc.config import load_config
     from molt_hpc.models import build_tiny, load_causal_lm
+    from molt_hpc.parallel import parallelize
 
     h = args.hidden
     base_sets = [f"model.tiny.hidden_size={h}", f"model.tiny.num_layers={args.layers}",

@@ -67,7 +67,8 @@ def predict(shape: str, cfg, device: str):
     from gpu_common import qwen2_config
 
     from molt_hpc.plan.arch import arch_from_config
-    from molt_hpc.plan.trainer import shape_of, trainer_memory
+    from molt_hpc.plan.shape import shape_of
+    from molt_hpc.plan.trainer import trainer_memory
 
     arch = arch_from_config(qwen2_config(shape))
     return trainer_memory(arch, shape_of(cfg, 1, device, arch)).peak
@@ -79,9 +80,9 @@ def measure(shape: str, cfg, group, world) -> tuple[float, float]:
 
     from molt_hpc.actor import build
     from molt_hpc.actor.packing import sequence_layout
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.state import Trainable
     from molt_hpc.actor.step import Models, train_step
+    from molt_hpc.parallel import parallelize
 
     model = build_model(shape, torch.float32, world.device, seed=0).train()
     build.disable_dropout(model)

@@ -3,7 +3,7 @@
     python jobs/driver.py RUN_DIR [--config - | --config FILE]
 
 `--config` gives the resolved config (TOML; `-` reads stdin): the run directory is written from it
-first. `molt-hpc submit` runs the same driver through submitit (molt_hpc.launch.slurm_driver).
+first. `molt-hpc submit` runs the same driver through submitit (molt_hpc.launch.slurm.driver).
 """
 
 import argparse
@@ -30,7 +30,7 @@ def main() -> int:
         with open(args.config) as f:
             text = f.read()
 
-    from molt_hpc.launch.slurm_driver import main as drive_main
+    from molt_hpc.launch.slurm.driver import main as drive_main
 
     return drive_main(args.run_dir, text)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 def run_engine(cfg, run_dir: Path, args: argparse.Namespace) -> int:
     if cfg.engines.kind == "vllm":
-        from molt_hpc.engine.vllm_main import main
+        from molt_hpc.engine.vllm.main import main
 
         return main(cfg, run_dir, args.index, args.engine_node)
     from molt_hpc.engine.main import main

@@ -1,6 +1,6 @@
 """Entry point of the rollout orchestrator: `python jobs/rollout.py RUN_DIR`.
 
-Reads the run's resolved config (`RUN_DIR/config.toml`) and runs `molt_hpc.rollout.main`; the
+Reads the run's resolved config (`RUN_DIR/config.toml`) and runs `molt_hpc.rollout.main.main`; the
 heavy imports happen after the arguments are parsed.
 """
 
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from molt_hpc.rollout import main as rollout_main
+    from molt_hpc.rollout.main import main as rollout_main
 
     return rollout_main(cfg, args.run_dir)
 

@@ -288,7 +288,7 @@ def buffer_stats_cmd(run_dir: str) -> None:
 @click.argument("run_dir")
 def buffer_clean_cmd(run_dir: str) -> None:
     """Remove a finished or stopped run's /dev/shm spool (refused while the run is live)."""
-    from molt_hpc.buffer.cleanup import clean
+    from molt_hpc.launch.clean import clean
 
     click.echo(clean(run_dir))
 
@@ -329,7 +329,7 @@ def submit_cmd(
         click.echo(f"balance: {' '.join(changes) or 'the config is already the best split'}", err=True)
     _rl_only(cfg)
     if dry_run:  # the script, and the pre-flight's verdict: a job that submit would refuse exits 2 here too
-        from molt_hpc.launch.preflight import PreflightError
+        from molt_hpc.launch.preflight.files import PreflightError
 
         try:
             cfg, refused = _preflight(cfg), None
@@ -342,7 +342,7 @@ def submit_cmd(
             raise refused
         return
     cfg = _preflight(cfg)
-    from molt_hpc.launch.slurm_checks import check_slurm_reachable
+    from molt_hpc.launch.slurm.checks import check_slurm_reachable
 
     check_slurm_reachable()  # cheap, and no plan is worth making for a job that cannot be submitted
     if not no_plan:

@@ -58,7 +58,7 @@ NO_VISION = (
 )
 
 
-def _message_problem(msg: Any, vision: bool = False) -> str | None:
+def message_problem(msg: Any, vision: bool = False) -> str | None:
     if not isinstance(msg, dict) or msg.get("role") not in ROLES:
         return f"each chat message must be an object with a role in {ROLES}"
     content = msg.get("content")
@@ -112,7 +112,7 @@ def row_problem(row: Any, cfg: DataConfig, vision: bool = False) -> str | None:
     if not cfg.apply_chat_template:
         return "chat-message prompts need data.apply_chat_template = true"
     for msg in prompt:
-        if problem := _message_problem(msg, vision):
+        if problem := message_problem(msg, vision):
             return problem
     return None
 

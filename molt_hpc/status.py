@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+from molt_hpc import records
 from molt_hpc.buffer.cleanup import pid_alive
 from molt_hpc.log import read_metrics, training_steps
 from molt_hpc.plot import reward_summary
@@ -34,10 +35,9 @@ def status_lines(run_dir: str | Path) -> list[str]:
         if cfg.run.stage == "rl":
             lines.append(reward_summary(actor))
         else:  # SFT or a reward model: its held-out number instead of a reward
-            from molt_hpc.launch.stage import stage_summary
-            from molt_hpc.rundir import RunDir
+            from molt_hpc.records import stage_summary
 
-            lines.append(stage_summary(RunDir(run_dir), cfg.run.stage)[0])
+            lines.append(stage_summary(Path(run_dir), cfg.run.stage)[0])
         if last.get("tokens_per_s") is not None:
             lines.append(f"trainer: {last['tokens_per_s']:.0f} tokens/s")
     else:
@@ -46,7 +46,7 @@ def status_lines(run_dir: str | Path) -> list[str]:
     if rollout and rollout[-1].get("groups_per_s") is not None:
         last = rollout[-1]
         lines.append(f"rollout: {last['groups_per_s']:.2f} groups/s, {last.get('tokens_per_s', 0):.0f} tokens/s")
-    if (line := eval_summary(run_dir)) is not None:
+    if (line := records.eval_summary(run_dir)) is not None:
         lines.append(line)
     if cfg.run.stage == "rl" and actor:  # the plan's speed prediction beside what the run measured
         from molt_hpc.plan.speed_text import run_speed_lines
@@ -61,21 +61,6 @@ def status_lines(run_dir: str | Path) -> list[str]:
     if failure:
         lines.append(failure)
     return lines
-
-
-def eval_summary(run_dir: str | Path) -> str | None:
-    """The held-out evaluations (`[eval]`): the first and the last, and the checkpoint `best` names."""
-    from molt_hpc.checkpoint import read_best
-    from molt_hpc.log import eval_text
-
-    evals = read_metrics(Path(run_dir) / "metrics.jsonl", source="eval")
-    if not evals:
-        return None
-    line = f"{eval_text(evals[-1])} ({len(evals)} evaluations; first: {eval_text(evals[0])})"
-    best = read_best(Path(run_dir) / "checkpoints")
-    if best is not None:
-        line += f"; best: {best['checkpoint']} ({best['metric']} {best['value']:.3f})"
-    return line
 
 
 def _buffer_line(run_dir: Path) -> str:
@@ -113,7 +98,7 @@ def _process_lines(run_dir: Path) -> list[str]:
 
 def _slurm_lines(run_dir: Path) -> list[str]:
     """The run's Slurm job (state, restarts, nodes) and its running steps; [] for a local run."""
-    from molt_hpc.launch.slurm_state import (
+    from molt_hpc.launch.slurm.state import (
         job_components,
         job_step_lines,
         queue_detail,

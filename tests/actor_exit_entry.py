@@ -10,10 +10,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from molt_hpc.actor.parallelize import parallelize
 from molt_hpc.actor.world import any_rank, close_world, gather_all, init_world, share, sum_ranks
 from molt_hpc.config.train import ActorConfig
 from molt_hpc.log import end_process
+from molt_hpc.parallel import parallelize
 
 
 class Block(nn.Module):

@@ -71,12 +71,12 @@ def trace(spec: dict, world: int) -> dict:
     from molt_hpc.actor import build
     from molt_hpc.actor.batch import policy_logprobs
     from molt_hpc.actor.head import FUSED_OK
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.state import Trainable
     from molt_hpc.actor.step import optimizer_step
     from molt_hpc.algorithm import policy_loss
     from molt_hpc.algorithm.loss import global_loss_scale
     from molt_hpc.config import load_config
+    from molt_hpc.parallel import parallelize
 
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:

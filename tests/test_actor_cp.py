@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from molt_hpc.actor.attention import DocumentAttention, use_document_attention
 from molt_hpc.actor.packing import packed, padded, rank_micro_batches
-from molt_hpc.algorithm import compute_advantages, experience_from_groups, logprobs_from_logits, policy_loss
+from molt_hpc.algorithm import compute_advantages, experience_from_groups, policy_loss, token_logprobs
 from molt_hpc.algorithm.loss import LossScale
 from molt_hpc.config import load_config
+from molt_hpc.parallel.attention import DocumentAttention, use_document_attention
 from molt_hpc.trajectory import Group, Trajectory
 from tests.ranks import spawn_ranks
 
@@ -68,7 +68,7 @@ def config(*sets: str):
 
 def reference_logprobs(model, exp, temperature: float):
     logits = model(input_ids=exp.sequences, position_ids=exp.position_ids, use_cache=False).logits
-    return logprobs_from_logits(logits, exp.sequences, temperature=temperature, chunk=7, action_mask=exp.action_mask)
+    return token_logprobs(logits, exp.sequences, temperature=temperature, chunk=7, mask=exp.action_mask)
 
 
 def test_packed_logprobs_equal_padded_ones() -> None:
@@ -140,7 +140,7 @@ def test_a_leaked_attention_would_be_seen() -> None:
     mb = packed(exp, torch.arange(exp.sequences.shape[0]))
     leaky = plain(input_ids=mb.batch.sequences, position_ids=torch.arange(mb.batch.sequences.shape[1])[None],
                   use_cache=False).logits  # fmt: skip
-    lp, _ = logprobs_from_logits(leaky, mb.batch.sequences, action_mask=mb.batch.action_mask)
+    lp, _ = token_logprobs(leaky, mb.batch.sequences, mask=mb.batch.action_mask)
     got = torch.zeros_like(want)
     mb.put(got, lp)
     assert (got - want)[exp.action_mask].abs().max() > 1e-3
@@ -200,11 +200,11 @@ def _rank_main(rank: int, port: int, out: str) -> None:
     from molt_hpc.actor import build
     from molt_hpc.actor.batch import policy_logprobs
     from molt_hpc.actor.packing import sequence_layout
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.state import Trainable
     from molt_hpc.actor.step import Meter, Models, build_experience, update_policy
     from molt_hpc.actor.world import init_world
     from molt_hpc.config.train import ActorConfig
+    from molt_hpc.parallel import parallelize
 
     world_cp = init_world(ActorConfig(device="cpu", cp=2))  # a (dp 1, cp 2) grid
     world_dp = dataclasses.replace(world_cp, grid=None)  # the same two ranks as data-parallel ranks
@@ -284,8 +284,8 @@ def test_two_ranks_move_the_weights_as_one_plain_process(two_ranks, case) -> Non
 def test_cp_slices_any_per_token_tensor_like_the_tokens() -> None:
     """`RowSlice.local` (the hook replayed MoE routing plugs into) pads a row to a multiple of cp and
     gives each rank the same columns of every per-token tensor as of the ids."""
-    from molt_hpc.actor.attention import AttentionSetup
-    from molt_hpc.actor.context_parallel import ContextParallel
+    from molt_hpc.parallel.attention import AttentionSetup
+    from molt_hpc.parallel.context import ContextParallel
 
     exp = experience_from_groups(groups(), max_len=64, pad_id=0)
     mb = packed(exp, torch.tensor([0, 1, 2])).batch
@@ -309,7 +309,7 @@ def test_cp_slices_any_per_token_tensor_like_the_tokens() -> None:
 @pytest.mark.parametrize(("heads", "kv", "cp", "repeats"), [(4, 2, 2, 1), (4, 1, 2, 2), (8, 2, 4, 2), (6, 3, 2, 2),
                                                             (4, 4, 4, 1), (12, 3, 4, 4)])  # fmt: skip
 def test_kv_heads_are_repeated_only_as_needed(heads, kv, cp, repeats) -> None:
-    from molt_hpc.actor.context_parallel import kv_repeats
+    from molt_hpc.parallel.context import kv_repeats
 
     assert kv_repeats(heads, kv, cp) == repeats
     assert (kv * repeats) % cp == 0 and heads % (kv * repeats) == 0
@@ -318,11 +318,11 @@ def test_kv_heads_are_repeated_only_as_needed(heads, kv, cp, repeats) -> None:
 def test_what_cp_and_packing_cannot_run_is_refused_with_the_fix() -> None:
     from transformers import MambaConfig, MambaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from molt_hpc.actor.attention import check_model
-    from molt_hpc.actor.context_parallel import kv_repeats
     from molt_hpc.actor.packing import packing_on
     from molt_hpc.actor.world import actor_meshes
     from molt_hpc.config.train import ActorConfig
+    from molt_hpc.parallel.attention import check_model
+    from molt_hpc.parallel.context import kv_repeats
 
     with pytest.raises(ValueError, match="does not divide the model's 6 attention heads"):
         kv_repeats(6, 2, 4)

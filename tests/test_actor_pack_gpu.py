@@ -11,10 +11,10 @@ import copy
 import pytest
 import torch
 
-from molt_hpc.actor.attention import DocumentAttention, attention_setup, use_document_attention
 from molt_hpc.actor.batch import policy_logprobs
 from molt_hpc.actor.packing import packed
-from molt_hpc.algorithm import experience_from_groups, logprobs_from_logits
+from molt_hpc.algorithm import experience_from_groups, token_logprobs
+from molt_hpc.parallel.attention import DocumentAttention, attention_setup, use_document_attention
 from tests.test_actor_cp import groups
 
 pytestmark = [
@@ -38,7 +38,7 @@ def _model(attn: str, dtype: torch.dtype):
 
 def _padded(model, exp):
     logits = model(input_ids=exp.sequences, position_ids=exp.position_ids, use_cache=False).logits
-    return logprobs_from_logits(logits, exp.sequences, action_mask=exp.action_mask)[0]
+    return token_logprobs(logits, exp.sequences, mask=exp.action_mask)[0]
 
 
 def _packed(model, exp, attn: str):

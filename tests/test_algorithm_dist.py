@@ -55,7 +55,7 @@ def make_batch(pack: bool = True):
     weight = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.5
     value_head = torch.randn(H, generator=g, dtype=torch.float64)
     with torch.no_grad():
-        logp, _ = token_logprobs(hidden, weight, exp.sequences, action_mask=exp.action_mask)
+        logp, _ = token_logprobs(hidden, exp.sequences, lm_head_weight=weight, mask=exp.action_mask)
     noise = torch.randn(exp.sequences.shape, generator=g, dtype=torch.float64)
     exp.action_log_probs = torch.where(exp.action_mask, logp + 0.3 * noise, 0.0)
     exp.base_log_probs = torch.where(exp.action_mask, logp - 0.2 * noise.flip(0), 0.0)
@@ -78,7 +78,9 @@ def gradients(cfg: AlgorithmConfig, rows: list[int], micro_rows: int, pack: bool
     value_scale = global_loss_scale([p.action_mask for p in parts], [p.seq_index for p in parts])
     for idx in micro:
         part, h = exp.rows(torch.tensor(idx)), hidden[idx]
-        logp, ent = token_logprobs(h, weight, part.sequences, temperature=0.8, chunk=5, action_mask=part.action_mask)
+        logp, ent = token_logprobs(
+            h, part.sequences, lm_head_weight=weight, temperature=0.8, chunk=5, mask=part.action_mask
+        )
         loss, _ = policy_loss(
             logp,
             part.action_log_probs,

@@ -133,7 +133,7 @@ def _sample_logprobs(model, exp) -> dict[int, list[float]]:
     """Per sample: the model's log-prob of its action tokens, from one forward over the batch."""
     with torch.no_grad():
         hidden = model.model(input_ids=exp.sequences, position_ids=exp.position_ids, use_cache=False).last_hidden_state
-        logp, _ = token_logprobs(hidden, model.lm_head.weight, exp.sequences, action_mask=exp.action_mask)
+        logp, _ = token_logprobs(hidden, exp.sequences, lm_head_weight=model.lm_head.weight, mask=exp.action_mask)
     out: dict[int, list[float]] = {}
     for b, t in exp.action_mask.nonzero().tolist():
         out.setdefault(exp.seq_index[b, t].item(), []).append(logp[b, t].item())

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from molt_hpc.algorithm.logprobs import _spans, logprobs_from_logits, token_logprobs
+from molt_hpc.algorithm.logprobs import _spans, token_logprobs
 
 B, T, H, V = 3, 7, 16, 50
 
@@ -36,7 +36,7 @@ def backward(logp, ent, upstream, mask=None):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_hidden_states_path_matches_naive_fp32(chunk, temperature):
     hidden, weight, seqs, up = inputs(torch.float32)
-    logp, ent = token_logprobs(hidden, weight, seqs, temperature=temperature, chunk=chunk)
+    logp, ent = token_logprobs(hidden, seqs, lm_head_weight=weight, temperature=temperature, chunk=chunk)
     backward(logp, ent, up)
     got = (logp.detach(), ent.detach(), hidden.grad.clone(), weight.grad.clone())
     hidden.grad = weight.grad = None
@@ -49,7 +49,7 @@ def test_hidden_states_path_matches_naive_fp32(chunk, temperature):
 @pytest.mark.parametrize("use", ["logp", "entropy"])
 def test_gradient_when_only_one_output_is_used(use):
     hidden, weight, seqs, _ = inputs(torch.float32, seed=7)
-    logp, ent = token_logprobs(hidden, weight, seqs, temperature=0.9, chunk=4)
+    logp, ent = token_logprobs(hidden, seqs, lm_head_weight=weight, temperature=0.9, chunk=4)
     (logp if use == "logp" else ent).sum().backward()
     got = (hidden.grad.clone(), weight.grad.clone())
     hidden.grad = weight.grad = None
@@ -61,7 +61,7 @@ def test_gradient_when_only_one_output_is_used(use):
 def test_action_mask_computes_only_action_positions():
     hidden, weight, seqs, up = inputs(torch.float32, seed=1)
     mask = torch.rand(B, T, generator=torch.Generator().manual_seed(2)) < 0.5
-    logp, ent = token_logprobs(hidden, weight, seqs, temperature=0.9, chunk=3, action_mask=mask)
+    logp, ent = token_logprobs(hidden, seqs, lm_head_weight=weight, temperature=0.9, chunk=3, mask=mask)
     backward(logp, ent, up, mask)
     got = (hidden.grad.clone(), weight.grad.clone())
     hidden.grad = weight.grad = None
@@ -82,13 +82,13 @@ def test_gradcheck_float64():
     seqs = torch.randint(0, 6, (2, 4), generator=g)
 
     def f(h, w):
-        return token_logprobs(h, w, seqs, temperature=0.8, chunk=3)
+        return token_logprobs(h, seqs, lm_head_weight=w, temperature=0.8, chunk=3)
 
     assert torch.autograd.gradcheck(f, (hidden, weight), fast_mode=True)
     logits = torch.randn(2, 4, 6, dtype=torch.float64, generator=g, requires_grad=True)
 
     def from_logits(x):
-        return logprobs_from_logits(x, seqs, temperature=1.3, chunk=2)
+        return token_logprobs(x, seqs, temperature=1.3, chunk=2)
 
     assert torch.autograd.gradcheck(from_logits, (logits,), fast_mode=True)
 
@@ -96,7 +96,7 @@ def test_gradcheck_float64():
 def test_bf16_model_matches_naive_on_its_own_logits():
     """bf16 hidden states and head: equal to log_softmax(bf16 logits .float() / T), the naive recipe."""
     hidden, weight, seqs, up = inputs(torch.bfloat16, seed=4)
-    logp, ent = token_logprobs(hidden, weight, seqs, temperature=0.6, chunk=5)
+    logp, ent = token_logprobs(hidden, seqs, lm_head_weight=weight, temperature=0.6, chunk=5)
     backward(logp, ent, up)
     got = (hidden.grad.float(), weight.grad.float())
     hidden.grad = weight.grad = None
@@ -114,7 +114,7 @@ def test_logits_path_matches_naive_with_bf16_logits():
     logits = (torch.randn(B, T, V, generator=g) * 3).to(torch.bfloat16).requires_grad_(True)
     seqs = torch.randint(0, V, (B, T), generator=g)
     up = torch.randn(2, B, T, generator=g)
-    logp, ent = logprobs_from_logits(logits, seqs, temperature=0.7, chunk=4)
+    logp, ent = token_logprobs(logits, seqs, temperature=0.7, chunk=4)
     backward(logp, ent, up)
     got = logits.grad.float()
     logits.grad = None
@@ -136,7 +136,7 @@ def test_no_vocabulary_sized_tensor_is_kept_for_backward():
     hidden, weight, seqs, _ = inputs(torch.float32, seed=6)
     naive_saved = saved_shapes(lambda: naive(hidden @ weight.t(), seqs, 1.0))
     assert any(s == (B, T, V) for s in naive_saved)  # the hook sees what the naive recipe keeps
-    ours = saved_shapes(lambda: token_logprobs(hidden, weight, seqs, chunk=4))
+    ours = saved_shapes(lambda: token_logprobs(hidden, seqs, lm_head_weight=weight, chunk=4))
     # hidden states, the head weight and per-token scalars only
     assert max(s.numel() for s in ours) <= max(hidden.numel(), weight.numel())
 
@@ -144,11 +144,11 @@ def test_no_vocabulary_sized_tensor_is_kept_for_backward():
 def test_bad_arguments():
     hidden, weight, seqs, _ = inputs(torch.float32)
     with pytest.raises(ValueError, match="temperature"):
-        token_logprobs(hidden, weight, seqs, temperature=0.0)
+        token_logprobs(hidden, seqs, lm_head_weight=weight, temperature=0.0)
     with pytest.raises(ValueError, match="chunk"):
-        token_logprobs(hidden, weight, seqs, chunk=0)
+        token_logprobs(hidden, seqs, lm_head_weight=weight, chunk=0)
     with pytest.raises(ValueError, match="hidden size"):
-        token_logprobs(hidden, weight[:, :3], seqs)
+        token_logprobs(hidden, seqs, lm_head_weight=weight[:, :3])
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -167,7 +167,7 @@ def test_logits_path_fp32_slices_and_gathers(masked, use):
         up[1] = 0
     if use == "entropy":
         up[0] = 0
-    logp, ent = logprobs_from_logits(logits, seqs, temperature=1.0, chunk=4, action_mask=mask if masked else None)
+    logp, ent = token_logprobs(logits, seqs, temperature=1.0, chunk=4, mask=mask if masked else None)
     assert torch.equal(logits.detach(), before)
     if use == "logp":
         (logp * up[0] * mask).sum().backward()
@@ -189,7 +189,7 @@ def test_peaked_distribution_where_target_probability_underflows():
     g = torch.Generator().manual_seed(9)
     logits = torch.randn(1, 6, V, generator=g) * 60
     seqs = torch.randint(0, V, (1, 6), generator=g)
-    logp, ent = logprobs_from_logits(logits, seqs, chunk=2)
+    logp, ent = token_logprobs(logits, seqs, chunk=2)
     all64 = torch.log_softmax(logits.double(), -1)[:, :-1]
     ref_logp = all64.gather(2, seqs[:, 1:, None]).squeeze(2)
     ref_ent = -(all64.exp() * all64).sum(-1)
@@ -205,7 +205,7 @@ def test_wide_vocabulary_matches_float64():
     g = torch.Generator().manual_seed(11)
     logits = (torch.randn(1, 9, 32000, generator=g) * 3).to(torch.bfloat16)
     seqs = torch.randint(0, 32000, (1, 9), generator=g)
-    logp, ent = logprobs_from_logits(logits, seqs, temperature=0.7, chunk=4)
+    logp, ent = token_logprobs(logits, seqs, temperature=0.7, chunk=4)
     all64 = torch.log_softmax(logits.double() / 0.7, -1)[:, :-1]
     assert torch.allclose(logp[:, 1:].double(), all64.gather(2, seqs[:, 1:, None]).squeeze(2), atol=1e-5, rtol=0)
     assert torch.allclose(ent[:, 1:].double(), -(all64.exp() * all64).sum(-1), atol=1e-5, rtol=0)
@@ -219,7 +219,7 @@ def test_gradcheck_float64_single_outputs_and_mask():
     for out in (0, 1):
 
         def f(x, out=out):
-            return logprobs_from_logits(x, seqs, temperature=0.6, chunk=2, action_mask=mask)[out]
+            return token_logprobs(x, seqs, temperature=0.6, chunk=2, mask=mask)[out]
 
         assert torch.autograd.gradcheck(f, (logits,), fast_mode=True)
 

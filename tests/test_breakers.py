@@ -17,7 +17,7 @@ from molt_hpc.buffer import spool_counts
 from molt_hpc.fault import read_failure
 from molt_hpc.launch.watchdog import Watchdog
 from molt_hpc.log import MetricsWriter, read_metrics
-from molt_hpc.rollout import serve
+from molt_hpc.rollout.main import serve
 from tests.conftest import BIN, ROOT
 from tests.test_fail_fast import processes_mentioning
 from tests.test_rollout_procs import base_overrides, make_run, shared_pool, spawn, wait_file

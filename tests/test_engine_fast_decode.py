@@ -60,7 +60,7 @@ def test_plain_sample_draws_from_the_processed_distribution() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_graph_sampling_logprobs_equal_a_teacher_forced_recompute(tiny_model_dir) -> None:
-    from molt_hpc.algorithm import logprobs_from_logits
+    from molt_hpc.algorithm import token_logprobs
     from molt_hpc.engine.batch import Row
     from molt_hpc.engine.sampling import SamplingParams
     from molt_hpc.engine.scheduler import Scheduler
@@ -84,6 +84,6 @@ def test_graph_sampling_logprobs_equal_a_teacher_forced_recompute(tiny_model_dir
     for row, t in zip(rows, temps, strict=True):
         ids = torch.tensor([row.prompt + row.tokens], device=device)
         with torch.no_grad():
-            logp, _ = logprobs_from_logits(teacher(ids).logits, ids, temperature=t if t > 0 else 1.0)
+            logp, _ = token_logprobs(teacher(ids).logits, ids, temperature=t if t > 0 else 1.0)
         want = logp[0, len(row.prompt) :].double().cpu()
         assert torch.allclose(torch.tensor(row.logprobs, dtype=torch.float64), want, atol=2e-3), (t, row.logprobs)

@@ -7,8 +7,8 @@ import re
 import pytest
 
 from molt_hpc.config import ConfigError, load_config
-from molt_hpc.engine.vllm_main import vllm_command
-from molt_hpc.engine.vllm_span import (
+from molt_hpc.engine.vllm.main import vllm_command
+from molt_hpc.engine.vllm.span import (
     Span,
     head_address,
     head_file,

@@ -27,8 +27,8 @@ from molt_hpc.config import load_config
 from molt_hpc.data import PromptDataset
 from molt_hpc.engine.client import EngineHTTPError, generate
 from molt_hpc.engine.vision import VisionRunner, row_images
-from molt_hpc.engine.vllm_front import Front, build_front
-from molt_hpc.engine.vllm_main import vllm_command
+from molt_hpc.engine.vllm.front import Front, build_front
+from molt_hpc.engine.vllm.main import vllm_command
 from molt_hpc.models import load_causal_lm, load_tokenizer
 from molt_hpc.trajectory import TraceImage, Trajectory
 from molt_hpc.vision.images import image_bytes
@@ -124,10 +124,10 @@ def test_bad_image_requests_are_refused(vl, prompts) -> None:
 
 
 async def _raw_generate(s: aiohttp.ClientSession, url: str, token: str, body: dict):
-    from molt_hpc.engine.client import _request
+    from molt_hpc.engine.client import request_json
 
     body = {"sampling_params": {"max_tokens": 2}, **body}
-    return await _request(s, "POST", url + "/inference/v1/generate", token=token, json=body)
+    return await request_json(s, "POST", url + "/inference/v1/generate", token=token, json=body)
 
 
 def test_reprefill_places_features_at_the_spans_only(tiny_vl_dir, prompts) -> None:

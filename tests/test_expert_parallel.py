@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from molt_hpc.actor.parallelize import parallelize
 from molt_hpc.config.train import ActorConfig
+from molt_hpc.parallel import parallelize
 from molt_hpc.refit.experts import expert_views
 from tests.ranks import spawn_ranks
 
@@ -61,8 +61,8 @@ def use_fake_deep_ep(model) -> None:
     """Switch the EP experts to the DeepEP dispatch, DeepEP's buffer replaced by the gloo fake, fp32 on the wire."""
     from transformers.integrations.moe import ExpertsInterface
 
-    from molt_hpc.actor import deepep
-    from molt_hpc.actor.expert_parallel import IMPLEMENTATIONS
+    from molt_hpc.parallel import deepep
+    from molt_hpc.parallel.expert import IMPLEMENTATIONS
     from tests.fake_deep_ep import FakeDeepEPBuffer
 
     buffers = {}
@@ -93,11 +93,11 @@ def _rank_main(rank: int, world: int, store: str, out: str) -> None:
 
 
 def _case(rank: int, world: int, ep: int, dispatch: str, out: Path) -> None:
-    from molt_hpc.actor.expert_gather import refit_metas, refit_tensors
     from molt_hpc.actor.state import Trainable, save_model
     from molt_hpc.actor.step import optimizer_step
     from molt_hpc.actor.weights import full_tensor
     from molt_hpc.actor.world import World
+    from molt_hpc.parallel.expert_gather import refit_metas, refit_tensors
 
     model, ids = tiny_moe(), batch()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from molt_hpc.actor.ep_check import check_ep, model_experts
 from molt_hpc.config import ConfigError, load_config
-from molt_hpc.engine.vllm_main import check_all2all, vllm_command
+from molt_hpc.engine.vllm.main import check_all2all, vllm_command
 from molt_hpc.launch.local import prepare_run, split_gpus
 from molt_hpc.launch.pool import engine_env
+from molt_hpc.parallel.ep_check import check_ep, model_experts
 from tests.test_vllm_engine import flags
 
 VLLM = ["engines.kind=vllm", "engines.device=cuda", "actor.device=cuda"]
@@ -67,7 +67,7 @@ def test_local_run_refuses_ep_on_a_dense_model(tmp_path) -> None:
 
 def test_deep_ep_absent_names_the_fix() -> None:
     pytest.importorskip("torch")
-    from molt_hpc.actor.expert_parallel import register
+    from molt_hpc.parallel.expert import register
 
     if "deep_ep" in sys.modules or _importable("deep_ep"):
         pytest.skip("deep_ep is installed here")

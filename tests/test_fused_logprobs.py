@@ -75,14 +75,14 @@ def _per_sample(exp, values):
 def _worker(_rank: int, out: str) -> None:
     import copy
 
-    from molt_hpc.actor.attention import DocumentAttention
     from molt_hpc.actor.batch import policy_logprobs
     from molt_hpc.actor.head import FUSED_OK
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.weights import full_tensor
     from molt_hpc.actor.world import init_world
     from molt_hpc.algorithm import make_experience
     from molt_hpc.config.train import ActorConfig
+    from molt_hpc.parallel import parallelize
+    from molt_hpc.parallel.attention import DocumentAttention
 
     torch.set_num_threads(1)
     cfg = ActorConfig(device="cpu")
@@ -163,7 +163,7 @@ def test_trainer_forward_from_hidden_states_equals_full_logits(tmp_path):
 
 
 def _kernel_case(kernel: str, dtype=torch.float32):
-    from molt_hpc.algorithm import target_token_logprobs, token_logprobs
+    from molt_hpc.algorithm import token_logprobs
 
     g = torch.Generator().manual_seed(3)
     hid = torch.randn(3, 11, 16, generator=g, dtype=dtype).requires_grad_()
@@ -171,8 +171,10 @@ def _kernel_case(kernel: str, dtype=torch.float32):
     seqs = torch.randint(0, VOCAB, (3, 11), generator=g)
     mask = torch.rand(3, 11, generator=g) > 0.3
     ga, gb = torch.randn(3, 11, generator=g), torch.randn(3, 11, generator=g)
-    logp, ent = token_logprobs(hid, w, seqs, temperature=TEMP, chunk=4, action_mask=mask, kernel=kernel)
-    tl, te = target_token_logprobs(hid, w, seqs, temperature=TEMP, chunk=7, mask=mask, kernel=kernel)
+    logp, ent = token_logprobs(hid, seqs, lm_head_weight=w, temperature=TEMP, chunk=4, mask=mask, kernel=kernel)
+    tl, te = token_logprobs(
+        hid, seqs, lm_head_weight=w, aligned=True, temperature=TEMP, chunk=7, mask=mask, kernel=kernel
+    )
     ((logp * ga).sum() + (ent * gb).sum() + (tl * gb).sum()).backward()
     return [x.detach().double() for x in (logp, ent, tl, te, hid.grad, w.grad)]
 

@@ -51,11 +51,11 @@ def _rank_main(rank: int, port: int, out: str) -> None:
                       MASTER_PORT=str(port))  # fmt: skip
     from molt_hpc.actor import build
     from molt_hpc.actor.packing import sequence_layout
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.state import Trainable
     from molt_hpc.actor.step import Meter, Models, build_experience, update_policy
     from molt_hpc.actor.world import init_world
     from molt_hpc.config.train import ActorConfig
+    from molt_hpc.parallel import parallelize
 
     world = init_world(ActorConfig(device="cpu", cp=2))
     cfg = config("actor.cp=2", "actor.packing='on'", "actor.max_tokens_per_micro_batch=64", "actor.router_replay=true",

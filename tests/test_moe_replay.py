@@ -18,7 +18,7 @@ import torch
 from molt_hpc.actor.moe_router import MoeRouting
 from molt_hpc.agents.routing import RoutingTrace
 from molt_hpc.algorithm import make_experience
-from molt_hpc.algorithm.logprobs import logprobs_from_logits
+from molt_hpc.algorithm.logprobs import token_logprobs
 from molt_hpc.buffer.codec import decode_group, encode_group
 from molt_hpc.config import MoltConfig
 from molt_hpc.engine import client
@@ -91,7 +91,7 @@ def _trainer_pass(model, trajs: list[Trajectory], *, replay: bool):
     with torch.no_grad(), moe.micro_batch(exp):
         logits = model(input_ids=exp.sequences, position_ids=exp.position_ids, use_cache=False).logits
         moe.aux_loss(1.0)
-    logp, _ = logprobs_from_logits(logits, exp.sequences, action_mask=exp.action_mask)
+    logp, _ = token_logprobs(logits, exp.sequences, mask=exp.action_mask)
     t = moe.totals
     return (t.same / t.known if t.known else None), logp, exp
 
@@ -194,7 +194,7 @@ def test_replay_keeps_engine_logprobs_after_the_router_moves(top1_engine) -> Non
 
 def test_config_and_flags(tmp_path) -> None:
     from molt_hpc.config import ConfigError, load_config
-    from molt_hpc.engine.vllm_main import vllm_command
+    from molt_hpc.engine.vllm.main import vllm_command
 
     cfg = load_config(None, ["actor.router_replay=true", "engines.kind=vllm", "actor.device=cuda"])
     assert "--enable-return-routed-experts" in vllm_command(cfg, tmp_path, 8000, 0)

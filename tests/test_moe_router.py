@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from molt_hpc.actor.build import freeze_router
-from molt_hpc.actor.moe_router import MoeRouting, swap_routers
+from molt_hpc.actor.moe_router import MoeRouting
 from molt_hpc.algorithm import make_experience
 from molt_hpc.config import MoltConfig
 from molt_hpc.models import build_tiny_moe, load_causal_lm
 from molt_hpc.models.moe import find_routers
+from molt_hpc.models.router_replay import swap_routers
 from molt_hpc.trajectory import Trajectory
 from tests.conftest import ROOT
 
@@ -221,9 +222,9 @@ def fsdp_child(model_dir: Path, out: Path) -> None:
     """World of one: the fp32 gate unit inside bf16 blocks, then the step's metrics (a collective)."""
     import torch.nn.functional as F
 
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.world import init_world
     from molt_hpc.config.train import ActorConfig
+    from molt_hpc.parallel import parallelize
 
     world = init_world(ActorConfig(device="cpu"))
     model = load_causal_lm(model_dir).train()

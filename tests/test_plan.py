@@ -14,8 +14,9 @@ from molt_hpc.config.model import ModelConfig
 from molt_hpc.plan import plan_config
 from molt_hpc.plan.arch import arch_of
 from molt_hpc.plan.engine import GIB
+from molt_hpc.plan.shape import shape_of
 from molt_hpc.plan.suggest import with_changes
-from molt_hpc.plan.trainer import shape_of, trainer_memory
+from molt_hpc.plan.trainer import trainer_memory
 from tests.conftest import ROOT, molt
 
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))

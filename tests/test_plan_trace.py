@@ -25,7 +25,8 @@ import sys
 import pytest
 
 from molt_hpc.plan.arch import arch_from_config
-from molt_hpc.plan.trainer import Shape, trainer_memory
+from molt_hpc.plan.shape import Shape
+from molt_hpc.plan.trainer import trainer_memory
 from tests.conftest import ROOT
 from tests.plan_trace import model_config
 

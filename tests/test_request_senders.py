@@ -16,6 +16,7 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
+from molt_hpc.engine.vllm_front import normalise_generate
 from PIL import Image
 
 from molt_hpc.agents.base import Env, Result
@@ -24,11 +25,10 @@ from molt_hpc.config import load_config
 from molt_hpc.config.load import ConfigError
 from molt_hpc.config.stages import RewardModelConfig
 from molt_hpc.data import Prompt
-from molt_hpc.engine.http import loads, parse
-from molt_hpc.engine.requests import GenerateRequest, InitRequest, RpcRequest
 from molt_hpc.engine.routing import encode_routing
-from molt_hpc.engine.vllm_front import normalise_generate
 from molt_hpc.models import build_tiny_tokenizer
+from molt_hpc.protocol.edge import loads, parse
+from molt_hpc.protocol.requests import GenerateRequest, InitRequest, RpcRequest
 from molt_hpc.refit.calls import HTTP_GRACE_S
 from molt_hpc.rollout.chat_server import ChatServer
 from molt_hpc.rollout.engines import EngineLink

@@ -20,8 +20,8 @@ from molt_hpc.config import load_config
 from molt_hpc.data import Cursor, Position, PromptDataset
 from molt_hpc.log import read_metrics
 from molt_hpc.models import load_tokenizer
-from molt_hpc.rollout import serve
 from molt_hpc.rollout.group import GroupOutcome
+from molt_hpc.rollout.main import serve
 from molt_hpc.rollout.orchestrator import admits, over_drop_budget, shape_group
 from molt_hpc.rollout.state import RolloutState
 from molt_hpc.trajectory import Group, Trajectory, finished_reward

@@ -20,8 +20,8 @@ from molt_hpc.config.stages import RewardModelConfig
 from molt_hpc.models.reward import MEAN_KEY, STD_KEY, load_reward_model
 from molt_hpc.net import free_port
 from molt_hpc.rundir import RunDir
-from molt_hpc.scorer import scorer_file
 from molt_hpc.scorer.client import ScorerClient
+from molt_hpc.scorer.registry import scorer_file
 from molt_hpc.trajectory import Group, Trajectory
 from tests.test_engine_procs import make_run, spawn, wait_registered
 

@@ -70,11 +70,11 @@ def _report(model, stats, world) -> dict:
 def _rank(rank: int, size: int, store: str, paths: dict, out: str, cases: list[str]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from molt_hpc.actor.parallelize import parallelize
     from molt_hpc.actor.state import save_model
     from molt_hpc.actor.world import World
     from molt_hpc.config.train import ActorConfig
     from molt_hpc.models.sharded import is_tied, load_sharded
+    from molt_hpc.parallel import parallelize
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)

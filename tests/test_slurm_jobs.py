@@ -21,7 +21,7 @@ import pytest
 
 from molt_hpc.buffer.spool import acked_ids, find_spool
 from molt_hpc.config import load_config
-from molt_hpc.launch import slurm
+from molt_hpc.launch.slurm.state import slurm_job_state
 from molt_hpc.log import read_metrics
 from tests.conftest import ROOT, molt
 from tests.slurm_support import (
@@ -101,11 +101,11 @@ def wait_training(cluster, job: str, run: Path, start: int, steps: int) -> None:
 
 def test_het_job_runs_both_pools_and_ends_when_training_is_done(slurm_cluster, tmp_path, tiny_model_dir) -> None:
     job, run = submit(tmp_path, tiny_model_dir, "done", "run.steps=20", "actor.ranks=2")
-    assert slurm.slurm_job_state(run) in (f"job {job} PENDING", f"job {job} RUNNING")
+    assert slurm_job_state(run) in (f"job {job} PENDING", f"job {job} RUNNING")
     dry = molt("submit", *standin_args(tmp_path, tiny_model_dir, "done", "run.steps=20", "actor.ranks=2"), "--dry-run")
     assert dry.stdout == (run / "submitit" / f"{job}_submission.sh").read_text()  # what sbatch got
     assert slurm_cluster.wait_end(job, 120) == "COMPLETED"
-    assert slurm.slurm_job_state(run) == f"job {job} COMPLETED"
+    assert slurm_job_state(run) == f"job {job} COMPLETED"
     assert driver_result(run, job) == {"status": "done", "engine_restarts": 0}
 
     actor_node, engine_node = slurm_cluster.component_nodes(job)
@@ -322,7 +322,7 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm_cluster, back
     result = molt("submit", "--resume", str(run), *sets(f"run.steps={more}", "slurm.time=00:10:00"))
     assert result.returncode == 0, result.stderr
     new_job = re.search(r"submitted job (\d+)", result.stdout).group(1)
-    assert slurm.slurm_job_state(run).startswith(f"job {new_job} ")
+    assert slurm_job_state(run).startswith(f"job {new_job} ")
     assert slurm_cluster.wait_end(new_job, 90) == "COMPLETED"
     assert_each_step_once(run, more)
 

@@ -21,9 +21,10 @@ from molt_hpc.config.infra import slurm_time_seconds
 from molt_hpc.config.load import validate
 from molt_hpc.launch import slurm
 from molt_hpc.launch.preflight import preflight
-from molt_hpc.launch.slurm_checks import check_partitions, gpus_in_gres, parse_sinfo
-from molt_hpc.launch.slurm_render import HEREDOC_END
-from molt_hpc.launch.slurm_steps import actor_command, engine_command, procs_per_node
+from molt_hpc.launch.slurm.checks import check_partitions, gpus_in_gres, parse_sinfo
+from molt_hpc.launch.slurm.render import HEREDOC_END
+from molt_hpc.launch.slurm.state import slurm_job_state
+from molt_hpc.launch.slurm.steps import actor_command, engine_command, procs_per_node
 from tests.conftest import ROOT, molt
 
 GOLDEN = ROOT / "tests" / "golden"
@@ -216,4 +217,4 @@ def test_cpu_actor_ranks_must_spread_evenly_over_the_nodes(tmp_path: Path) -> No
 
 
 def test_no_job_on_record_has_no_slurm_state(tmp_path: Path) -> None:
-    assert slurm.slurm_job_state(tmp_path) is None
+    assert slurm_job_state(tmp_path) is None

@@ -14,7 +14,8 @@ from molt_hpc.launch.stage import stage_threads
 from molt_hpc.models.resolve import run_model
 from molt_hpc.plan import plan_config
 from molt_hpc.plan.arch import arch_of
-from molt_hpc.plan.trainer import shape_of, trainer_memory
+from molt_hpc.plan.shape import shape_of
+from molt_hpc.plan.trainer import trainer_memory
 from tests.conftest import ROOT, molt
 
 RM_UNTRAINED = ["rm", "train", "configs/tiny_rm.toml", "--set", "model.path=builtin:tiny-char"]

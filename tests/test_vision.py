@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from molt_hpc.actor.attention import DocumentAttention, use_document_attention
 from molt_hpc.actor.batch import policy_logprobs
 from molt_hpc.actor.head import FUSED_OK
 from molt_hpc.actor.vision import ImageInputs
@@ -21,6 +20,7 @@ from molt_hpc.buffer.codec import decode_group, encode_group
 from molt_hpc.config import MoltConfig
 from molt_hpc.data import PromptDataset
 from molt_hpc.models import load_causal_lm, load_tokenizer
+from molt_hpc.parallel.attention import DocumentAttention, use_document_attention
 from molt_hpc.trajectory import Group, TraceImage, Trajectory
 from molt_hpc.vision.processor import Vision
 from molt_hpc.vision.rope import rope_positions

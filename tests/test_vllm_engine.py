@@ -21,8 +21,8 @@ import pytest
 
 from molt_hpc.config import load_config
 from molt_hpc.engine.client import EngineHTTPError, generate, health
-from molt_hpc.engine.vllm_front import normalise_generate, stamp_versions, upstream_message
-from molt_hpc.engine.vllm_main import (
+from molt_hpc.engine.vllm.front import normalise_generate, stamp_versions, upstream_message
+from molt_hpc.engine.vllm.main import (
     check_vllm,
     check_vllm_torch,
     required_torch,
@@ -88,7 +88,7 @@ def test_vllm_command_follows_the_config(monkeypatch) -> None:
         "--skip-tokenizer-init": None,
         "--generation-config": "vllm",
         "--weight-transfer-config": json.dumps({"backend": "nccl"}),
-        "--worker-extension-cls": "molt_hpc.engine.vllm_ipc.MoltWorkerExtension",
+        "--worker-extension-cls": "molt_hpc.engine.vllm.ipc.MoltWorkerExtension",
         "--disable-uvicorn-access-log": None,
     }
     assert got == want

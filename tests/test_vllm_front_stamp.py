@@ -4,7 +4,7 @@ during the request, and decodes and stamps per token when one did; readers see t
 import json
 
 from molt_hpc.engine.client import parse_generate_response
-from molt_hpc.engine.vllm_front import stamp_versions, stamped_body
+from molt_hpc.engine.vllm.front import stamp_versions, stamped_body
 
 ANSWER = {
     "request_id": "r",

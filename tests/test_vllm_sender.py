@@ -66,12 +66,12 @@ class StandInWorker:
 
 
 def test_worker_extension_loads_what_the_slot_writer_posts(tiny_model_dir) -> None:
-    """The engine side that runs inside vLLM's worker (engine/vllm_ipc.py) against the trainer side
+    """The engine side that runs inside vLLM's worker (engine/vllm/ipc.py) against the trainer side
     VllmRefitSender uses (SlotWriter), over real shared slots: JSON in, each bucket loaded as posted."""
     import json
     import threading
 
-    from molt_hpc.engine.vllm_ipc import MoltWorkerExtension
+    from molt_hpc.engine.vllm.ipc import MoltWorkerExtension
     from molt_hpc.models import load_causal_lm
     from molt_hpc.refit.buckets import plan_buckets, update_info
     from molt_hpc.refit.ipc import IpcChannel, SlotWriter

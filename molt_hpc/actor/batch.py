@@ -5,7 +5,7 @@ Every rank holds the whole step's `Experience` (rank 0 shared the groups); rows 
 rank differ and the global token mean evens it out. FSDP needs every rank to run the same number of
 forwards: a rank short of rows runs a padding micro-batch whose action mask is empty (it contributes
 exactly zero). A model on document attention (packing, context parallelism) is fed through
-`molt_hpc.actor.attention.RowSlice`: this rank's slice of the rows, outputs gathered back whole.
+`molt_hpc.parallel.attention.RowSlice`: this rank's slice of the rows, outputs gathered back whole.
 """
 
 import itertools
@@ -14,18 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from molt_hpc.actor.attention import attention_setup
 from molt_hpc.actor.head import hidden_and_head
 from molt_hpc.actor.packing import rank_micro_batches
 from molt_hpc.actor.vision import ImageInputs
 from molt_hpc.actor.world import World
-from molt_hpc.algorithm import (
-    Experience,
-    logprobs_from_logits,
-    target_logprobs,
-    target_token_logprobs,
-    token_logprobs,
-)
+from molt_hpc.algorithm import Experience, token_logprobs
+from molt_hpc.parallel.attention import attention_setup
 
 
 def mini_batch_rows(exp: Experience, mini_batches: int) -> list[Tensor]:
@@ -68,20 +62,22 @@ def policy_logprobs(
     setup = attention_setup(model)
     if setup is None:
         inputs = {"input_ids": mb.sequences, "position_ids": mb.position_ids, "use_cache": False, **extra}
-        fused = hidden_and_head(model, inputs)
-        if fused is not None:
-            logp, ent = token_logprobs(fused.hidden, fused.weight, mb.sequences, action_mask=mb.action_mask, **how)
-        else:
-            logp, ent = logprobs_from_logits(model(**inputs).logits, mb.sequences, action_mask=mb.action_mask, **how)
+        source, weight = head_source(model, inputs)
+        logp, ent = token_logprobs(source, mb.sequences, lm_head_weight=weight, mask=mb.action_mask, **how)
         return logp[:rows_in], ent[:rows_in]
     rows = setup.rows(mb)
-    inputs = {**rows.inputs, **extra}
-    fused = hidden_and_head(model, inputs)
-    if fused is not None:
-        logp, ent = target_token_logprobs(fused.hidden, fused.weight, rows.next_tokens, mask=rows.next_action, **how)
-    else:
-        logp, ent = target_logprobs(model(**inputs).logits, rows.next_tokens, mask=rows.next_action, **how)
+    source, weight = head_source(model, {**rows.inputs, **extra})
+    logp, ent = token_logprobs(
+        source, rows.next_tokens, lm_head_weight=weight, aligned=True, mask=rows.next_action, **how
+    )
     return rows.own_index(logp)[:rows_in], rows.own_index(ent)[:rows_in]
+
+
+def head_source(model: nn.Module, inputs: dict) -> tuple[Tensor, Tensor | None]:
+    """What the log-probs are computed from: the last hidden states and the LM head weight when the model's
+    head qualifies (`head.hidden_and_head`), else the model's own logits and None."""
+    fused = hidden_and_head(model, inputs)
+    return (fused.hidden, fused.weight) if fused is not None else (model(**inputs).logits, None)
 
 
 def critic_values(critic: nn.Module, mb: Experience) -> Tensor:

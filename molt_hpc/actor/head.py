@@ -11,7 +11,7 @@ included (one parameter under two names).
 A model qualifies when its LM head is a bias-free linear layer applied as it is (no logit soft-capping
 or scaling): checked once per model on the one position the model's own head computed (its logits vs
 the hidden state times the weight). Any other model, or one whose head is still sharded after the
-forward, returns None and runs the full-logits path (`logprobs_from_logits`).
+forward, returns None and runs the full-logits path (`token_logprobs` from logits).
 """
 
 import inspect
@@ -53,7 +53,7 @@ def _decoder(model: nn.Module) -> nn.Module | None:
     return decoder if isinstance(decoder, nn.Module) and decoder is not model else None
 
 
-def _qualifies_statically(model: nn.Module) -> bool:
+def qualifies_statically(model: nn.Module) -> bool:
     if _head(model) is None or _decoder(model) is None:
         return False
     config = getattr(model, "config", None)
@@ -71,7 +71,7 @@ def hidden_and_head(model: nn.Module, inputs: dict) -> HeadInputs | None:
     """(last hidden states `[B, S, H]`, LM head weight `[V, H]`) of `model(**inputs)`, or None when the
     model does not qualify (then nothing ran: the caller runs the full-logits forward)."""
     ok = getattr(model, FUSED_OK, None)
-    if ok is False or (ok is None and not _qualifies_statically(model)):
+    if ok is False or (ok is None and not qualifies_statically(model)):
         setattr(model, FUSED_OK, False)
         return None
     captured: list[Tensor] = []

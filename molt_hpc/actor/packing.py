@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from molt_hpc.actor.attention import DocumentAttention, check_model
 from molt_hpc.actor.world import World, max_over_ranks
-from molt_hpc.algorithm.experience import TOKEN_FIELDS, Experience, _pack_rows
+from molt_hpc.algorithm.experience import TOKEN_FIELDS, Experience, pack_rows
 from molt_hpc.config import MoltConfig
 from molt_hpc.config.train import ActorConfig
+from molt_hpc.parallel.attention import DocumentAttention, check_model
 
 FILL = {"seq_index": -1, "versions": -1, "routed_experts": -1}
 """Value of a token field where a micro-batch has no token of the step's batch (0 / False otherwise)."""
@@ -123,7 +123,7 @@ def rank_micro_batches(exp: Experience, rows: Tensor, size: int, budget: int | N
         make = padded
     else:
         lengths = row_lengths(exp, rows)
-        bins = sorted(_pack_rows(lengths, budget), key=lambda b: -sum(lengths[i] for i in b))
+        bins = sorted(pack_rows(lengths, budget), key=lambda b: -sum(lengths[i] for i in b))
         parts = [rows[torch.tensor(b)] for b in bins[world.dp_rank :: world.dp_size]]
         make = packed
     out = [make(exp, p) for p in parts]

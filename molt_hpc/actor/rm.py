@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from molt_hpc.actor.attention import attention_setup
 from molt_hpc.actor.step import Meter
 from molt_hpc.actor.world import World, gather_all
 from molt_hpc.algorithm import Experience
@@ -23,6 +22,7 @@ from molt_hpc.algorithm.supervised import bradley_terry, pair_accuracy
 from molt_hpc.config import MoltConfig
 from molt_hpc.datasets import Pair, PreferenceDataset
 from molt_hpc.models.reward import MEAN_KEY, STD_KEY, token_scores
+from molt_hpc.parallel.attention import attention_setup
 
 
 def pair_experience(pairs: list[Pair], pad_id: int) -> Experience:

@@ -7,7 +7,7 @@ action tokens whose denominators (tokens, samples; `algorithm.loss_agg`) are tho
 over *all* micro-batches and ranks (`global_loss_scale`); FSDP averages gradients over ranks, so each
 rank scales its loss by the world size to turn that average into the sum. With context parallelism
 the ranks of a CP group share rows: the counts run over data-parallel ranks only and the scale is the
-data-parallel size (`molt_hpc.actor.context_parallel`).
+data-parallel size (`molt_hpc.parallel.context`).
 
 When `algorithm.recompute_old` holds (`ppo_epochs > 1`, or an IS correction), one no-grad forward of
 the policy over the step's batch, before its first update, gives the PPO old policy's log-probs
@@ -23,8 +23,6 @@ from torch import nn
 
 from molt_hpc.actor.batch import critic_values, mini_batch_rows, policy_logprobs, rows_forward
 from molt_hpc.actor.clip import clip_grad_norm
-from molt_hpc.actor.expert_parallel import clip_grad_norm as clip_grad_norm_meshes
-from molt_hpc.actor.expert_parallel import on_several_meshes
 from molt_hpc.actor.moe_router import MoeRouting
 from molt_hpc.actor.packing import rank_micro_batches
 from molt_hpc.actor.state import Trainable
@@ -42,6 +40,8 @@ from molt_hpc.algorithm import (
 from molt_hpc.algorithm.kl import adaptive_kl_coef
 from molt_hpc.algorithm.loss import global_loss_scale, policy_mask
 from molt_hpc.config import MoltConfig
+from molt_hpc.parallel.expert import clip_grad_norm as clip_grad_norm_meshes
+from molt_hpc.parallel.expert import on_several_meshes
 from molt_hpc.trajectory import Group
 
 SUMMED = {"loss", "policy_loss", "value_loss"}  # already divided by the global token count

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from molt_hpc.actor.expert_gather import refit_metas, refit_split, refit_tensors
 from molt_hpc.actor.weights import full_tensor
 from molt_hpc.actor.world import World, share
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import get_logger
+from molt_hpc.parallel.expert_gather import refit_metas, refit_split, refit_tensors
 from molt_hpc.rundir import RunDir
 
 RETRY_S = 5.0

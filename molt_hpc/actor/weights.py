@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from molt_hpc.actor.expert_gather import gather_experts, is_expert_sharded
+from molt_hpc.parallel.expert_gather import gather_experts, is_expert_sharded
 
 
 def plan_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None) -> list[list[str]]:

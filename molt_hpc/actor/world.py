@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from molt_hpc.actor.context_parallel import ContextParallel
 from molt_hpc.config.train import ActorConfig
 from molt_hpc.log import setup_logging
 from molt_hpc.net import free_port
+from molt_hpc.parallel.context import ContextParallel
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ class StepEnvRunner:
         overrides: dict[str, Any] | None,
         early: "asyncio.Future | None",
     ) -> Trajectory:
-        rollout_id, group_id, session_id = ids
+        rollout_id, group_id, _ = ids
         first = await episode.reset(state) if early is None else None
         first, reset_params = _unpack_reset(first)
         trace = _Trace(list(prompt.token_ids), list(prompt.images))
@@ -136,15 +136,7 @@ class StepEnvRunner:
             if budget <= 0:
                 info["budget_exhausted"] = 1.0
                 break
-            sp = {**params, "max_tokens": max(1, min(int(params["max_tokens"]), self.cfg.max_new_tokens, budget))}
-            sp.setdefault("seed", turn_seed(rollout_id, turn, self.seed))
-            asked = sp if routing is None else {**sp, "routed_experts_prompt_start": routing.have}
-            images = {"images": list(trace.images)} if trace.images else {}
-            out = await self.generate(trace.tokens, asked, session_id, **images)
-            if out.finish_reason == "abort":
-                raise EngineError("the engine aborted the request")
-            if routing is not None:
-                routing.add(getattr(out, "routed_experts", None), len(trace.tokens), len(out.token_ids))
+            sp, out = await self._generate_turn(trace, params, budget, turn, ids, routing)
             context = len(trace.tokens)
             trace.add_action(out)
             finish = out.finish_reason
@@ -168,34 +160,50 @@ class StepEnvRunner:
             if turn + 1 == self.cfg.max_turns:
                 info["out_of_turns"] = 1.0
                 break
-            if result.observation is None:
-                raise EnvError("api", "Env.step continued the episode (terminated=False) without an observation")
-            message, obs_ids, obs_images = await self._observation(result, out.token_ids[-1] if out.token_ids else None)
-            if len(trace.tokens) + len(obs_ids) >= self.cfg.max_total_tokens or (
-                len(trace.images) + len(obs_images) > self.cfg.max_images
-            ):
+            if not await self._append_observation(result, out, trace, state):
                 info["budget_exhausted"] = 1.0  # no room for the observation and a reply to it
                 break
-            trace.images += [im.moved(len(trace.tokens)) for im in obs_images]
-            trace.tokens += obs_ids
-            state.history.append(message)
             params = {**self.base_params, **(overrides or {}), **(result.sampling_params or {})}
         info["turns"] = float(len(trace.ranges))
         return Trajectory(
-            tokens=trace.tokens,
-            prompt_len=trace.prompt_len,
-            action_ranges=trace.ranges,
-            action_logprobs=trace.logprobs,
-            versions=trace.versions,
-            reward=reward,
-            score=score if score is not None else reward,
-            finish_reason=finish,
-            info=info,
-            group_id=group_id,
-            rollout_id=rollout_id,
-            routed_experts=None if routing is None else routing.rows(len(trace.tokens)),
+            tokens=trace.tokens, prompt_len=trace.prompt_len, action_ranges=trace.ranges,
+            action_logprobs=trace.logprobs, versions=trace.versions, reward=reward,
+            score=score if score is not None else reward, finish_reason=finish, info=info, group_id=group_id,
+            rollout_id=rollout_id, routed_experts=None if routing is None else routing.rows(len(trace.tokens)),
             images=trace.images,
-        )
+        )  # fmt: skip
+
+    async def _generate_turn(
+        self, trace: "_Trace", params: dict, budget: int, turn: int, ids: tuple[str, str, str], routing
+    ) -> tuple[dict, Any]:
+        """One turn's sampling params (capped by the length budget, seeded per turn) and the engine's output
+        for the trace so far; an aborted request is an `EngineError`."""
+        rollout_id, _, session_id = ids
+        sp = {**params, "max_tokens": max(1, min(int(params["max_tokens"]), self.cfg.max_new_tokens, budget))}
+        sp.setdefault("seed", turn_seed(rollout_id, turn, self.seed))
+        asked = sp if routing is None else {**sp, "routed_experts_prompt_start": routing.have}
+        images = {"images": list(trace.images)} if trace.images else {}
+        out = await self.generate(trace.tokens, asked, session_id, **images)
+        if out.finish_reason == "abort":
+            raise EngineError("the engine aborted the request")
+        if routing is not None:
+            routing.add(getattr(out, "routed_experts", None), len(trace.tokens), len(out.token_ids))
+        return sp, out
+
+    async def _append_observation(self, result: Result, out: Any, trace: "_Trace", state: State) -> bool:
+        """The env's next observation appended to the trace and the history (True), or False when the trace
+        has no room left for it and a reply to it (tokens or images)."""
+        if result.observation is None:
+            raise EnvError("api", "Env.step continued the episode (terminated=False) without an observation")
+        message, obs_ids, obs_images = await self._observation(result, out.token_ids[-1] if out.token_ids else None)
+        if len(trace.tokens) + len(obs_ids) >= self.cfg.max_total_tokens or (
+            len(trace.images) + len(obs_images) > self.cfg.max_images
+        ):
+            return False
+        trace.images += [im.moved(len(trace.tokens)) for im in obs_images]
+        trace.tokens += obs_ids
+        state.history.append(message)
+        return True
 
     def _render_first(self, first: Any, prompt: Prompt) -> tuple[list[int], list[TraceImage]]:
         """The first observation's tokens and images; its image parts take the row's images, in order."""

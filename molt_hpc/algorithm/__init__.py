@@ -17,7 +17,7 @@ from molt_hpc.algorithm.advantage import ADVANTAGES, compute_advantages
 from molt_hpc.algorithm.experience import Experience, experience_from_groups, make_experience
 from molt_hpc.algorithm.filters import apply_overlong_penalty, dynamic_sampling_filter, overlong_penalty
 from molt_hpc.algorithm.kl import kl_estimate
-from molt_hpc.algorithm.logprobs import logprobs_from_logits, target_logprobs, target_token_logprobs, token_logprobs
+from molt_hpc.algorithm.logprobs import token_logprobs
 from molt_hpc.algorithm.loss import (
     POLICY_LOSSES,
     LossScale,
@@ -42,14 +42,11 @@ __all__ = [
     "global_token_count",
     "kl_estimate",
     "load_balancing_loss",
-    "logprobs_from_logits",
     "make_experience",
     "overlong_penalty",
     "policy_loss",
     "policy_mask",
     "router_z_loss",
-    "target_logprobs",
-    "target_token_logprobs",
     "token_logprobs",
     "value_loss",
 ]

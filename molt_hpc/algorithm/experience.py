@@ -175,7 +175,7 @@ def _truncate(traj: Trajectory, max_len: int, vision: VisionSpec | None = None, 
     )
 
 
-def _pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     """First-fit decreasing: sample indices per row, each row holding at most `capacity` tokens."""
     rows: list[list[int]] = []
     free: list[int] = []
@@ -217,6 +217,19 @@ def _group_indices(trajectories: Sequence[Trajectory]) -> list[int]:
     return [ids.setdefault(t.group_id, len(ids)) for t in trajectories]
 
 
+def _fill_rows(kept: list, layout: list[list[int]], lengths: list[int], pad_id: int) -> "_Rows":
+    """The rows of `layout` (sample indices per row) filled with the kept samples, back to back."""
+    t = max(sum(lengths[i] for i in row) for row in layout)
+    buf = _Rows.empty(len(layout), t, pad_id, _routed_shape(kept))
+    for r, row in enumerate(layout):
+        off = 0
+        for i in row:
+            buf.place(r, off, i, kept[i])
+            off += lengths[i]
+        buf.position_ids[r, off:] = torch.arange(t - off)  # the padding block restarts too, so it stays apart
+    return buf
+
+
 def make_experience(
     trajectories: Sequence[Trajectory],
     *,
@@ -238,17 +251,9 @@ def make_experience(
         raise ValueError("trajectories carry images: make_experience needs the model's VisionSpec (vision=...)")
     kept = [_truncate(t, max_len, vision, pad_id) for t in trajectories]
     lengths = [len(k.tokens) for k in kept]
-    layout = _pack_rows(lengths, max_len) if pack else [[i] for i in range(len(kept))]
-    b, t = len(layout), max(sum(lengths[i] for i in row) for row in layout)
-
-    buf = _Rows.empty(b, t, pad_id, _routed_shape(kept))
-    for r, row in enumerate(layout):
-        off = 0
-        for i in row:
-            buf.place(r, off, i, kept[i])
-            off += lengths[i]
-        buf.position_ids[r, off:] = torch.arange(t - off)  # the padding block restarts too, so it stays apart
-
+    layout = pack_rows(lengths, max_len) if pack else [[i] for i in range(len(kept))]
+    b = len(layout)
+    buf = _fill_rows(kept, layout, lengths, pad_id)
     truncated = torch.tensor([len(tr.tokens) > max_len for tr in trajectories], dtype=torch.bool)
     groups = list(group_index) if group_index is not None else _group_indices(trajectories)
     images = [k.images for k in kept] if vision is not None else None

@@ -158,7 +158,7 @@ def kernel_fns(kernel: str, dtype: torch.dtype, device_type: str = "cpu"):
     if kernel == "compile":
         return compile_stats, compile_grad
     if kernel == "triton":
-        from molt_hpc.algorithm import logprob_triton
+        from molt_hpc.algorithm.logprob_triton import grad, stats
 
-        return logprob_triton.stats, logprob_triton.grad
+        return stats, grad
     raise ValueError(f"unknown log-prob kernel {kernel!r}; choose one of {', '.join(KERNELS)}")

@@ -1,19 +1,18 @@
 """Per-token log-probs and entropy of the policy, without materialising fp32 `[B, T, V]`.
 
-`token_logprobs(hidden, lm_head_weight, sequences)` takes the model's last hidden states and the LM
-head weight; `logprobs_from_logits(logits, sequences)` takes logits the model already produced (bf16,
-say); `target_logprobs` / `target_token_logprobs` take the targets instead of shifting (a CP slice or
-packed rows). All work `chunk` token positions at a time: the logits of one chunk (`[chunk, V]`, and
-its fp32 temporaries under the `torch` kernel) are the only vocabulary-sized tensors, in the forward
-*and* the backward pass (a custom autograd function recomputes each chunk's logits in backward instead
-of saving them, and accumulates the LM head's gradient chunk by chunk in fp32). Entropy comes from the
-same pass. The per-chunk math has three implementations (`logprob_kernels.py`: torch, compile,
-triton; `auto` picks triton on CUDA GPUs). The distribution is the sampling one,
-`softmax(logits / temperature)`, as the engines report it.
+`token_logprobs(hidden, sequences, lm_head_weight=w)` takes the model's last hidden states and the LM
+head weight; `token_logprobs(logits, sequences)` takes logits the model already produced (bf16, say);
+`aligned=True` takes the targets instead of shifting (a CP slice or packed rows). It works `chunk` token
+positions at a time: the logits of one chunk (`[chunk, V]`, and its fp32 temporaries under the `torch`
+kernel) are the only vocabulary-sized tensors, in the forward *and* the backward pass (a custom autograd
+function recomputes each chunk's logits in backward instead of saving them, and accumulates the LM head's
+gradient chunk by chunk in fp32). Entropy comes from the same pass. The per-chunk math has three
+implementations (`logprob_kernels.py`: torch, compile, triton; `auto` picks triton on CUDA GPUs). The
+distribution is the sampling one, `softmax(logits / temperature)`, as the engines report it.
 
 Alignment (see `experience.py`): the output is `[B, T]` at the token's own index — `logp[b, t]` is
-log p(sequences[b, t] | hidden[b, t-1]) — and column 0, which nothing predicts, is 0. With
-`action_mask`, only action positions are computed (the rest are 0); prompts and env feedback cost
+log p(sequences[b, t] | hidden[b, t-1]) — and column 0, which nothing predicts, is 0. With the
+action mask (`mask`), only action positions are computed (the rest are 0); prompts and env feedback cost
 nothing. A hidden state at the last token of one packed sample predicts the first token of the
 next: that token is a prompt token, never an action, so it is never used.
 """
@@ -134,48 +133,6 @@ def _check_head(hidden: Tensor, weight: Tensor) -> None:
         raise ValueError(f"lm_head_weight is {tuple(weight.shape)}, hidden size is {hidden.shape[-1]}")
 
 
-def token_logprobs(
-    hidden: Tensor,
-    lm_head_weight: Tensor,
-    sequences: Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk: int = 1024,
-    action_mask: Tensor | None = None,
-    kernel: str = "auto",
-) -> tuple[Tensor, Tensor]:
-    """(log-prob of each token, entropy of the distribution that predicted it), both `[B, T]` float32.
-
-    `hidden [B, T, H]` are the last hidden states (after the final norm), `lm_head_weight [V, H]`;
-    gradients flow to both (the head's accumulated over chunks in fp32). An LM head with a bias is not
-    supported (no current model has one). `kernel`: see `logprob_kernels`.
-    """
-    _check(sequences, temperature, chunk, kernel)
-    b, t, h = hidden.shape
-    _check_head(hidden, lm_head_weight)
-    idx, targets, sel = _positions(sequences, action_mask)
-    flat = hidden.reshape(b * t, h)
-    logp, ent = _ChunkedLogProbs.apply(flat, lm_head_weight, idx, targets, temperature, chunk, kernel)
-    return _scatter_back(logp, sel), _scatter_back(ent, sel)
-
-
-def logprobs_from_logits(
-    logits: Tensor,
-    sequences: Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk: int = 1024,
-    action_mask: Tensor | None = None,
-    kernel: str = "auto",
-) -> tuple[Tensor, Tensor]:
-    """As `token_logprobs`, from logits `[B, T, V]` (any dtype; only `chunk` rows at a time go to fp32)."""
-    _check(sequences, temperature, chunk, kernel)
-    b, t, v = logits.shape
-    idx, targets, sel = _positions(sequences, action_mask)
-    logp, ent = _ChunkedLogProbs.apply(logits.reshape(b * t, v), None, idx, targets, temperature, chunk, kernel)
-    return _scatter_back(logp, sel), _scatter_back(ent, sel)
-
-
 def _target_rows(targets: Tensor, mask: Tensor | None, shape: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
     b, s = shape
     if targets.shape != (b, s):
@@ -190,40 +147,39 @@ def _at_index(sel: Tensor, logp: Tensor, ent: Tensor) -> tuple[Tensor, Tensor]:
     return zeros.masked_scatter(sel, logp), zeros.masked_scatter(sel, ent)
 
 
-def target_logprobs(
-    logits: Tensor,
-    targets: Tensor,
+def token_logprobs(
+    source: Tensor,
+    tokens: Tensor,
     *,
+    lm_head_weight: Tensor | None = None,
+    aligned: bool = False,
+    mask: Tensor | None = None,
     temperature: float = 1.0,
     chunk: int = 1024,
-    mask: Tensor | None = None,
     kernel: str = "auto",
 ) -> tuple[Tensor, Tensor]:
-    """As `logprobs_from_logits`, with the targets given instead of shifted: `[B, S]` log p(targets[b, j]
-    | logits[b, j]) and the entropy of that distribution, at the logits' index (0 off `mask`). For a
-    slice of a row (context parallelism), whose last position predicts a token of the next slice."""
-    _check(targets, temperature, chunk, kernel)
-    b, s, v = logits.shape
-    idx, picked, sel = _target_rows(targets, mask, (b, s))
-    logp, ent = _ChunkedLogProbs.apply(logits.reshape(b * s, v), None, idx, picked, temperature, chunk, kernel)
-    return _at_index(sel, logp, ent)
+    """(log-prob of each token, entropy of the distribution that predicted it), both float32.
 
+    `source` is the last hidden states `[B, T, H]` (after the final norm) with `lm_head_weight [V, H]`,
+    gradients flowing to both (the head's accumulated over chunks in fp32; an LM head with a bias is not
+    supported, no current model has one), or logits `[B, T, V]` the model already produced (any dtype;
+    only `chunk` rows at a time go to fp32) when `lm_head_weight` is None.
 
-def target_token_logprobs(
-    hidden: Tensor,
-    lm_head_weight: Tensor,
-    targets: Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk: int = 1024,
-    mask: Tensor | None = None,
-    kernel: str = "auto",
-) -> tuple[Tensor, Tensor]:
-    """As `target_logprobs`, from hidden states `[B, S, H]` and the LM head (as `token_logprobs`)."""
-    _check(targets, temperature, chunk, kernel)
-    b, s, h = hidden.shape
-    _check_head(hidden, lm_head_weight)
-    idx, picked, sel = _target_rows(targets, mask, (b, s))
-    logp, ent = _ChunkedLogProbs.apply(hidden.reshape(b * s, h), lm_head_weight, idx, picked, temperature, chunk,
-                                       kernel)  # fmt: skip
-    return _at_index(sel, logp, ent)
+    `tokens` are the sequences `[B, T]`: position t-1 predicts token t, the output is at the token's own
+    index with column 0 at 0, and `mask` (the action mask, `[B, T]`) selects the tokens computed. With
+    `aligned`, `tokens [B, S]` are the targets of each position instead (a CP slice of a row, whose last
+    position predicts a token of the next slice; packed rows): `[B, S]` log p(tokens[b, j] | source[b, j])
+    at the source's index, 0 off `mask [B, S]`. `kernel`: see `logprob_kernels`.
+    """
+    _check(tokens, temperature, chunk, kernel)
+    b, t, width = source.shape
+    if lm_head_weight is not None:
+        _check_head(source, lm_head_weight)
+    flat = source.reshape(b * t, width)
+    if aligned:
+        idx, picked, sel = _target_rows(tokens, mask, (b, t))
+        logp, ent = _ChunkedLogProbs.apply(flat, lm_head_weight, idx, picked, temperature, chunk, kernel)
+        return _at_index(sel, logp, ent)
+    idx, targets, sel = _positions(tokens, mask)
+    logp, ent = _ChunkedLogProbs.apply(flat, lm_head_weight, idx, targets, temperature, chunk, kernel)
+    return _scatter_back(logp, sel), _scatter_back(ent, sel)

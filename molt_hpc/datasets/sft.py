@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from molt_hpc.config.stages import SftConfig
-from molt_hpc.data import _message_problem, as_messages
+from molt_hpc.data import as_messages, message_problem
 from molt_hpc.datasets.chat_mask import Encoded, ReplyMarkers, RowProblem, encode_chat
 from molt_hpc.datasets.rows import fingerprint, read_rows
 
@@ -34,7 +34,7 @@ def check_messages(messages: Any, what: str) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise RowProblem(f"{what!r} must be a non-empty list of chat messages")
     for msg in messages:
-        if problem := _message_problem(msg):
+        if problem := message_problem(msg):
             raise RowProblem(problem)
     return messages
 

@@ -7,10 +7,10 @@ batch.py      rows, the prefill and decode forwards, sampling a batch
 slots.py      on a GPU: the preallocated KV cache (one slot per row) and its runner
 graphs.py     on a GPU: the decode step recorded and replayed as CUDA graphs (unless enforce_eager)
 scheduler.py  the scheduler thread: admission, pause modes, atomic weight updates
-http.py       token check, error middleware, JSON bodies (shared with the router; no torch)
+(the HTTP edge and the request bodies it shares with the router and the fronts: `molt_hpc.protocol`)
 server.py     the aiohttp app: validation, the generate and control routes
 vision.py     images of a request (`mm`) checked and turned into pixels; the VLM prefill (3-D positions)
-vllm_mm.py    images through vLLM: our `mm` to its render + `features` (used by vllm_front.py)
 weights.py    the weight-transfer routes (vLLM's names) around the refit receiver
 main.py       the engine process: load, serve, register in the run directory
+vllm/         a `vllm serve` engine behind our token-checking front (see vllm/__init__.py)
 """

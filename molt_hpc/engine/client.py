@@ -3,7 +3,7 @@
 Every call carries the run's token. Images (vision-language models) ride in one molt-hpc field of the
 generate body, `"mm": {"images": [data URIs], "spans": [[offset, length], ...]}`: each image and the run
 of (already expanded) placeholder tokens its features fill; the builtin engine reads it as it is, the
-vLLM front turns it into vLLM's render + `features` (`molt_hpc.engine.vllm_mm`).
+vLLM front turns it into vLLM's render + `features` (`molt_hpc.engine.vllm.mm`).
 A non-2xx answer raises `EngineHTTPError` with the status and the server's message, so callers can
 retry 5xx and connection errors and fail fast on 4xx.
 """
@@ -53,7 +53,7 @@ def auth_headers(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-async def _request(
+async def request_json(
     session: aiohttp.ClientSession,
     method: str,
     url: str,
@@ -102,7 +102,7 @@ async def generate(
     body: dict[str, Any] = {"token_ids": list(token_ids), "sampling_params": sampling_params}
     if images:
         body["mm"] = mm_field(images)
-    data = await _request(
+    data = await request_json(
         session, "POST", url.rstrip("/") + GENERATE_PATH, token=token, json=body, headers=headers, timeout=timeout
     )
     return parse_generate_response(data)
@@ -135,14 +135,14 @@ def parse_generate_response(data: dict[str, Any]) -> GenerateResult:
 
 async def health(session: aiohttp.ClientSession, url: str, *, token: str, timeout: float = 5.0) -> dict[str, Any]:
     """The engine's `/health` answer (`{"status": "ok", "weight_version": v, ...}`)."""
-    return await _request(session, "GET", url.rstrip("/") + "/health", token=token, timeout=timeout)
+    return await request_json(session, "GET", url.rstrip("/") + "/health", token=token, timeout=timeout)
 
 
 async def pause(
     session: aiohttp.ClientSession, url: str, *, token: str, mode: str = "keep", timeout: float | None = None
 ) -> dict[str, Any]:
     """Pause generation: `abort` in-flight requests, `wait` for them to finish, or `keep` them frozen."""
-    return await _request(
+    return await request_json(
         session, "POST", url.rstrip("/") + "/pause", token=token, params={"mode": mode}, timeout=timeout
     )
 
@@ -151,4 +151,4 @@ async def resume(
     session: aiohttp.ClientSession, url: str, *, token: str, timeout: float | None = None
 ) -> dict[str, Any]:
     """Resume generation after `pause` (frozen requests continue, held ones start)."""
-    return await _request(session, "POST", url.rstrip("/") + "/resume", token=token, timeout=timeout)
+    return await request_json(session, "POST", url.rstrip("/") + "/resume", token=token, timeout=timeout)

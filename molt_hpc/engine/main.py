@@ -43,17 +43,41 @@ def register_engine(run: RunDir, index: int, url: str, version: int, kind: str) 
     atomic_write(engine_file(run, index), json.dumps(record), durable=False)  # rewritten at every refit
 
 
+def model_runner(model, dev, eng, vision, *, graphs: bool):
+    """The runner of the engine's forwards; `graphs=False` keeps decode steps out of CUDA graphs (the router
+    hooks of router replay record from Python)."""
+    from molt_hpc.engine.batch import ModelRunner
+    from molt_hpc.engine.slots import ATTENTION, SlotRunner, check_slot_cache_fits
+    from molt_hpc.engine.vision import VisionRunner
+
+    if vision is not None:  # multimodal positions: the growing cache (the slot cache's columns are positions)
+        return VisionRunner(model, dev, vision.spec.merge)
+    if dev.type == "cuda" and getattr(model.config, "_attn_implementation", "sdpa") in ATTENTION:
+        # On a GPU: a preallocated KV cache, and decode steps replayed as CUDA graphs unless enforce_eager.
+        # On a CPU the step costs what its ops cost either way; the growing cache stays.
+        fraction = eng.gpu_memory_utilization
+        check_slot_cache_fits(model.config, dev, eng.max_batch, eng.max_model_len, model.dtype, fraction)
+        return SlotRunner(
+            model,
+            dev,
+            max_batch=eng.max_batch,
+            max_model_len=eng.max_model_len,
+            graphs=not eng.enforce_eager and graphs,
+            sampling=eng.sample_in_graph,
+            fuse=eng.fuse_projections,
+        )
+    return ModelRunner(model, dev)
+
+
 def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
     """Model, scheduler and app of engine `index` (not yet serving); `model` skips loading it from
     `model.path` (a model built in memory, e.g. by a benchmark)."""
     import torch
 
-    from molt_hpc.engine.batch import ModelRunner
     from molt_hpc.engine.routing import RoutingRecorder
     from molt_hpc.engine.scheduler import Scheduler
     from molt_hpc.engine.server import EngineState, build_app
-    from molt_hpc.engine.slots import ATTENTION, SlotRunner, bound_gpu_memory, check_slot_cache_fits
-    from molt_hpc.engine.vision import VisionRunner
+    from molt_hpc.engine.slots import bound_gpu_memory
     from molt_hpc.engine.weights import WeightSync
     from molt_hpc.models import load_causal_lm, resolve_model
     from molt_hpc.refit.handles import place
@@ -74,24 +98,7 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
     eos = model.generation_config.eos_token_id if model.generation_config else model.config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     routing = RoutingRecorder(model) if cfg.actor.router_replay else None
-    if vision is not None:  # multimodal positions: the growing cache (the slot cache's columns are positions)
-        runner = VisionRunner(model, dev, vision.spec.merge)
-    elif device == "cuda" and getattr(model.config, "_attn_implementation", "sdpa") in ATTENTION:
-        # On a GPU: a preallocated KV cache, and decode steps replayed as CUDA graphs unless enforce_eager.
-        # On a CPU the step costs what its ops cost either way; the growing cache stays.
-        fraction = eng.gpu_memory_utilization
-        check_slot_cache_fits(model.config, dev, eng.max_batch, eng.max_model_len, model.dtype, fraction)
-        runner = SlotRunner(
-            model,
-            dev,
-            max_batch=eng.max_batch,
-            max_model_len=eng.max_model_len,
-            graphs=not eng.enforce_eager and routing is None,  # the router hooks record from Python
-            sampling=eng.sample_in_graph,
-            fuse=eng.fuse_projections,
-        )
-    else:
-        runner = ModelRunner(model, dev)
+    runner = model_runner(model, dev, eng, vision, graphs=routing is None)
     sched = Scheduler(
         runner,
         eos_ids=eos_ids,

@@ -9,8 +9,8 @@ greedy decoding; its log-probs are those of temperature 1 with the same filters.
 
 import torch
 
-from molt_hpc.engine.http import parse
-from molt_hpc.engine.requests import NEUTRAL, GenerateRequest, SamplingParams
+from molt_hpc.protocol.edge import parse
+from molt_hpc.protocol.requests import NEUTRAL, GenerateRequest, SamplingParams
 
 __all__ = ["NEUTRAL", "GenerateRequest", "SamplingParams", "parse_generate", "processed_logprobs", "sample"]
 

@@ -15,11 +15,11 @@ import torch
 from aiohttp import web
 
 from molt_hpc.engine.batch import Row
-from molt_hpc.engine.http import errors_middleware, parse, read_json, token_middleware
-from molt_hpc.engine.requests import PAUSE_MODES, PauseRequest
 from molt_hpc.engine.sampling import parse_generate
 from molt_hpc.engine.scheduler import Scheduler
 from molt_hpc.engine.vision import check_no_pads, row_images
+from molt_hpc.protocol.edge import errors_middleware, parse, read_json, token_middleware
+from molt_hpc.protocol.requests import PAUSE_MODES, PauseRequest
 
 
 @dataclass

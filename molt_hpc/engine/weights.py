@@ -14,10 +14,10 @@ from collections.abc import Callable
 import torch
 from aiohttp import web
 
-from molt_hpc.engine.http import error, parse, read_json
-from molt_hpc.engine.requests import FinishRequest, InitRequest, UpdateRequest
 from molt_hpc.engine.server import EngineState, run_on_scheduler
 from molt_hpc.log import get_logger
+from molt_hpc.protocol.edge import error, parse, read_json
+from molt_hpc.protocol.requests import FinishRequest, InitRequest, UpdateRequest
 from molt_hpc.refit.experts import expert_views
 from molt_hpc.refit.receiver import RefitReceiver
 

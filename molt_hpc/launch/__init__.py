@@ -1,4 +1,15 @@
 """Launchers: local mode (subprocesses on one machine) and Slurm (one heterogeneous job).
 
-Both start the same `jobs/` entry points; `procs.py` holds the child-process handling they share.
+Both start the same `jobs/` entry points.
+
+local.py     `molt-hpc run`: the actor pool under torchrun and the engine pool as local subprocesses
+stage.py     the supervised stages (`molt-hpc sft`, `rm train`) in local mode: the actor pool alone
+pool.py      the engine pool of one node: its engines and, on the first node, the router and orchestrator
+procs.py     the child-process handling both launchers share
+torchrun.py  torchrun that leaves SIGTERM to the trainer
+watchdog.py  the circuit breaker for a run that stopped training
+progress.py  a local run's progress bar or step lines, then a summary, from metrics.jsonl
+clean.py     `molt-hpc buffer clean`: a stopped run's shm spool removed, refused while the run is live
+preflight/   the checks before any process starts or any job is queued
+slurm/       Slurm mode: submit, render, drive and watch one heterogeneous job
 """

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 from molt_hpc import fault, net
-from molt_hpc.actor.ep_check import check_ep, model_experts
 from molt_hpc.buffer.cleanup import release_finished
 from molt_hpc.config import MoltConfig, to_toml
 from molt_hpc.launch.procs import REPO, Child, StopSignals, exit_report, job_command, stop_all
@@ -30,6 +29,7 @@ from molt_hpc.launch.progress import Progress
 from molt_hpc.launch.watchdog import Watchdog
 from molt_hpc.log import MetricsWriter, get_logger, log_tail
 from molt_hpc.models import resolve_model
+from molt_hpc.parallel.ep_check import check_ep, model_experts
 from molt_hpc.rundir import RunDir, atomic_write, create_run_dir, private_files
 from molt_hpc.trackers import Trackers, check_optional_packages
 
@@ -84,7 +84,7 @@ def split_gpus(cfg: MoltConfig, gpus: list[str]) -> tuple[list[str], list[str]]:
     return gpus[: max(actor_n, 1)] if actor_n else [], gpus if engine_n else []
 
 
-def _gpu_env(gpus: list[str]) -> dict[str, str]:
+def gpu_env(gpus: list[str]) -> dict[str, str]:
     # An empty list hides every GPU, so a CPU-only pool never grabs one by accident.
     return {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
 
@@ -101,17 +101,7 @@ def run_local(cfg: MoltConfig) -> int:
     """Run (or continue) `cfg`'s run on this machine; returns the process exit code."""
     log = get_logger()
     private_files()  # the launcher writes logs, metrics and the run directory itself
-    check_optional_packages(cfg)
-    if cfg.actor.ranks % cfg.actor.cp:
-        raise ValueError(
-            f"actor.ranks ({cfg.actor.ranks}) is not a multiple of actor.cp ({cfg.actor.cp}): each CP group "
-            "needs cp trainer ranks"
-        )
-    if cfg.engines.nodes_per_engine > 1:
-        raise ValueError(
-            f"engines.nodes_per_engine = {cfg.engines.nodes_per_engine} spans an engine over several nodes but a "
-            "local run has one: submit it to Slurm (`molt-hpc submit`), or set engines.nodes_per_engine = 1"
-        )
+    _check_local(cfg)
     run = prepare_run(cfg)
     log.info("run directory %s", run.path)
     resumed = _latest(run)
@@ -124,8 +114,8 @@ def run_local(cfg: MoltConfig) -> int:
     vllm_first = False
     if gpus:
         actor_gpus, pool_gpus = split_gpus(cfg, gpus)
-        actor.env.update(_gpu_env(actor_gpus))
-        pool.env.update(_gpu_env(pool_gpus))
+        actor.env.update(gpu_env(actor_gpus))
+        pool.env.update(gpu_env(pool_gpus))
         log.info("GPUs: actor pool %s, engine pool %s", actor_gpus or "none", pool_gpus or "none")
         vllm_first = cfg.engines.kind == "vllm" and bool(set(actor_gpus) & set(pool_gpus))
     trackers = Trackers(cfg.logging, run, cfg.run.name)
@@ -161,6 +151,21 @@ def run_local(cfg: MoltConfig) -> int:
     return code
 
 
+def _check_local(cfg: MoltConfig) -> None:
+    """What a run on one machine cannot do, refused with the change to make."""
+    check_optional_packages(cfg)
+    if cfg.actor.ranks % cfg.actor.cp:
+        raise ValueError(
+            f"actor.ranks ({cfg.actor.ranks}) is not a multiple of actor.cp ({cfg.actor.cp}): each CP group "
+            "needs cp trainer ranks"
+        )
+    if cfg.engines.nodes_per_engine > 1:
+        raise ValueError(
+            f"engines.nodes_per_engine = {cfg.engines.nodes_per_engine} spans an engine over several nodes but a "
+            "local run has one: submit it to Slurm (`molt-hpc submit`), or set engines.nodes_per_engine = 1"
+        )
+
+
 def _wait_for_engines(cfg: MoltConfig, run: RunDir, pool: Child, stopping) -> int | None:
     """Wait until every engine registered (None), or return the run's exit code: the pool died, a stop
     was asked, or the engines took longer than `engines.startup_timeout_s`."""
@@ -168,7 +173,7 @@ def _wait_for_engines(cfg: MoltConfig, run: RunDir, pool: Child, stopping) -> in
     while _live_registrations(run) < cfg.engines.count:
         code = pool.poll()
         if code is not None:
-            return _died(pool, code, run)
+            return child_died(pool, code, run)
         if stopping():
             return 0
         if time.monotonic() > deadline:
@@ -222,11 +227,11 @@ def _supervise(
             if code == 0 and interrupted():
                 log.info("stopped after a checkpoint%s", _resume_hint(run, "; continue with: "))
                 return 0
-            return _died(actor, code, run)
+            return child_died(actor, code, run)
         code = pool.poll()
         # The orchestrator ends on its own once training is done or a stop was asked: wait for the trainer.
         if code is not None and not (code == 0 and (stopping or done)) and watchdog.check() is None:
-            return _died(pool, code, run)
+            return child_died(pool, code, run)
         if stop_deadline is not None and time.monotonic() > stop_deadline:
             log.error("the trainer did not stop within %.0f s; stopping everything", STOP_WAIT_S)
             return 1
@@ -272,7 +277,7 @@ def _failed(run: RunDir, failure: dict, clean: bool) -> int:
     return 1
 
 
-def _died(child: Child, code: int, run: RunDir) -> int:
+def child_died(child: Child, code: int, run: RunDir) -> int:
     log = get_logger()
     user_error = user_error_line(child.log) if code == 2 else None
     if user_error is not None:  # the child refused its input: that line is the whole story

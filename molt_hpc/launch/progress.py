@@ -121,7 +121,7 @@ class Progress:
         print(reward_summary(training_steps(read_metrics(self.run.metrics, source="actor"))), flush=True)
         for line in reward_model_summary(self.run):
             print(line, flush=True)
-        from molt_hpc.status import eval_summary
+        from molt_hpc.records import eval_summary
 
         if (line := eval_summary(self.run.path)) is not None:
             print(line, flush=True)

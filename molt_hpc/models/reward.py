@@ -15,7 +15,8 @@ token is its EOS token; `token_scores` hooks the head to get its output at every
 import json
 from pathlib import Path
 
-from molt_hpc.models.load import check_model_dir, quiet_transformers
+from molt_hpc.hf_logging import quiet_transformers
+from molt_hpc.models.load import check_model_dir
 
 MEAN_KEY, STD_KEY = "molt_reward_mean", "molt_reward_std"
 

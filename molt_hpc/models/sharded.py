@@ -29,7 +29,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from molt_hpc.models.load import check_model_dir, lm_class, quiet_transformers
+from molt_hpc.hf_logging import quiet_transformers
+from molt_hpc.models.load import check_model_dir, lm_class
 from molt_hpc.models.slices import Checkpoint, Region, recipes
 
 

@@ -11,7 +11,7 @@ import string
 from pathlib import Path
 
 from molt_hpc.config.model import TinyModelConfig
-from molt_hpc.models.load import quiet_transformers
+from molt_hpc.hf_logging import quiet_transformers
 
 SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (

@@ -10,7 +10,7 @@ keep per-expert names (`mlp.experts.{e}.gate_proj.weight`); transformers fuses t
 from pathlib import Path
 
 from molt_hpc.config.model import TinyMoeConfig
-from molt_hpc.models.load import quiet_transformers
+from molt_hpc.hf_logging import quiet_transformers
 from molt_hpc.models.tiny_char import build_tiny_tokenizer, save_tiny
 
 

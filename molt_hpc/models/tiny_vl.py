@@ -12,7 +12,7 @@ reaches a hub.
 from pathlib import Path
 
 from molt_hpc.config.model import TinyVLModelConfig
-from molt_hpc.models.load import quiet_transformers
+from molt_hpc.hf_logging import quiet_transformers
 from molt_hpc.models.tiny_char import build_tiny_tokenizer, save_tiny
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]

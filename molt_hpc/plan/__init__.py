@@ -2,6 +2,7 @@
 
 - `arch`: the model's shape and exact parameter counts from its config on the meta device;
 - `activations`: bytes per token each part of an HF decoder keeps for backward;
+- `shape`: what one trainer rank processes (rows, tokens, micro-batches) from the config;
 - `trainer`: per-GPU trainer memory by category and by phase of a step;
 - `engine`: engine memory and KV-cache capacity, refit bytes and time;
 - `verdict`: placement, host memory, the checks against the hardware, blockers;

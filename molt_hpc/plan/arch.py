@@ -197,9 +197,9 @@ def arch_from_config(config, source: str = "") -> Arch:
     """Count a transformers config's parameters on the meta device (no memory, no weights)."""
     import torch
 
-    from molt_hpc.actor.head import _qualifies_statically
-    from molt_hpc.actor.parallelize import language_blocks
-    from molt_hpc.models import quiet_transformers
+    from molt_hpc.actor.head import qualifies_statically
+    from molt_hpc.hf_logging import quiet_transformers
+    from molt_hpc.models.blocks import language_blocks
     from molt_hpc.models.load import lm_class
 
     quiet_transformers()
@@ -236,7 +236,7 @@ def arch_from_config(config, source: str = "") -> Arch:
         qk_norm=any(".q_norm." in f".{n}" for n, _ in blocks[0].named_parameters()),
         # the trainer's own rule on the same class; its one-position check at the first forward needs
         # values, so a head the static rule admits is taken as fused
-        fused_head=_qualifies_statically(model),
+        fused_head=qualifies_statically(model),
         source=source,
     )
 

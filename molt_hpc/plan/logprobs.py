@@ -30,7 +30,7 @@ from molt_hpc.plan.activations import head_bytes
 from molt_hpc.plan.arch import Arch
 
 if TYPE_CHECKING:
-    from molt_hpc.plan.trainer import Shape
+    from molt_hpc.plan.shape import Shape
 
 STATS_FP32 = 3
 """fp32 `[chunk, V]` tensors the stats pass holds at once (`logprob_kernels.torch_stats`): the scaled

@@ -92,7 +92,7 @@ def _speed_block(plan: Plan) -> list[str]:
 
 
 def _tokens(plan: Plan) -> int:
-    from molt_hpc.plan.trainer import shape_of
+    from molt_hpc.plan.shape import shape_of
 
     return shape_of(plan.cfg, plan.placement.actor_ranks, plan.placement.actor_device, plan.arch).tokens
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from molt_hpc.config import MoltConfig
 from molt_hpc.config.infra import SpeedProfile
 from molt_hpc.plan.arch import Arch
-from molt_hpc.plan.trainer import shape_of
+from molt_hpc.plan.shape import shape_of
 
 BUCKET_S = 0.002
 VLLM_MAX_SEQS = 256

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from molt_hpc.config import MoltConfig
 from molt_hpc.plan.arch import Arch
 from molt_hpc.plan.engine import GIB, EngineMemory, Refit, engine_memory, largest_tensor, refit_estimate
-from molt_hpc.plan.trainer import Phase, TrainerMemory, shape_of, trainer_memory
+from molt_hpc.plan.shape import shape_of
+from molt_hpc.plan.trainer import Phase, TrainerMemory, trainer_memory
 
 ALLOCATOR_SLACK = 1.08
 """Reserved over allocated bytes of PyTorch's caching allocator in a training step (expandable

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from molt_hpc.engine.http import parse
-from molt_hpc.engine.requests import InitInfo
 from molt_hpc.log import get_logger
+from molt_hpc.protocol.edge import parse
+from molt_hpc.protocol.requests import InitInfo
 from molt_hpc.refit.buckets import Bucket, CopyPlan, bucket_views, copy_tensors, metas_from_info, plan_buckets
 from molt_hpc.refit.group import RefitGroup, buffer_device, connect_store, new_group
 from molt_hpc.refit.ipc import ChannelClosed, IpcInbox

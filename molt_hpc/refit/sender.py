@@ -251,15 +251,8 @@ class RefitSender:
             raise
         total = sum(b.nbytes for b in plan)
         stats = RefitStats(version, time.perf_counter() - t0, total, len(plan), len(self.urls))
-        get_logger().info(
-            "refit v%d: %.1f MB in %d buckets to %d engines, %.2fs (%.2f GB/s)",
-            version,
-            total / 1e6,
-            len(plan),
-            len(self.urls),
-            stats.seconds,
-            stats.gb_per_s,
-        )
+        get_logger().info("refit v%d: %.1f MB in %d buckets to %d engines, %.2fs (%.2f GB/s)", version, total / 1e6,
+                          len(plan), len(self.urls), stats.seconds, stats.gb_per_s)  # fmt: skip
         return stats
 
     def _push_in_place(

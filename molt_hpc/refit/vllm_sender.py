@@ -20,7 +20,7 @@ resumes.
 An engine on this trainer's own GPU (its `/health` `device_uuids`, from our worker extension) cannot
 join an NCCL group with it. It gets the shared-memory refit instead: the trainer shares CUDA IPC
 handles of its bucket slots once (`/collective_rpc molt_ipc_init`), and each push packs the buckets
-into them while the engine's `molt_ipc_update` copies them into vLLM's weights (`engine/vllm_ipc.py`).
+into them while the engine's `molt_ipc_update` copies them into vLLM's weights (`engine/vllm/ipc.py`).
 One push can serve both kinds: each tensor goes to the slots and on to vLLM's NCCL packer.
 """
 

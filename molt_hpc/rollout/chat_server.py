@@ -19,7 +19,8 @@ from aiohttp import web
 from molt_hpc.agents.calls import EngineError
 from molt_hpc.config.rollout import RolloutConfig
 from molt_hpc.engine.client import SESSION_HEADER, EngineHTTPError
-from molt_hpc.engine.http import (
+from molt_hpc.log import get_logger
+from molt_hpc.protocol.edge import (
     BadRequest,
     check_session,
     loads,
@@ -28,7 +29,6 @@ from molt_hpc.engine.http import (
     parse,
     read_body,
 )
-from molt_hpc.log import get_logger
 from molt_hpc.rollout.chat_schema import ChatRequest
 from molt_hpc.rollout.engines import EngineLink
 

@@ -20,7 +20,9 @@ from aiohttp import web
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.engine.client import SESSION_HEADER
-from molt_hpc.engine.http import (
+from molt_hpc.log import get_logger, setup_logging
+from molt_hpc.net import public_host
+from molt_hpc.protocol.edge import (
     check_session,
     error,
     errors_middleware,
@@ -30,9 +32,7 @@ from molt_hpc.engine.http import (
     read_body,
     token_middleware,
 )
-from molt_hpc.engine.requests import GenerateRequest
-from molt_hpc.log import get_logger, setup_logging
-from molt_hpc.net import public_host
+from molt_hpc.protocol.requests import GenerateRequest
 from molt_hpc.router.pool import Engine, EnginePool
 from molt_hpc.rundir import RunDir, atomic_write
 

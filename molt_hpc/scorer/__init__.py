@@ -9,33 +9,11 @@ listens and removes it on a clean stop; scorers are never in the router's ring o
 
 builtin.py  the transformers scorer (`reward_model.kind = "builtin"`), CPU or GPU: `main(cfg, run_dir, index)`
 vllm.py     `vllm serve` as a pooling (classify) model behind a token-checking front (`kind = "vllm"`)
+registry.py where a scorer registers its URL in the run directory, and who reads it
 client.py   the orchestrator's side: score a group's sequences, waiting (and retrying) while no scorer answers
 """
 
-import json
-import os
 from pathlib import Path
-
-from molt_hpc.rundir import RunDir, atomic_write
-
-
-def scorer_file(run: RunDir, index: int) -> Path:
-    return run.rendezvous / f"scorer-{index}.json"
-
-
-def register_scorer(run: RunDir, index: int, url: str, kind: str) -> None:
-    atomic_write(scorer_file(run, index), json.dumps({"url": url, "index": index, "pid": os.getpid(), "kind": kind}))
-
-
-def scorer_urls(run: RunDir) -> list[str]:
-    """URLs of the registered scorers, by index (a file being replaced is skipped until the next look)."""
-    out = []
-    for path in sorted(run.rendezvous.glob("scorer-*.json")):
-        try:
-            out.append(str(json.loads(path.read_text())["url"]))
-        except (FileNotFoundError, json.JSONDecodeError, KeyError):
-            continue
-    return out
 
 
 def main(cfg, run_dir: str | Path, index: int) -> int:

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from molt_hpc.config import MoltConfig
-from molt_hpc.engine.http import parse
 from molt_hpc.log import get_logger, setup_logging
 from molt_hpc.net import serve_until_signal
+from molt_hpc.protocol.edge import parse
 from molt_hpc.rundir import RunDir
-from molt_hpc.scorer import register_scorer, scorer_file
+from molt_hpc.scorer.registry import register_scorer, scorer_file
 from molt_hpc.scorer.request import ClassifyRequest
 
 
@@ -39,8 +39,8 @@ def parse_classify(body: Any, vocab_size: int, max_len: int) -> tuple[list[list[
 def build_app(model, token: str, index: int, max_batch: int, max_len: int, name: str):
     from aiohttp import web
 
-    from molt_hpc.engine.http import errors_middleware, read_json, token_middleware
     from molt_hpc.models.reward import score_sequences
+    from molt_hpc.protocol.edge import errors_middleware, read_json, token_middleware
 
     app = web.Application(middlewares=[token_middleware(token), errors_middleware], client_max_size=1 << 28)
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="score")  # one forward at a time

@@ -15,10 +15,10 @@ import time
 import aiohttp
 
 from molt_hpc.config.stages import RewardModelConfig
-from molt_hpc.engine.client import EngineHTTPError, _request
+from molt_hpc.engine.client import EngineHTTPError, request_json
 from molt_hpc.log import get_logger
 from molt_hpc.rundir import RunDir
-from molt_hpc.scorer import scorer_urls
+from molt_hpc.scorer.registry import scorer_urls
 
 RETRY_MAX_S = 5.0
 REPORT_S = 30.0
@@ -69,7 +69,7 @@ class ScorerClient:
     async def _classify(self, url: str, sequences: list[list[int]]) -> list[float]:
         self.requests += 1
         body = {"input": sequences, "use_activation": False}
-        data = await _request(
+        data = await request_json(
             self.session, "POST", url.rstrip("/") + "/classify", token=self.token, json=body, timeout=self.cfg.timeout_s
         )
         items = sorted(data["data"], key=lambda d: d["index"])

@@ -21,7 +21,7 @@ from pathlib import Path
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import get_logger, log_tail, setup_logging
 from molt_hpc.rundir import RunDir
-from molt_hpc.scorer import register_scorer, scorer_file
+from molt_hpc.scorer.registry import register_scorer, scorer_file
 
 
 def vllm_score_command(cfg: MoltConfig, model_dir: str | Path, port: int, index: int) -> list[str]:
@@ -42,8 +42,8 @@ def build_score_front(front):
     """The token-checking front: `/classify` (raw scores) and `/health`, relayed to vLLM."""
     from aiohttp import web
 
-    from molt_hpc.engine.http import error, errors_middleware, parse, read_json, token_middleware
-    from molt_hpc.engine.vllm_front import call_upstream, relay, upstream_message
+    from molt_hpc.engine.vllm.front import call_upstream, relay, upstream_message
+    from molt_hpc.protocol.edge import error, errors_middleware, parse, read_json, token_middleware
     from molt_hpc.scorer.request import ClassifyRequest
 
     app = web.Application(middlewares=[token_middleware(front.token), errors_middleware], client_max_size=1 << 28)
@@ -80,8 +80,8 @@ async def serve(cfg: MoltConfig, run: RunDir, index: int) -> int:
     from aiohttp import web
 
     from molt_hpc.engine.main import public_url
-    from molt_hpc.engine.vllm_front import Front
-    from molt_hpc.engine.vllm_main import check_vllm, start_vllm, stop_vllm, vllm_env, wait_healthy
+    from molt_hpc.engine.vllm.front import Front
+    from molt_hpc.engine.vllm.main import check_vllm, start_vllm, stop_vllm, vllm_env, wait_healthy
     from molt_hpc.models.reward import resolve_reward_model
     from molt_hpc.net import free_port
 

@@ -25,7 +25,7 @@ class Vision:
     def __init__(self, model_dir: str | Path):
         from transformers import AutoImageProcessor
 
-        from molt_hpc.models.load import quiet_transformers
+        from molt_hpc.hf_logging import quiet_transformers
 
         quiet_transformers()
         self.spec = vision_spec(model_dir)

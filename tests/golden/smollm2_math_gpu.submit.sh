@@ -25,7 +25,7 @@
 #SBATCH --gpus-per-node=1
 #SBATCH --time=00:30:00
 
-# The driver (molt_hpc.launch.slurm_driver) is this shell's process, so the --signal warning
+# The driver (molt_hpc.launch.slurm.driver) is this shell's process, so the --signal warning
 # (B:USR1) reaches it; submitit loads it from its pickle in the run directory.
 export SUBMITIT_EXECUTOR=slurm
 export SUBMITIT_PREEMPT_SIGNAL=USR1

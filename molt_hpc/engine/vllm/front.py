@@ -21,8 +21,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from molt_hpc.engine import vllm_mm
-from molt_hpc.engine.http import (
+from molt_hpc.engine.vllm import mm as vllm_mm
+from molt_hpc.protocol.edge import (
     error,
     errors_middleware,
     forwardable_path,
@@ -32,7 +32,7 @@ from molt_hpc.engine.http import (
     read_json,
     token_middleware,
 )
-from molt_hpc.engine.requests import (
+from molt_hpc.protocol.requests import (
     FinishRequest,
     GenerateRequest,
     InitRequest,

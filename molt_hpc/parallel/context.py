@@ -5,7 +5,7 @@ runs the model on its `1/cp` slice of every row.
   A row is padded to a multiple of `cp` (`pad`); each rank feeds the model its slice of the ids and
   position ids (`shard`). `shard` slices *any* per-token tensor `[B, T, ...]` the same way: whatever
   else the model reads per token (replayed MoE routing) goes through it.
-- **Attention** needs whole rows: the attention function (`molt_hpc.actor.attention`) turns the q, k,
+- **Attention** needs whole rows: the attention function (`molt_hpc.parallel.attention`) turns the q, k,
   v of the slice into whole rows holding `1/cp` of the heads (`seq_to_head`, an all-to-all), runs the
   real kernel, and turns the output back (`head_to_seq`). KV heads are repeated first when the group
   has more ranks than KV heads (`kv_repeats`). Everything else in a decoder block is per token.

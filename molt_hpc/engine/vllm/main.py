@@ -4,10 +4,10 @@ One process per engine, started by the pool like the builtin engine (`CUDA_VISIB
 narrowed to its GPUs). It checks that vLLM is installed and matches torch from package metadata
 (importing vLLM is heavy and needs CUDA; this process never imports torch), starts
 `python -m vllm.entrypoints.openai.api_server` as a child listening on 127.0.0.1 (its dev routes are
-not token-guarded), waits for its `/health`, then serves the front (`vllm_front.py`) on
+not token-guarded), waits for its `/health`, then serves the front (`front.py`) on
 `engines.host` and registers `rendezvous/engine-<index>.json`.
 SIGTERM/SIGINT: unregister, stop vLLM, exit 0. vLLM dying: unregister, exit 1 (the pool restarts us).
-An engine over several nodes (`vllm_span.py`) runs this process on each: the head as above, the
+An engine over several nodes (`span.py`) runs this process on each: the head as above, the
 others a headless `vllm serve` that joins the head and serves nothing.
 """
 
@@ -31,7 +31,7 @@ import aiohttp
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.engine.main import engine_file, public_url, register_engine
-from molt_hpc.engine.vllm_span import (
+from molt_hpc.engine.vllm.span import (
     Span,
     head_address,
     head_file,
@@ -49,8 +49,8 @@ from molt_hpc.vision.spec import is_vision_model
 TESTED_VLLM = "0.26.0"
 FIX = "pip install 'molt-hpc[gpu]' (vllm==0.26.0, which pins torch 2.11), or set engines.kind = 'builtin'"
 STOP_GRACE_S = 20.0
-WORKER_EXTENSION = "molt_hpc.engine.vllm_ipc.MoltWorkerExtension"
-PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+WORKER_EXTENSION = "molt_hpc.engine.vllm.ipc.MoltWorkerExtension"
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
 """Where `molt_hpc` is imported from here: vLLM's workers import the extension from there too."""
 PR_SET_PDEATHSIG = 1
 ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
@@ -211,7 +211,7 @@ async def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: f
 async def worker_place(front) -> dict:
     """Where vLLM's workers run (our extension's `molt_place`, one answer per worker); {} when it cannot
     say, and then the trainer refits this engine over NCCL."""
-    from molt_hpc.engine.vllm_front import call_upstream, upstream_message
+    from molt_hpc.engine.vllm.front import call_upstream, upstream_message
 
     status, raw, _ = await call_upstream(front, "POST", "/collective_rpc", "application/json",
                                          data=json.dumps({"method": "molt_place", "timeout": 60}).encode())  # fmt: skip
@@ -230,7 +230,7 @@ async def serve_front(
     """Serve the front and stay registered until a stop (0) or vLLM's death (1)."""
     from aiohttp import web
 
-    from molt_hpc.engine.vllm_front import Front, build_front
+    from molt_hpc.engine.vllm.front import Front, build_front
 
     log = get_logger()
     front = Front(upstream, run.token(), index, open_health=cfg.router.kind == "vllm-router")

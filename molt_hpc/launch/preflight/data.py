@@ -17,7 +17,7 @@ SAMPLE_ROWS = 256
 
 
 def _fail(message: str) -> None:
-    from molt_hpc.launch.preflight import PreflightError
+    from molt_hpc.launch.preflight.files import PreflightError
 
     raise PreflightError(message)
 
@@ -48,7 +48,7 @@ def check_rows(
     """Check the first `limit` rows of `path` (the file behind config key `key`); returns warnings for what
     `data.on_bad_row = "skip"` will skip, raises `PreflightError` for what stops the run. `vision`: the
     model takes images (True before its `Vision` is had, then the `Vision` to expand them with)."""
-    from molt_hpc.launch.preflight import PreflightError
+    from molt_hpc.launch.preflight.files import PreflightError
 
     skip = cfg.on_bad_row == "skip"
     seen, usable, bad = 0, 0, Counter()

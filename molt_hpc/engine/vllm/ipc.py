@@ -2,7 +2,7 @@
 
 vLLM 0.26's own IPC weight transfer takes its handles over HTTP only as a pickle (and only with
 `VLLM_ALLOW_INSECURE_SERIALIZATION=1`). Instead `vllm serve --worker-extension-cls
-molt_hpc.engine.vllm_ipc.MoltWorkerExtension` mixes these methods into each worker, and the trainer
+molt_hpc.engine.vllm.ipc.MoltWorkerExtension` mixes these methods into each worker, and the trainer
 calls them through vLLM's dev route `POST /collective_rpc` (behind our front, which forwards only
 `molt_*` methods), each with one JSON string argument that `refit.ipc` validates field by field:
 

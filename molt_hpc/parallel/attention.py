@@ -8,7 +8,7 @@ micro-batch into this rank's model inputs plus a `Layout` of the whole rows' doc
 the padding block), which transformers hands to every layer's attention call (keyword `molt_layout`).
 The function then runs:
 
-1. with CP, the sequence → head all-to-all of q, k, v (`context_parallel.seq_to_head`);
+1. with CP, the sequence → head all-to-all of q, k, v (`context.seq_to_head`);
 2. the real kernel over whole rows, each document attending causally to itself only:
    - `sdpa`: torch SDPA, causal, one document at a time (whole rows when no row holds two samples);
    - `sdpa` on CUDA in half precision: torch's varlen flash kernel over the documents (`cu_seqlens`),
@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from molt_hpc.actor.context_parallel import ContextParallel, head_to_seq, kv_repeats, seq_to_head
 from molt_hpc.algorithm import Experience
+from molt_hpc.models.blocks import language_blocks
+from molt_hpc.parallel.context import ContextParallel, head_to_seq, kv_repeats, seq_to_head
 
 ATTENTION = "molt_document_attention"
 KERNELS = ("sdpa", "flash_attention_2")
@@ -217,8 +218,6 @@ def check_model(model: nn.Module, attn: str, cp: int) -> None:
         )
     config = model.config.get_text_config()
     other = sorted(set(getattr(config, "layer_types", None) or []) - {"full_attention"})
-    from molt_hpc.actor.parallelize import language_blocks
-
     if other or any(not hasattr(b, "self_attn") for b in language_blocks(model)):
         raise ValueError(
             f"{what}: {type(model).__name__} has layers other than full softmax attention "

@@ -14,7 +14,7 @@ import submitit
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.config.infra import slurm_time_seconds
-from molt_hpc.launch.slurm_render import submitit_script
+from molt_hpc.launch.slurm.render import submitit_script
 
 
 class HetSlurmExecutor(submitit.SlurmExecutor):

@@ -6,7 +6,7 @@
     cancel(run_dir)          checkpoint, then end the job (or at once with now=True)
     slurm_job_state(run_dir) the Slurm state of the run's job, for `molt-hpc status`
 
-The driver that runs inside the job is slurm_driver.py; the script templates live in `slurm/`.
+The driver that runs inside the job is driver.py; the script templates live in `slurm/`.
 """
 
 import shutil
@@ -16,10 +16,10 @@ from pathlib import Path
 
 from molt_hpc import fault
 from molt_hpc.config import MoltConfig, to_toml
-from molt_hpc.launch.slurm_checks import preflight
-from molt_hpc.launch.slurm_render import standalone_script as _standalone
-from molt_hpc.launch.slurm_render import submitit_command, submitit_script
-from molt_hpc.launch.slurm_state import (
+from molt_hpc.launch.slurm.checks import preflight
+from molt_hpc.launch.slurm.render import standalone_script as _standalone
+from molt_hpc.launch.slurm.render import submitit_command, submitit_script
+from molt_hpc.launch.slurm.state import (
     ACTIVE_STATES,
     control_file,
     job_state,
@@ -75,8 +75,8 @@ def submit(cfg: MoltConfig, *, resume: bool = False) -> tuple[str, Path]:
     """Submit `cfg` (a new run, or `resume` the one in its run directory); returns (job id, run dir)."""
     from submitit.core.utils import FailedJobError
 
-    from molt_hpc.launch.slurm_driver import SlurmDriver
-    from molt_hpc.launch.slurm_executor import HetSlurmExecutor
+    from molt_hpc.launch.slurm.driver import SlurmDriver
+    from molt_hpc.launch.slurm.executor import HetSlurmExecutor
 
     preflight(cfg)
     _check_model(cfg)
@@ -113,7 +113,7 @@ def cancel(run_dir: str | Path, *, now: bool = False, timeout_s: float | None = 
         _scancel(job_id)
         return f"cancelled job {job_id} ({'at once' if now else state})"
     if timeout_s is None:
-        from molt_hpc.launch.slurm_driver import POOL_STOP_S, run_config
+        from molt_hpc.launch.slurm.driver import POOL_STOP_S, run_config
 
         timeout_s = run_config(run).slurm.stop_wait_s + POOL_STOP_S + CANCEL_MARGIN_S
     deadline = time.monotonic() + timeout_s

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.launch.procs import Child
-from molt_hpc.launch.slurm_state import control_file, stop_cause, touch_control
+from molt_hpc.launch.slurm.state import control_file, stop_cause, touch_control
 from molt_hpc.launch.watchdog import Watchdog
 from molt_hpc.log import get_logger
 

@@ -47,7 +47,7 @@ def absolute_stage_paths(data: dict[str, Any], cfg: MoltConfig, absolute) -> Non
 
 def check_stage_files(resolved: MoltConfig, original: MoltConfig, cwd: Path) -> None:
     """Every file of the stage exists (no tokenizer needed: this runs before the model is loaded)."""
-    from molt_hpc.launch.preflight import check_file
+    from molt_hpc.launch.preflight.files import check_file
 
     given = dict(stage_files(original))
     for key, path in stage_files(resolved):
@@ -57,7 +57,7 @@ def check_stage_files(resolved: MoltConfig, original: MoltConfig, cwd: Path) -> 
 def check_stage_rows(cfg: MoltConfig, tokenizer: Any, vision: Any = None) -> None:
     """The first rows of each stage file load as the stage will load them (the reply mask included)."""
     from molt_hpc.datasets import PreferenceDataset, ReplyMarkers, SftDataset
-    from molt_hpc.launch.preflight import PreflightError
+    from molt_hpc.launch.preflight.files import PreflightError
 
     stage = cfg.run.stage
     if stage != "rl" and vision is not None:
@@ -83,7 +83,7 @@ def check_stage_rows(cfg: MoltConfig, tokenizer: Any, vision: Any = None) -> Non
 
 def check_reward_model_section(cfg: MoltConfig, original: MoltConfig, tokenizer: Any) -> None:
     """The `[reward_model]` of an RL run can score its rollouts."""
-    from molt_hpc.launch.preflight import PreflightError
+    from molt_hpc.launch.preflight.files import PreflightError
     from molt_hpc.models.reward import check_reward_model, resolve_reward_model
 
     rm = cfg.reward_model

@@ -21,7 +21,6 @@ same, but its single-rank path divides twice when sum-only reductions are forced
 
 import functools
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,21 +30,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from molt_hpc.actor.ep_check import check_ep, num_experts
 from molt_hpc.log import get_logger
+from molt_hpc.parallel.ep_check import check_ep, num_experts
+from molt_hpc.parallel.local_experts import EPGroup, local_experts_mlp
 from molt_hpc.refit.experts import experts_modules
 
 IMPLEMENTATIONS = {"all_to_all": "molt_ep_all_to_all", "deep_ep": "molt_ep_deep_ep"}
 """`actor.ep_dispatch` → the name registered in transformers' `ExpertsInterface`."""
-
-
-@dataclass(frozen=True)
-class EPGroup:
-    """What one experts module needs at run time: its EP process group and this rank's place in it."""
-
-    group: dist.ProcessGroup
-    size: int
-    rank: int
 
 
 @functools.cache
@@ -104,64 +95,12 @@ def register(dispatch: str) -> None:
     if dispatch not in IMPLEMENTATIONS:
         raise ValueError(f"actor.ep_dispatch = {dispatch!r}: choose one of {', '.join(IMPLEMENTATIONS)}")
     if dispatch == "deep_ep":
-        from molt_hpc.actor.deepep import deep_ep_forward, require_deep_ep
+        from molt_hpc.parallel.deepep import deep_ep_forward, require_deep_ep
 
         require_deep_ep()
         ExpertsInterface.register(IMPLEMENTATIONS[dispatch], deep_ep_forward)
     else:
         ExpertsInterface.register(IMPLEMENTATIONS[dispatch], all_to_all_forward)
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
-
-
-def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """`x` in the forward; its gradient times `scale` in the backward."""
-    return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
-
-
-def local(module: nn.Module, name: str) -> torch.Tensor:
-    """This rank's experts of parameter `name` (`[E/ep, ...]`), their gradient scaled by 1/ep."""
-    p = getattr(module, name)
-    if not isinstance(p, DTensor):
-        return p
-    return scale_grad(p.to_local(), 1.0 / module._molt_ep.size)
-
-
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """`x` rows times their group's weight (`w [G, out, in]`, or `[G, in, out]` when `transposed`)."""
-    w = w if transposed else w.transpose(-2, -1)
-    x = x.to(w.dtype)
-    if hasattr(torch.nn.functional, "grouped_mm"):
-        return torch.nn.functional.grouped_mm(x, w, offs=offs)
-    return torch._grouped_mm(x, w, offs=offs)
-
-
-def local_experts_mlp(
-    module: nn.Module, x: torch.Tensor, local_ids: torch.Tensor, rows_per_expert: torch.Tensor
-) -> torch.Tensor:
-    """The local experts on rows `x` sorted by local expert id (`local_ids`), as transformers' grouped_mm
-    path computes them (gate or not, bias or not, either weight layout)."""
-    offs = torch.cumsum(rows_per_expert, dim=0, dtype=torch.int32)
-    first = "gate_up_proj" if module.has_gate else "up_proj"
-    h = grouped_linear(x, local(module, first), offs, module.is_transposed)
-    if module.has_bias:
-        h = h + local(module, first + "_bias")[local_ids]
-    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-    y = grouped_linear(h, local(module, "down_proj"), offs, module.is_transposed)
-    if module.has_bias:
-        y = y + local(module, "down_proj_bias")[local_ids]
-    if getattr(module, "has_post_expert_norm", False):
-        y = module.post_expert_norm(y)
-    return y
 
 
 def exchange_counts(counts: torch.Tensor, ctx: EPGroup) -> torch.Tensor:

@@ -18,7 +18,7 @@ import functools
 import torch
 from torch import nn
 
-from molt_hpc.actor.expert_parallel import EPGroup, local_experts_mlp
+from molt_hpc.parallel.local_experts import EPGroup, local_experts_mlp
 
 WIRE_DTYPE = torch.bfloat16
 """What DeepEP's normal kernels move (they take bf16 tokens only)."""

@@ -1,6 +1,6 @@
 """FSDP2 over a plain transformers model: `fully_shard` on every decoder block, then on the root; and
-attention confined to packed samples, split over a CP group (`molt_hpc.actor.attention`,
-`molt_hpc.actor.context_parallel`) when asked.
+attention confined to packed samples, split over a CP group (`molt_hpc.parallel.attention`,
+`molt_hpc.parallel.context`) when asked.
 
 The model code stays untouched (no wrapper modules), so parameter names stay the HF names that
 checkpoints and refits use. The same function shards the policy, the frozen reference and the critic.
@@ -13,23 +13,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from molt_hpc.actor.attention import DocumentAttention, use_document_attention
-from molt_hpc.actor.expert_parallel import apply_expert_parallel
-from molt_hpc.actor.moe_router import shard_routers
 from molt_hpc.config.train import ActorConfig
-
-
-def decoder_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of an HF model: modules whose class its `_no_split_modules` names."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    return [m for m in model.modules() if type(m).__name__ in names]
-
-
-def language_blocks(model: nn.Module) -> list[nn.Module]:
-    """The decoder blocks of the language model (a vision-language model's vision blocks left out)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    inside = {id(m) for m in decoder.modules()} if isinstance(decoder, nn.Module) else None
-    return [b for b in decoder_blocks(model) if inside is None or id(b) in inside]
+from molt_hpc.models.blocks import decoder_blocks
+from molt_hpc.models.router_replay import ReplayRouter
+from molt_hpc.parallel.attention import DocumentAttention, use_document_attention
+from molt_hpc.parallel.expert import apply_expert_parallel
 
 
 def parallelize(
@@ -68,7 +56,7 @@ def parallelize(
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     offload = offload_policy(cfg, mesh.device_type)
     shard_routers(model, mesh, offload)  # swapped MoE routers: their own fp32 units, before their blocks
-    if cfg.ep > 1:  # experts first: their own FSDP units, inside their blocks' (expert_parallel.py)
+    if cfg.ep > 1:  # experts first: their own FSDP units, inside their blocks' (expert.py)
         apply_expert_parallel(model, cfg.ep, cfg.ep_dispatch, mp, device_type=mesh.device_type, offload=offload)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
@@ -81,3 +69,15 @@ def offload_policy(cfg: ActorConfig, device_type: str) -> OffloadPolicy:
     if cfg.offload == "full":
         return CPUOffloadPolicy(pin_memory=device_type == "cuda")
     return OffloadPolicy()
+
+
+def shard_routers(model: nn.Module, mesh, offload_policy=None) -> None:
+    """Make each swapped router its own FSDP unit with fp32 parameters (call before sharding its block;
+    `offload_policy` is the blocks' own).
+
+    Inputs are not cast: the router casts them itself, so its outputs (the top-k weights) keep the
+    block's dtype."""
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for module in model.modules():
+        if isinstance(module, ReplayRouter):
+            fully_shard(module, mesh=mesh, mp_policy=fp32, offload_policy=offload_policy or OffloadPolicy())

@@ -1,6 +1,6 @@
 """The driver of one heterogeneous Slurm job; it runs as the batch shell on the actor pool's first node.
 
-It starts the two job steps (slurm_steps.py) and hands them to the `Lifecycle` (slurm_lifecycle.py),
+It starts the two job steps (steps.py) and hands them to the `Lifecycle` (lifecycle.py),
 which watches them and ends, requeues or fails the job. Whatever fails the job, its reason goes to
 `logs/driver.log` and is recorded as the run's failure (`control/failed`), which `molt-hpc status`
 prints; submitit's own files keep the traceback.
@@ -13,8 +13,8 @@ from pathlib import Path
 
 from molt_hpc.config import MoltConfig, load_config
 from molt_hpc.fault import fail
-from molt_hpc.launch.slurm_lifecycle import POOL_STOP_S, DriverError, Lifecycle, cancel_job
-from molt_hpc.launch.slurm_state import control_file, record_job_id
+from molt_hpc.launch.slurm.lifecycle import POOL_STOP_S, DriverError, Lifecycle, cancel_job
+from molt_hpc.launch.slurm.state import control_file, record_job_id
 from molt_hpc.log import get_logger, setup_logging
 from molt_hpc.rundir import RunDir
 from molt_hpc.trackers import Trackers
@@ -76,7 +76,7 @@ def drive(run_dir: Path) -> dict[str, object]:
         log.info("the run was cancelled (control/cancel); ending the job")
         return cancel_job(job_id)
     from molt_hpc.launch.local import prepare_run  # builds a builtin model: heavy imports, here only
-    from molt_hpc.launch.slurm_steps import job_steps
+    from molt_hpc.launch.slurm.steps import job_steps
 
     prepare_run(cfg)
     actor, pool = job_steps(cfg, run_dir, job_id)

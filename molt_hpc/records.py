@@ -1,0 +1,48 @@
+"""Summaries of a run's records (`metrics.jsonl`) that several readers print: the launcher's closing lines,
+`molt-hpc status` and the progress display. A leaf: it reads files and formats lines, and imports no
+process code.
+"""
+
+from pathlib import Path
+
+from molt_hpc.log import read_metrics
+
+NUMBERS = {"sft": ("eval_loss", "held-out loss"), "rm": ("eval_accuracy", "held-out pair accuracy")}
+
+
+def stage_summary(run_dir: Path, stage: str) -> list[str]:
+    """The stage's number, first evaluation → last, and the model directory a later stage takes."""
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl", source="actor") if "step" in r]
+    key, what = NUMBERS[stage]
+    evals = [r for r in records if r.get(key) is not None]
+    lines = []
+    if evals:
+        first, last = evals[0], evals[-1]
+        lines.append(
+            f"{stage}: {what} {first[key]:.4f} (step {first['step']}) -> {last[key]:.4f} (step {last['step']})"
+        )
+    else:
+        loss = [r[f"{stage}_loss"] for r in records if r.get(f"{stage}_loss") is not None]
+        lines.append(f"{stage}: no held-out file; training loss {loss[0]:.4f} -> {loss[-1]:.4f}" if loss else
+                     f"{stage}: no step recorded")  # fmt: skip
+    part = "policy" if stage == "sft" else "reward"
+    key_path = "model.path" if stage == "sft" else "reward_model.path"
+    lines.append(
+        f'{stage}: trained {part} model in {run_dir} (its latest checkpoint); use it as {key_path} = "{run_dir}"'
+    )
+    return lines
+
+
+def eval_summary(run_dir: str | Path) -> str | None:
+    """The held-out evaluations (`[eval]`): the first and the last, and the checkpoint `best` names."""
+    from molt_hpc.checkpoint import read_best
+    from molt_hpc.log import eval_text
+
+    evals = read_metrics(Path(run_dir) / "metrics.jsonl", source="eval")
+    if not evals:
+        return None
+    line = f"{eval_text(evals[-1])} ({len(evals)} evaluations; first: {eval_text(evals[0])})"
+    best = read_best(Path(run_dir) / "checkpoints")
+    if best is not None:
+        line += f"; best: {best['checkpoint']} ({best['metric']} {best['value']:.3f})"
+    return line
