@@ -1,0 +1,160 @@
+"""How one execution is confined: the bubblewrap command line, the rlimits, the user it runs as.
+
+`bwrap` (the distribution's bubblewrap: unprivileged user namespaces, no daemon, no Docker) gives the
+code new user, PID, network, IPC, UTS and cgroup namespaces: no network but a loopback that is down,
+its own PID space (it cannot see or signal the server, and killing bwrap ends every process inside), a
+root that holds only the read-only system binds, `/proc`, a minimal `/dev`, a size-capped tmpfs at
+`/work` (its working directory, with the request's files) and at `/tmp`, and the code itself read-only
+at `/sandbox/main.py`. Nothing of the run directory (token, buffer, checkpoints) is mounted.
+
+`rlimit` is the explicit fallback: the same rlimits and a private temporary working directory, nothing
+else (the code sees what the server's user sees). `auto` probes bwrap once and falls back loudly.
+
+The rlimits (CPU seconds, address space, file size, processes) are set in the child before it runs
+bwrap, so they bind everything inside. RLIMIT_NPROC counts every process of the real user id, so a
+server running as root gives each worker slot its own unprivileged user id (`UID_BASE + slot`): the
+limit is then exactly the execution's own, and the code owns none of the host's files. Any other user
+gets the limit on top of the processes it already runs.
+"""
+
+import os
+import resource
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from molt_hpc.config.sandbox import SandboxConfig
+from molt_hpc.log import get_logger
+
+UID_BASE = 61000
+"""First user id of the worker slots when the server runs as root (one id per slot, none owns a file)."""
+WORK = "/work"
+CODE = "/sandbox/main.py"
+PATH_ENV = "/usr/local/bin:/usr/bin:/bin"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The limits of one execution."""
+
+    wall_s: float
+    memory_bytes: int
+    max_procs: int
+    file_bytes: int
+    output_bytes: int
+
+    @property
+    def cpu_s(self) -> int:
+        return max(1, int(-(-self.wall_s // 1)))  # the wall limit rounded up
+
+
+def slot_user(slot: int) -> int | None:
+    """The user id slot `slot` runs as: its own one when the server is root, else None (the server's)."""
+    return UID_BASE + slot if os.geteuid() == 0 else None
+
+
+def own_tasks(uid: int) -> int:
+    """Tasks (processes and threads) user `uid` runs now: what RLIMIT_NPROC counts against."""
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != uid:
+                continue
+            with open(f"/proc/{entry.name}/status", "rb") as f:
+                threads = next((ln for ln in f if ln.startswith(b"Threads:")), b"Threads: 1")
+            total += int(threads.split()[1])
+        except (OSError, ValueError):  # it exited while we looked
+            continue
+    return total
+
+
+def preexec(limits: Limits, nproc: int):
+    """The function the child runs before exec: its rlimits (a fresh session is `start_new_session`)."""
+
+    def apply() -> None:
+        cpu = limits.cpu_s
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at cpu, SIGKILL a second later
+        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    return apply
+
+
+def bwrap_argv(cfg: SandboxConfig, limits: Limits, code_fd: int, files: dict[str, int]) -> list[str]:
+    """The bwrap command that runs the code read from `code_fd` with `files` (name -> fd) in `/work`."""
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+    for path in cfg.binds:
+        argv += ["--ro-bind-try", path, path]
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    argv += ["--size", str(limits.file_bytes), "--tmpfs", "/tmp"]
+    argv += ["--size", str(limits.file_bytes), "--tmpfs", WORK]
+    for name in sorted(files):
+        for parent in reversed(Path(name).parents[:-1]):
+            argv += ["--dir", f"{WORK}/{parent}"]
+        argv += ["--file", str(files[name]), f"{WORK}/{name}"]
+    argv += ["--ro-bind-data", str(code_fd), CODE, "--remount-ro", "/", "--chdir", WORK]
+    argv += ["--setenv", "PATH", PATH_ENV, "--setenv", "HOME", WORK, "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
+    return [*argv, cfg.python, "-I", CODE]
+
+
+def rlimit_env(work: str) -> dict[str, str]:
+    """The whole environment of an rlimit-mode child: nothing of the server's (its token paths, its keys)."""
+    return {"PATH": PATH_ENV, "HOME": work, "PYTHONDONTWRITEBYTECODE": "1", "TMPDIR": work}
+
+
+def check_python(cfg: SandboxConfig) -> None:
+    if not os.access(cfg.python, os.X_OK):
+        raise ValueError(
+            f"sandbox.python = {cfg.python!r} is not an executable file here: point it at a system python3"
+        )
+    resolved = Path(cfg.python).resolve()
+    if not any(resolved.is_relative_to(Path(b).resolve()) for b in cfg.binds if Path(b).exists()):
+        raise ValueError(
+            f"sandbox.python = {cfg.python!r} ({resolved}) lies under none of sandbox.binds {cfg.binds}: the "
+            "sandbox could not run it; use a system python3 or add its (read-only, run-free) directory to binds"
+        )
+
+
+def bwrap_works(cfg: SandboxConfig, user: int | None) -> str | None:
+    """None when bwrap can run `sandbox.python` here (as `user`), else why not."""
+    if shutil.which("bwrap") is None:
+        return "bwrap is not installed (apt-get install bubblewrap / dnf install bubblewrap)"
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--clearenv"]
+    for path in cfg.binds:
+        argv += ["--ro-bind-try", path, path]
+    argv += ["--proc", "/proc", "--dev", "/dev", cfg.python, "-I", "-c", "print(6 * 7)"]
+    ids = {} if user is None else {"user": user, "group": user, "extra_groups": []}
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL, **ids)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"bwrap did not run: {err}"
+    if done.returncode != 0 or done.stdout.strip() != "42":
+        return f"bwrap exited {done.returncode}: {done.stderr.strip()[-300:]} (user namespaces disabled?)"
+    return None
+
+
+def choose(cfg: SandboxConfig) -> str:
+    """The isolation this server uses: `bwrap` or `rlimit`; `ValueError` when `bwrap` is asked and fails."""
+    check_python(cfg)
+    if cfg.isolation == "rlimit":
+        get_logger().warning("sandbox.isolation = 'rlimit': executions are confined by rlimits only (weak)")
+        return "rlimit"
+    why = bwrap_works(cfg, slot_user(0))
+    if why is None:
+        return "bwrap"
+    if cfg.isolation == "bwrap":
+        raise ValueError(
+            f"sandbox.isolation = 'bwrap' but {why}: install bubblewrap, enable unprivileged user namespaces, "
+            "or set sandbox.isolation = 'auto' (falls back to rlimits)"
+        )
+    get_logger().warning(
+        "SANDBOX FALLBACK: %s; untrusted code now runs under rlimits only, with the host's files and network "
+        "visible to it as they are to this user. Install bubblewrap for real isolation.",
+        why,
+    )
+    return "rlimit"
