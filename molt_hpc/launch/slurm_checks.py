@@ -111,6 +111,11 @@ def check_actor_ranks(cfg: MoltConfig) -> None:
 
 def preflight(cfg: MoltConfig) -> None:
     """Everything that can be checked before submission; raises ValueError with the fix."""
+    if cfg.sandbox is not None:  # untrusted code belongs on CPU nodes, in a het group of its own: not there yet
+        raise ValueError(
+            "[sandbox] runs in local mode only (`molt-hpc run`); a Slurm job has no CPU het group for it yet: "
+            "remove [sandbox] to submit"
+        )
     check_actor_ranks(cfg)
     check_slurm_reachable()
     partitions = read_partitions()

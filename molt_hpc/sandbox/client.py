@@ -39,20 +39,20 @@ class SandboxClient:
     """A client of one run's sandbox server; safe to share between coroutines of several event loops."""
 
     def __init__(self, run_dir: str | Path, wait_s: float = 120.0):
-        self.run = RunDir(Path(run_dir).absolute())
+        self.rundir = RunDir(Path(run_dir).absolute())
         self.wait_s = wait_s
         self._token: str | None = None
         self._sessions: WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = WeakKeyDictionary()
 
     def _headers(self) -> dict[str, str]:
         if self._token is None:
-            self._token = self.run.token()
+            self._token = self.rundir.token()
         return {"Authorization": f"Bearer {self._token}", "Content-Type": "application/json"}
 
     def url(self) -> str | None:
         """The server's address now (None while none is registered)."""
         try:
-            return str(json.loads(sandbox_file(self.run).read_text())["url"])
+            return str(json.loads(sandbox_file(self.rundir).read_text())["url"])
         except (OSError, ValueError, KeyError):
             return None
 
@@ -82,7 +82,7 @@ class SandboxClient:
                     pass  # the server is going away or being restarted: read its address again
             if time.monotonic() > deadline:
                 raise SandboxUnavailable(
-                    f"no sandbox server answered within {self.wait_s:g} s ({sandbox_file(self.run)})"
+                    f"no sandbox server answered within {self.wait_s:g} s ({sandbox_file(self.rundir)})"
                 )
             await asyncio.sleep(PAUSE_S)
 
@@ -104,7 +104,7 @@ class SandboxClient:
                     pass
             if time.monotonic() > deadline:
                 raise SandboxUnavailable(
-                    f"no sandbox server answered within {self.wait_s:g} s ({sandbox_file(self.run)})"
+                    f"no sandbox server answered within {self.wait_s:g} s ({sandbox_file(self.rundir)})"
                 )
             time.sleep(PAUSE_S)
 
@@ -112,7 +112,7 @@ class SandboxClient:
         """The server's `/health` answer (pool size, queue, executions)."""
         url = self.url()
         if url is None:
-            raise SandboxUnavailable(f"no sandbox server registered ({sandbox_file(self.run)})")
+            raise SandboxUnavailable(f"no sandbox server registered ({sandbox_file(self.rundir)})")
         async with self._session().get(f"{url}/health", headers=self._headers()) as resp:
             resp.raise_for_status()
             return await resp.json()

@@ -20,6 +20,8 @@ from molt_hpc.sandbox import isolation
 from molt_hpc.sandbox.protocol import RunRequest, RunResult
 
 READ_CHUNK = 1 << 16
+SWEEP_S = 10.0
+"""Longest wait for a slot's processes to be gone after its execution."""
 KILL_GRACE_S = 2.0
 """After a kill, how long the pipes may take to close before the output read so far is the answer."""
 
@@ -55,6 +57,23 @@ async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
 def _kill(proc: asyncio.subprocess.Process) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def _sweep(user: int | None) -> None:
+    """Kill what is left of a slot's user id (processes that left the group, a PID namespace still being torn
+    down) and wait until none is left: the slot's next execution starts with its whole process budget."""
+    if user is None:
+        return
+    deadline = time.monotonic() + SWEEP_S
+    while pids := isolation.pids_of(user):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):  # an orphan handed to this subreaper: reap it
+                os.waitpid(pid, os.WNOHANG)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes {pids} of sandbox user {user} survive SIGKILL")
+        await asyncio.sleep(0.005)
 
 
 def _reason(code: int, stderr: bytes) -> str | None:
@@ -125,6 +144,7 @@ async def execute(cfg: SandboxConfig, mode: str, req: RunRequest, slot: int) -> 
             over_wait.cancel()
             reads.cancel()
             _kill(proc)
+            await _sweep(isolation.slot_user(slot))
         reason = reason or _reason(code, bytes(stderr))
         return RunResult(
             stdout=bytes(stdout).decode(errors="replace"), stderr=bytes(stderr).decode(errors="replace"),

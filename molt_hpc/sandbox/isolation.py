@@ -21,6 +21,7 @@ import os
 import resource
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,19 +55,38 @@ def slot_user(slot: int) -> int | None:
     return UID_BASE + slot if os.geteuid() == 0 else None
 
 
+def pids_of(uid: int) -> list[int]:
+    """Processes of user `uid` now."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    found.append(int(entry.name))
+            except OSError:  # it exited while we looked
+                continue
+    return found
+
+
+def become_subreaper() -> None:
+    """Have this process inherit its descendants' orphans (bwrap's PID-namespace init once bwrap is killed),
+    so it reaps them at once instead of leaving them to the machine's init, whenever that gets to it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_child_subreaper = 36
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1)
+
+
 def own_tasks(uid: int) -> int:
     """Tasks (processes and threads) user `uid` runs now: what RLIMIT_NPROC counts against."""
     total = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    for pid in pids_of(uid):
         try:
-            if entry.stat().st_uid != uid:
-                continue
-            with open(f"/proc/{entry.name}/status", "rb") as f:
+            with open(f"/proc/{pid}/status", "rb") as f:
                 threads = next((ln for ln in f if ln.startswith(b"Threads:")), b"Threads: 1")
             total += int(threads.split()[1])
-        except (OSError, ValueError):  # it exited while we looked
+        except (OSError, ValueError):
             continue
     return total
 

@@ -89,6 +89,7 @@ def build_app(pool: Pool, token: str) -> web.Application:
 async def serve(cfg: SandboxConfig, run: RunDir) -> None:
     log = get_logger()
     mode = isolation.choose(cfg)
+    isolation.become_subreaper()
     runner = web.AppRunner(build_app(Pool(cfg, mode), run.token()), handler_cancellation=True, access_log=None)
     await runner.setup()
     sock = socket.create_server((HOST, 0))
