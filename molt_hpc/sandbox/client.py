@@ -124,17 +124,14 @@ class SandboxClient:
             await session.close()
 
 
-_default: SandboxClient | None = None
+_clients: dict[str, SandboxClient] = {}
 
 
 def default_client() -> SandboxClient:
     """This process's client of the run's sandbox (`state.sandbox`); `ValueError` when the run has none."""
-    global _default
-    if _default is None:
-        run_dir = os.environ.get(RUN_DIR_ENV)
-        if not run_dir:
-            raise ValueError(
-                "state.sandbox needs a [sandbox] section in the run's config (it starts the sandbox server)"
-            )
-        _default = SandboxClient(run_dir)
-    return _default
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        raise ValueError("state.sandbox needs a [sandbox] section in the run's config (it starts the sandbox server)")
+    if run_dir not in _clients:
+        _clients[run_dir] = SandboxClient(run_dir)
+    return _clients[run_dir]
