@@ -25,6 +25,7 @@ from molt_hpc.sandbox.client import RUN_DIR_ENV, SandboxClient, SandboxUnavailab
 from molt_hpc.sandbox.execute import execute
 from molt_hpc.sandbox.protocol import RunRequest
 from molt_hpc.sandbox.server import Pool, build_app
+from tests.conftest import molt
 from tests.sandbox_support import health, run_code, sandbox_run, start_sandbox
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
@@ -161,3 +162,11 @@ def test_auto_falls_back_loudly_and_bwrap_refuses_without_bubblewrap(monkeypatch
         isolation.choose(SandboxConfig(isolation="bwrap"))
     with pytest.raises(ValueError, match=r"sandbox\.python"):
         isolation.choose(SandboxConfig(python="/nonexistent/python3"))
+
+
+def test_slurm_refuses_sandbox_configs_before_anything_renders(tmp_path) -> None:
+    for args in (["submit", "--dry-run", "--no-plan"], ["sbatch", "-o", str(tmp_path / "job.sbatch")]):
+        done = molt(args[0], "configs/tiny_code_cpu.toml", *args[1:])
+        assert done.returncode == 2 and "[sandbox] runs in local mode only" in done.stderr
+        assert "#SBATCH" not in done.stdout
+    assert not (tmp_path / "job.sbatch").exists()
