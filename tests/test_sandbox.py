@@ -25,7 +25,7 @@ from molt_hpc.sandbox.client import RUN_DIR_ENV, SandboxClient, SandboxUnavailab
 from molt_hpc.sandbox.execute import execute
 from molt_hpc.sandbox.protocol import RunRequest
 from molt_hpc.sandbox.server import Pool, build_app
-from tests.conftest import molt
+from tests.conftest import BIN, molt
 from tests.sandbox_support import health, run_code, sandbox_run, start_sandbox
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
@@ -170,3 +170,13 @@ def test_slurm_refuses_sandbox_configs_before_anything_renders(tmp_path) -> None
         assert done.returncode == 2 and "[sandbox] runs in local mode only" in done.stderr
         assert "#SBATCH" not in done.stdout
     assert not (tmp_path / "job.sbatch").exists()
+
+
+def test_run_refuses_a_sandbox_that_cannot_start_before_anything_starts(tmp_path) -> None:
+    base = ("run", "configs/tiny_code_cpu.toml", "--set", f"run.root={tmp_path}", "--set", "logging.progress=lines")
+    no_bwrap = {"PATH": f"{BIN}:/nonexistent"}
+    done = molt(*base, "--set", "sandbox.isolation='bwrap'", env=no_bwrap)
+    assert done.returncode == 2 and "sandbox.isolation = 'bwrap' but bwrap is not installed" in done.stderr
+    done = molt(*base, "--set", "sandbox.python='/nonexistent/python3'")
+    assert done.returncode == 2 and "sandbox.python" in done.stderr
+    assert not (tmp_path / "tiny-code-cpu").exists()

@@ -229,6 +229,13 @@ def preflight(cfg: MoltConfig, cwd: str | Path | None = None, warn: Callable[[st
             warn(warning)
     check_stage_rows(resolved, tokenizer, vision)
     check_reward_model_section(resolved, cfg, tokenizer)
+    if resolved.sandbox is not None and rl:  # the server would refuse the same way, but only after the engines load
+        from molt_hpc.sandbox.isolation import choose
+
+        try:
+            choose(resolved.sandbox, warn)
+        except ValueError as err:
+            raise PreflightError(str(err)) from None
     return resolved
 
 

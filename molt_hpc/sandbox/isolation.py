@@ -158,23 +158,32 @@ def bwrap_works(cfg: SandboxConfig, user: int | None) -> str | None:
     return None
 
 
-def choose(cfg: SandboxConfig) -> str:
-    """The isolation this server uses: `bwrap` or `rlimit`; `ValueError` when `bwrap` is asked and fails."""
+def _refusal(why: str) -> str:
+    return (
+        f"sandbox.isolation = 'bwrap' but {why}: install bubblewrap, enable unprivileged user namespaces, "
+        "or set sandbox.isolation = 'auto' (falls back to rlimits)"
+    )
+
+
+def _fallback(why: str) -> str:
+    return (
+        f"SANDBOX FALLBACK: {why}; untrusted code now runs under rlimits only, with the host's files and network "
+        "visible to it as they are to this user. Install bubblewrap for real isolation."
+    )
+
+
+def choose(cfg: SandboxConfig, warn=None) -> str:
+    """The isolation this machine gives `cfg`: `bwrap` or `rlimit`; `ValueError` when `bwrap` is asked and
+    fails, or `sandbox.python` cannot run. A fallback or rlimits by choice go to `warn` (default: the log)."""
+    warn = warn or get_logger().warning
     check_python(cfg)
     if cfg.isolation == "rlimit":
-        get_logger().warning("sandbox.isolation = 'rlimit': executions are confined by rlimits only (weak)")
+        warn("sandbox.isolation = 'rlimit': executions are confined by rlimits only (weak)")
         return "rlimit"
     why = bwrap_works(cfg, slot_user(0))
     if why is None:
         return "bwrap"
     if cfg.isolation == "bwrap":
-        raise ValueError(
-            f"sandbox.isolation = 'bwrap' but {why}: install bubblewrap, enable unprivileged user namespaces, "
-            "or set sandbox.isolation = 'auto' (falls back to rlimits)"
-        )
-    get_logger().warning(
-        "SANDBOX FALLBACK: %s; untrusted code now runs under rlimits only, with the host's files and network "
-        "visible to it as they are to this user. Install bubblewrap for real isolation.",
-        why,
-    )
+        raise ValueError(_refusal(why))
+    warn(_fallback(why))
     return "rlimit"
