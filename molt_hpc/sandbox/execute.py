@@ -101,8 +101,10 @@ async def _spawn(cfg: SandboxConfig, mode: str, req: RunRequest, limits: isolati
                 Path(work, name).parent.mkdir(parents=True, exist_ok=True)
                 Path(work, name).write_text(text)
             Path(work, ".main.py").write_text(req.code)
-            if user is not None:
-                shutil.chown(work, user, user)
+            if user is not None:  # the slot's own user id owns its directory and everything in it
+                for root, dirs, names in os.walk(work):
+                    for path in [root, *(os.path.join(root, n) for n in dirs + names)]:
+                        os.chown(path, user, user)
             argv, env, cwd = [cfg.python, "-I", ".main.py"], isolation.rlimit_env(work), work
         return await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
