@@ -180,3 +180,20 @@ def test_run_refuses_a_sandbox_that_cannot_start_before_anything_starts(tmp_path
     done = molt(*base, "--set", "sandbox.python='/nonexistent/python3'")
     assert done.returncode == 2 and "sandbox.python" in done.stderr
     assert not (tmp_path / "tiny-code-cpu").exists()
+
+
+def test_the_engine_pool_runs_the_sandbox_without_gpus_and_tells_the_orchestrator(tmp_path) -> None:
+    from molt_hpc.config import load_config
+    from molt_hpc.launch.pool import pool_children
+
+    with_box = sandbox_run(tmp_path / "with")
+    engines, services = pool_children(load_config(with_box.config), with_box, 0)
+    box = next(c for c in engines if c.name == "sandbox")  # restarted like an engine when it dies
+    assert box.cmd[-2:] == ["--role", "sandbox"] and box.env["CUDA_VISIBLE_DEVICES"] == ""
+    orchestrator = next(c for c in services if c.name == "orchestrator")
+    assert orchestrator.env[RUN_DIR_ENV] == str(with_box.path)
+    node1 = pool_children(load_config(with_box.config), with_box, 1)[0]
+    assert [c.name for c in node1] == ["engine 1"]  # only the pool's first node runs the sandbox
+    plain = load_config(None, [])
+    engines, services = pool_children(plain, with_box, 0)
+    assert "sandbox" not in [c.name for c in engines] and all(RUN_DIR_ENV not in c.env for c in services)
