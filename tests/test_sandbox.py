@@ -106,31 +106,6 @@ def test_a_full_queue_answers_429_and_the_client_waits_its_turn(tmp_path) -> Non
         asyncio.run(go())
 
 
-@needs_bwrap
-def test_the_client_follows_a_restarted_server(tmp_path) -> None:
-    run = sandbox_run(tmp_path)
-    first = start_sandbox(run)
-    client = SandboxClient(run.path, wait_s=60)
-
-    async def ask():
-        try:
-            return await client.run("print(6 * 7)")
-        finally:
-            await client.close()
-
-    assert asyncio.run(ask()).stdout == "42\n"
-    first.stop(signal.SIGKILL)  # its registration stays behind, pointing nowhere
-    second = start_sandbox(run)
-    try:
-        assert second.url != first.url and asyncio.run(ask()).stdout == "42\n"
-        assert client.run_sync("print(input())", stdin="sync").stdout == "sync\n"
-    finally:
-        second.stop()
-    (run.rendezvous / "sandbox.json").unlink(missing_ok=True)
-    with pytest.raises(SandboxUnavailable):
-        SandboxClient(run.path, wait_s=0.2).run_sync("print(1)")
-
-
 def test_state_sandbox_needs_the_section(monkeypatch, tmp_path) -> None:
     monkeypatch.delenv(RUN_DIR_ENV, raising=False)
     with pytest.raises(ValueError, match=r"\[sandbox\]"):
@@ -197,3 +172,26 @@ def test_the_engine_pool_runs_the_sandbox_without_gpus_and_tells_the_orchestrato
     plain = load_config(None, [])
     engines, services = pool_children(plain, with_box, 0)
     assert "sandbox" not in [c.name for c in engines] and all(RUN_DIR_ENV not in c.env for c in services)
+
+
+@needs_bwrap
+def test_the_pool_restarts_a_dead_sandbox_and_clients_follow_it(tmp_path) -> None:
+    from molt_hpc.config import load_config
+    from molt_hpc.launch.pool import pool_children, restart
+    from tests.test_engine_procs import wait_registered
+
+    run = sandbox_run(tmp_path)
+    box = next(c for c in pool_children(load_config(run.config), run, 0)[0] if c.name == "sandbox")
+    try:
+        first = wait_registered(run, box.start(), "sandbox", timeout=60).proc.pid
+        assert run_code(run, "print('before')").stdout == "before\n"
+        box.signal(signal.SIGKILL)
+        assert restart(box, box.proc.wait(), max_restarts=2, run=run) and box.restarts == 1
+        assert wait_registered(run, box, "sandbox", timeout=60).proc.pid != first
+        assert run_code(run, "print('after')").stdout == "after\n" and health(run)["executions"] == 1
+        assert SandboxClient(run.path).run_sync("print(input())", stdin="sync").stdout == "sync\n"
+    finally:
+        box.stop()
+    assert box.proc.returncode == 0 and not (run.rendezvous / "sandbox.json").exists()  # unregistered
+    with pytest.raises(SandboxUnavailable):
+        SandboxClient(run.path, wait_s=0.2).run_sync("print(1)")
