@@ -117,8 +117,10 @@ def test_state_sandbox_needs_the_section(monkeypatch, tmp_path) -> None:
 def test_rlimit_mode_keeps_the_limits(tmp_path) -> None:
     cfg = SandboxConfig(isolation="rlimit", timeout_s=1, memory_mb=256, max_output_bytes=1000)
 
+    (user,) = isolation.claim_users(1)
+
     def run(code: str):
-        return asyncio.run(execute(cfg, "rlimit", RunRequest(code=code, files={"a.txt": "A"}), 0))
+        return asyncio.run(execute(cfg, "rlimit", RunRequest(code=code, files={"a.txt": "A"}), user))
 
     ok = run("import os\nprint(open('a.txt').read(), sorted(os.environ))")
     names = set(json.loads(ok.stdout.split(" ", 1)[1].replace("'", '"'))) - {"LC_CTYPE"}  # LC_CTYPE: Python's own

@@ -12,7 +12,6 @@ import signal
 import pytest
 
 from molt_hpc.sandbox.execute import KILL_GRACE_S
-from molt_hpc.sandbox.isolation import UID_BASE
 from tests.sandbox_support import health, run_code, sandbox_run, start_sandbox
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
@@ -27,13 +26,13 @@ def server(tmp_path_factory):
     proc.stop()
 
 
-def slot_processes() -> list[int]:
+def slot_processes(users: list[int]) -> list[int]:
     """Processes of the worker slots' user ids (a root server runs executions as those)."""
     found = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
-                if UID_BASE <= entry.stat().st_uid < UID_BASE + WORKERS:
+                if entry.stat().st_uid in users:
                     found.append(int(entry.name))
             except OSError:
                 continue
@@ -48,8 +47,8 @@ def check_unharmed(server, before: int) -> None:
     assert state["workers"] == WORKERS and state["live_workers"] == WORKERS and state["running"] == 0
     assert state["executions"] == before + 1
     assert run_code(run, "print(sum(range(10)))").stdout == "45\n"  # the pool still works
-    if os.geteuid() == 0:
-        assert slot_processes() == []
+    if os.geteuid() == 0:  # each slot its own user id, none shared with another server; none of it left
+        assert len(set(state["users"])) == WORKERS and slot_processes(state["users"]) == []
 
 
 def attack(server, code: str, **kw):

@@ -85,8 +85,7 @@ def _reason(code: int, stderr: bytes) -> str | None:
     return None
 
 
-async def _spawn(cfg: SandboxConfig, mode: str, req: RunRequest, limits: isolation.Limits, slot: int, work: str):
-    user = isolation.slot_user(slot)
+async def _spawn(cfg: SandboxConfig, mode: str, req: RunRequest, limits: isolation.Limits, user: int | None, work: str):
     nproc = limits.max_procs + (isolation.own_tasks(os.getuid()) if user is None else 0)
     ids = {} if user is None else {"user": user, "group": user, "extra_groups": []}
     fds: list[int] = []
@@ -116,8 +115,9 @@ async def _spawn(cfg: SandboxConfig, mode: str, req: RunRequest, limits: isolati
             os.close(fd)
 
 
-async def execute(cfg: SandboxConfig, mode: str, req: RunRequest, slot: int) -> RunResult:
-    """Run `req` under `mode` isolation in worker slot `slot`; never raises for what the program does."""
+async def execute(cfg: SandboxConfig, mode: str, req: RunRequest, user: int | None) -> RunResult:
+    """Run `req` under `mode` isolation as the worker slot's user id `user` (None: this process's own); never
+    raises for what the program does."""
     wall = min(req.timeout or cfg.timeout_s, cfg.timeout_s)
     limits = isolation.Limits(
         wall_s=wall, memory_bytes=cfg.memory_mb << 20, max_procs=cfg.max_procs,
@@ -126,7 +126,7 @@ async def execute(cfg: SandboxConfig, mode: str, req: RunRequest, slot: int) -> 
     work = tempfile.mkdtemp(prefix="molt-sandbox-") if mode == "rlimit" else ""
     start = time.monotonic()
     try:
-        proc = await _spawn(cfg, mode, req, limits, slot, work)
+        proc = await _spawn(cfg, mode, req, limits, user, work)
         over, stdout, stderr = asyncio.Event(), bytearray(), bytearray()
         assert proc.stdout is not None and proc.stderr is not None
         reads = asyncio.gather(
@@ -146,7 +146,7 @@ async def execute(cfg: SandboxConfig, mode: str, req: RunRequest, slot: int) -> 
             over_wait.cancel()
             reads.cancel()
             _kill(proc)
-            await _sweep(isolation.slot_user(slot))
+            await _sweep(user)
         reason = reason or _reason(code, bytes(stderr))
         return RunResult(
             stdout=bytes(stdout).decode(errors="replace"), stderr=bytes(stderr).decode(errors="replace"),

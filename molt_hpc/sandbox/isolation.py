@@ -12,16 +12,19 @@ else (the code sees what the server's user sees). `auto` probes bwrap once and f
 
 The rlimits (CPU seconds, address space, file size, processes) are set in the child before it runs
 bwrap, so they bind everything inside. RLIMIT_NPROC counts every process of the real user id, so a
-server running as root gives each worker slot its own unprivileged user id (`UID_BASE + slot`): the
-limit is then exactly the execution's own, and the code owns none of the host's files. Any other user
-gets the limit on top of the processes it already runs.
+server running as root gives each worker slot its own unprivileged user id (claimed from `UID_BASE` up
+with a lock held for the server's life, so two servers on one machine never share one): the limit is
+then exactly the execution's own, and the code owns none of the host's files. Any other user gets the
+limit on top of the processes it already runs.
 """
 
+import fcntl
 import os
 import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +33,12 @@ from molt_hpc.log import get_logger
 
 UID_BASE = 61000
 """First user id of the worker slots when the server runs as root (one id per slot, none owns a file)."""
+UID_RANGE = 4096
+"""User ids tried from `UID_BASE` for slots."""
+UID_LOCKS = Path(tempfile.gettempdir()) / "molt-sandbox-uids"
+"""Where a root server holds one lock per user id it runs executions as."""
+PROBE_USER = 65534
+"""`nobody`: the user a root server probes bwrap as (the slots' users are unprivileged like it)."""
 WORK = "/work"
 CODE = "/sandbox/main.py"
 PATH_ENV = "/usr/local/bin:/usr/bin:/bin"
@@ -50,9 +59,32 @@ class Limits:
         return max(1, int(-(-self.wall_s // 1)))  # the wall limit rounded up
 
 
-def slot_user(slot: int) -> int | None:
-    """The user id slot `slot` runs as: its own one when the server is root, else None (the server's)."""
-    return UID_BASE + slot if os.geteuid() == 0 else None
+def claim_users(count: int) -> list[int | None]:
+    """The user id each of `count` slots runs as: when this process is root, `count` ids no other server
+    holds (locks kept open for this process's life; the kernel drops them when it dies); else None each
+    (the server's own id)."""
+    if os.geteuid() != 0:
+        return [None] * count
+    UID_LOCKS.mkdir(mode=0o700, exist_ok=True)
+    if UID_LOCKS.stat().st_uid != 0 or UID_LOCKS.is_symlink():
+        raise RuntimeError(f"{UID_LOCKS} is not root's own directory; remove it")
+    users: list[int | None] = []
+    for uid in range(UID_BASE, UID_BASE + UID_RANGE):
+        fd = os.open(UID_LOCKS / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another server's
+            os.close(fd)
+            continue
+        _held.append(fd)
+        users.append(uid)
+        if len(users) == count:
+            return users
+    raise RuntimeError(f"no free sandbox user id in {UID_BASE}..{UID_BASE + UID_RANGE - 1}")
+
+
+_held: list[int] = []
+"""Lock files of the claimed user ids, open until the process exits."""
 
 
 def pids_of(uid: int) -> list[int]:
@@ -180,7 +212,7 @@ def choose(cfg: SandboxConfig, warn=None) -> str:
     if cfg.isolation == "rlimit":
         warn("sandbox.isolation = 'rlimit': executions are confined by rlimits only (weak)")
         return "rlimit"
-    why = bwrap_works(cfg, slot_user(0))
+    why = bwrap_works(cfg, PROBE_USER if os.geteuid() == 0 else None)
     if why is None:
         return "bwrap"
     if cfg.isolation == "bwrap":

@@ -34,16 +34,17 @@ class Pool:
 
     def __init__(self, cfg: SandboxConfig, mode: str):
         self.cfg, self.mode = cfg, mode
-        self.free: asyncio.Queue[int] = asyncio.Queue()
-        for slot in range(cfg.workers):
-            self.free.put_nowait(slot)
+        self.users = isolation.claim_users(cfg.workers)
+        self.free: asyncio.Queue[int | None] = asyncio.Queue()  # the idle slots, by the user id they run as
+        for user in self.users:
+            self.free.put_nowait(user)
         self.waiting = self.running = self.executions = 0
 
     def health(self) -> dict:
         return {
             "status": "ok", "isolation": self.mode, "workers": self.cfg.workers,
             "live_workers": self.free.qsize() + self.running, "queued": self.waiting, "running": self.running,
-            "executions": self.executions,
+            "executions": self.executions, "users": self.users,
         }  # fmt: skip
 
     async def run(self, req: RunRequest):
@@ -52,16 +53,16 @@ class Pool:
             return None
         self.waiting += 1
         try:
-            slot = await self.free.get()
+            user = await self.free.get()
         finally:
             self.waiting -= 1
         self.running += 1
         try:
-            return await execute(self.cfg, self.mode, req, slot)
+            return await execute(self.cfg, self.mode, req, user)
         finally:
             self.running -= 1
             self.executions += 1
-            self.free.put_nowait(slot)
+            self.free.put_nowait(user)
 
 
 def build_app(pool: Pool, token: str) -> web.Application:
