@@ -128,6 +128,7 @@ def test_rlimit_mode_keeps_the_limits(tmp_path) -> None:
     assert run("x = bytearray(1 << 30)").killed_reason == "memory"
     assert run("while True:\n    pass").killed_reason in ("timeout", "cpu")
     assert run("print('y' * 5000)").killed_reason == "output"
+    assert run("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(60)").timed_out  # still under the clock
 
 
 def test_auto_falls_back_loudly_and_bwrap_refuses_without_bubblewrap(monkeypatch, caplog) -> None:

@@ -70,6 +70,11 @@ def test_sleeping_forever_is_a_timeout(server) -> None:
     assert result.timed_out and result.killed_reason == "timeout"
 
 
+def test_closing_its_output_and_running_on_is_a_timeout(server) -> None:
+    result = attack(server, "import os, time\nos.close(1)\nos.close(2)\ntime.sleep(60)\n", timeout=1.0)
+    assert result.timed_out and result.wall_s < 1.0 + KILL_GRACE_S + 1.0
+
+
 def test_fork_bomb_is_capped_and_its_processes_die(server) -> None:
     code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     result = attack(server, code, timeout=1.0)

@@ -129,9 +129,11 @@ async def execute(cfg: SandboxConfig, mode: str, req: RunRequest, user: int | No
         proc = await _spawn(cfg, mode, req, limits, user, work)
         over, stdout, stderr = asyncio.Event(), bytearray(), bytearray()
         assert proc.stdout is not None and proc.stderr is not None
+        # Done when the program exited and its pipes closed: a program that closes its output and goes on
+        # running is still under the wall clock.
         reads = asyncio.gather(
             _drain(proc.stdout, stdout, limits.output_bytes, over),
-            _drain(proc.stderr, stderr, limits.output_bytes, over), _feed(proc, req.stdin.encode()),
+            _drain(proc.stderr, stderr, limits.output_bytes, over), _feed(proc, req.stdin.encode()), proc.wait(),
         )  # fmt: skip
         over_wait = asyncio.create_task(over.wait())
         try:
