@@ -1,7 +1,8 @@
 """The sandbox's HTTP bodies, typed: `POST /run` takes a `RunRequest` and answers a `RunResult`.
 
 `GET /health` answers `{"status": "ok", "isolation": ..., "workers": N, "live_workers": N, "queued": N,
-"running": N, "executions": N, "users": [slot user ids]}`. A full queue answers 429 (`Retry-After`); every route needs the run's token.
+"running": N, "executions": N, "users": [slot user ids]}`. A full queue answers 429 (`Retry-After`);
+every route needs the run's token.
 """
 
 import re
