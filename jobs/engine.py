@@ -1,9 +1,9 @@
 """Entry point of the engine pool's processes: `python jobs/engine.py RUN_DIR --role engine --index I`.
 
-Roles: `engine` (one inference engine), `scorer` (a reward-model scorer), `router` (the session-affine
-router), `pool` (a node's engines, plus the router, the rollout orchestrator and the scorers on the pool's
-first node, supervised). Reads the resolved config from `RUN_DIR/config.toml`; heavy modules are imported
-after the arguments are parsed.
+Roles: `engine` (one inference engine), `scorer` (a reward-model scorer), `sandbox` (the server that runs
+untrusted code for envs), `router` (the session-affine router), `pool` (a node's engines, plus the router,
+the rollout orchestrator, the scorers and the sandbox on the pool's first node, supervised). Reads the
+resolved config from `RUN_DIR/config.toml`; heavy modules are imported after the arguments are parsed.
 """
 
 import argparse
@@ -28,6 +28,12 @@ def run_scorer(cfg, run_dir: Path, args: argparse.Namespace) -> int:
     return main(cfg, run_dir, args.index)
 
 
+def run_sandbox(cfg, run_dir: Path, args: argparse.Namespace) -> int:
+    from molt_hpc.sandbox.server import main
+
+    return main(cfg, run_dir)
+
+
 def run_router(cfg, run_dir: Path, args: argparse.Namespace) -> int:
     from molt_hpc.router.main import main
 
@@ -43,7 +49,7 @@ def run_pool(cfg, run_dir: Path, args: argparse.Namespace) -> int:
     return pool(cfg, RunDir(run_dir), args.node_rank, cfg.engines.max_restarts)
 
 
-ROLES = {"engine": run_engine, "router": run_router, "pool": run_pool, "scorer": run_scorer}
+ROLES = {"engine": run_engine, "router": run_router, "pool": run_pool, "scorer": run_scorer, "sandbox": run_sandbox}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

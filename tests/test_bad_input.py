@@ -16,7 +16,7 @@ from aiohttp import web
 from yarl import URL
 
 from molt_hpc.config import load_config
-from molt_hpc.engine.vllm_front import Front, build_front
+from molt_hpc.engine.vllm.front import Front, build_front
 from molt_hpc.models import load_tokenizer
 from molt_hpc.refit import RefitSender
 from molt_hpc.rollout.chat_server import ChatServer

@@ -11,7 +11,7 @@ from molt_hpc.config.model import DataConfig
 from molt_hpc.data import PromptDataset
 from molt_hpc.datasets.rows import read_rows
 from molt_hpc.launch.preflight import PreflightError
-from molt_hpc.launch.preflight_data import check_rows
+from molt_hpc.launch.preflight.data import check_rows
 from molt_hpc.models import build_tiny_tokenizer
 from molt_hpc.readers import MISSING, iter_rows, row_value
 

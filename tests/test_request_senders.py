@@ -16,7 +16,6 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
-from molt_hpc.engine.vllm_front import normalise_generate
 from PIL import Image
 
 from molt_hpc.agents.base import Env, Result
@@ -26,6 +25,7 @@ from molt_hpc.config.load import ConfigError
 from molt_hpc.config.stages import RewardModelConfig
 from molt_hpc.data import Prompt
 from molt_hpc.engine.routing import encode_routing
+from molt_hpc.engine.vllm.front import normalise_generate
 from molt_hpc.models import build_tiny_tokenizer
 from molt_hpc.protocol.edge import loads, parse
 from molt_hpc.protocol.requests import GenerateRequest, InitRequest, RpcRequest

@@ -89,6 +89,14 @@ class State:
     observation_text: str = ""
     """What the latest action answered, decoded: the first prompt and every turn before the action."""
 
+    @property
+    def sandbox(self) -> Any:
+        """The run's `SandboxClient` (`[sandbox]`): `await state.sandbox.run(code, stdin, files, timeout)`
+        runs untrusted Python with no network and no view of the run (`run_sync` from a sync `step`)."""
+        from molt_hpc.sandbox.client import default_client
+
+        return default_client()
+
     # Mapping access, as Molt's envs read their state: `state["action_text"]`, `state.get("label")`.
     def __getitem__(self, key: str) -> Any:
         if key not in _STATE_KEYS:

@@ -19,6 +19,7 @@ from molt_hpc.config.infra import (
 )
 from molt_hpc.config.model import DataConfig, ModelConfig
 from molt_hpc.config.rollout import EnginesConfig, RolloutConfig, RouterConfig
+from molt_hpc.config.sandbox import SandboxConfig
 from molt_hpc.config.stages import RewardModelConfig, RewardTrainConfig, SftConfig
 from molt_hpc.config.train import ActorConfig, AlgorithmConfig, CheckpointConfig
 
@@ -62,6 +63,8 @@ class MoltConfig(Section):
     """Reward-model training (`molt-hpc rm train`; `[rm]` with at least `data`)."""
     reward_model: RewardModelConfig | None = None
     """A trained reward model scoring the rollouts of `molt-hpc run` (`[reward_model]` with at least `path`)."""
+    sandbox: SandboxConfig | None = None
+    """The service that runs untrusted code for envs (`state.sandbox.run(code)`; `[sandbox]`, all fields optional)."""
     plan: PlanConfig = Field(default_factory=PlanConfig)
     """The hardware the plan checks memory against and predicts speed on (`molt-hpc plan`)."""
 

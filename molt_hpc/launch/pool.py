@@ -1,10 +1,10 @@
 """The engine pool of one node: its engines and, on the pool's first node, the router and orchestrator.
 
 Run as `jobs/engine.py RUN_DIR --role pool` by both launchers (a local subprocess, or one
-`srun --het-group=1` task per node), with a `[reward_model]`'s scorers on the first node. A dead
-engine (or scorer) is restarted in place (the router takes it out of the ring meanwhile, the trainer
-re-forms the refit group when it re-registers), and so is a dead router (it holds no state; the
-orchestrator retries the requests it lost at the new address); one that keeps dying past
+`srun --het-group=1` task per node), with a `[reward_model]`'s scorers and the `[sandbox]` server on the
+first node. A dead engine (or scorer, or sandbox) is restarted in place (the router takes it out of the
+ring meanwhile, the trainer re-forms the refit group when it re-registers), and so is a dead router (it
+holds no state; the orchestrator retries the requests it lost at the new address); one that keeps dying past
 `engines.max_restarts` ends the pool with the cause recorded for the run, and an orchestrator that
 fails ends the pool with an error, which ends the run. The pool itself ends only when its launcher
 stops it (SIGTERM), so engines still answer after training is done.
@@ -67,8 +67,8 @@ def scorer_env(cfg: MoltConfig, index: int) -> dict[str, str]:
 
 
 def pool_children(cfg: MoltConfig, run: RunDir, node_rank: int) -> tuple[list[Child], list[Child]]:
-    """(engines, services) this node runs: engines (and on node 0 the reward-model scorers) are restarted
-    when they die; services are the router and orchestrator on node 0."""
+    """(engines, services) this node runs: engines (and on node 0 the reward-model scorers and the sandbox)
+    are restarted when they die; services are the router and orchestrator on node 0."""
     engines = []
     for local, (index, part) in enumerate(node_engines(cfg, node_rank)):
         cmd = job_command("engine.py", str(run.path), "--role", "engine", "--index", str(index))
@@ -81,6 +81,9 @@ def pool_children(cfg: MoltConfig, run: RunDir, node_rank: int) -> tuple[list[Ch
         for index in range(cfg.reward_model.count):
             cmd = job_command("engine.py", str(run.path), "--role", "scorer", "--index", str(index))
             engines.append(Child(f"scorer {index}", cmd, run.logs / f"scorer-{index}.log", scorer_env(cfg, index)))
+    if node_rank == 0 and cfg.sandbox is not None:  # untrusted code never sees a GPU
+        cmd = job_command("engine.py", str(run.path), "--role", "sandbox")
+        engines.append(Child("sandbox", cmd, run.logs / "sandbox.log", {"CUDA_VISIBLE_DEVICES": ""}))
     services = []
     if node_rank == 0:
         single = {"OMP_NUM_THREADS": "1"}
@@ -89,8 +92,11 @@ def pool_children(cfg: MoltConfig, run: RunDir, node_rank: int) -> tuple[list[Ch
                 "router", job_command("engine.py", str(run.path), "--role", "router"), run.logs / "router.log", single
             )
         )
+        orchestrator = dict(single)
+        if cfg.sandbox is not None:  # env code finds the sandbox through the run directory
+            orchestrator["MOLT_SANDBOX_RUN_DIR"] = str(run.path)
         services.append(
-            Child("orchestrator", job_command("rollout.py", str(run.path)), run.logs / "rollout.log", single)
+            Child("orchestrator", job_command("rollout.py", str(run.path)), run.logs / "rollout.log", orchestrator)
         )
     return engines, services
 

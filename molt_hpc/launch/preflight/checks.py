@@ -255,6 +255,13 @@ def _check_after_rows(resolved: MoltConfig, cfg: MoltConfig, cwd: Path, files: l
             warn(warning)
     check_stage_rows(resolved, tokenizer, vision)
     check_reward_model_section(resolved, cfg, tokenizer)
+    if resolved.sandbox is not None and resolved.run.stage == "rl":  # the server refuses it too, after engines load
+        from molt_hpc.sandbox.isolation import choose
+
+        try:
+            choose(resolved.sandbox, warn)
+        except ValueError as err:
+            raise PreflightError(str(err)) from None
 
 
 def _runs(pid: int, run_dir: Path) -> bool:

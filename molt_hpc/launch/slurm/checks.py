@@ -109,8 +109,18 @@ def check_actor_ranks(cfg: MoltConfig) -> None:
         )
 
 
+def check_no_sandbox(cfg: MoltConfig) -> None:
+    """Untrusted code belongs on CPU nodes, in a het group of its own, which a Slurm job does not have yet."""
+    if cfg.sandbox is not None:
+        raise ValueError(
+            "[sandbox] runs in local mode only (`molt-hpc run`): a Slurm job has no CPU het group for it yet; "
+            "remove [sandbox] to submit"
+        )
+
+
 def preflight(cfg: MoltConfig) -> None:
     """Everything that can be checked before submission; raises ValueError with the fix."""
+    check_no_sandbox(cfg)
     check_actor_ranks(cfg)
     check_slurm_reachable()
     partitions = read_partitions()
