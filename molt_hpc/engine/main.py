@@ -103,7 +103,7 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
     vocab = model.config.get_text_config().vocab_size
     state = EngineState(sched, vocab, eng.max_model_len, str(cfg.model.path), index, place=place(dev), vision=vision)
     app = build_app(state, run.token(), open_health=cfg.router.kind == "vllm-router")
-    sync = WeightSync(state, model)
+    sync = WeightSync(state, model, lora_only=cfg.actor.lora is not None)
     sync.add_routes(app)
     return app, sched, sync
 
