@@ -152,5 +152,29 @@ def test_resume_restores_adapters_optimizer_and_rng_exactly(stepped) -> None:
     assert [f for f in files if not filecmp.cmp(first / f, second / f, shallow=False)] == []
 
 
+def test_model_merge_writes_the_policy_as_a_plain_model(stepped, tmp_path) -> None:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import BIN
+
+    run, out = stepped
+    merged = tmp_path / "merged"
+    proc = subprocess.run([str(BIN / "molt-hpc"), "model", "merge", str(run.path), str(merged)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    model = AutoModelForCausalLM.from_pretrained(str(merged), local_files_only=True)
+    assert not any("lora" in n or "base_layer" in n for n, _ in model.named_parameters())
+    ids = torch.tensor([PROBE])
+    with torch.no_grad():
+        logits = model(input_ids=ids, position_ids=torch.arange(len(PROBE))[None]).logits[0].float()
+    assert torch.allclose(logits, load_file(str(out / "logits.safetensors"))["policy"], atol=1e-5, rtol=0)
+    assert (merged / "tokenizer.json").is_file()
+    again = subprocess.run([str(BIN / "molt-hpc"), "model", "merge", str(merged), str(tmp_path / "x")],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert again.returncode == 2 and "no LoRA adapters" in again.stderr
+
+
 if __name__ == "__main__":
     worker(Path(sys.argv[1]), Path(sys.argv[2]))
