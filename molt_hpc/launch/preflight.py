@@ -22,6 +22,7 @@ from typing import Any
 from molt_hpc.config import ConfigError, MoltConfig
 from molt_hpc.config.load import validate
 from molt_hpc.launch.preflight_data import check_rows
+from molt_hpc.launch.preflight_lora import check_lora
 from molt_hpc.launch.preflight_stages import (
     absolute_stage_paths,
     check_reward_model_section,
@@ -224,6 +225,7 @@ def preflight(cfg: MoltConfig, cwd: str | Path | None = None, warn: Callable[[st
         check_agent(resolved, cfg.rollout.agent, cwd)
     tokenizer, vision = check_model(resolved, cfg.model.path, cwd)
     check_vision(resolved, vision)
+    check_lora(resolved, PreflightError)
     for key, _, path in files:
         for warning in check_rows(resolved.data, tokenizer, path, key, vision=vision):
             warn(warning)
