@@ -108,8 +108,13 @@ class Refit:
 
 
 def refit_estimate(arch: Arch, cfg: MoltConfig, ranks: int, actor_nodes: int, same_node: bool) -> Refit:
-    """Gather the shards (cast to the wire dtype) to rank 0, then broadcast to every engine worker."""
+    """Gather the shards (cast to the wire dtype) to rank 0, then broadcast to every engine worker; a LoRA
+    run sends its fp32 adapters alone."""
     wire = dtype_bytes(cfg) * arch.params
+    if cfg.actor.lora is not None and cfg.run.stage == "rl":
+        from molt_hpc.plan.lora import adapter_params
+
+        wire = 4 * adapter_params(arch, cfg.actor.lora)
     gather_bw = NVLINK_GB_PER_S if actor_nodes <= 1 else cfg.plan.network_gb_per_s
     send_bw = NVLINK_GB_PER_S if same_node else cfg.plan.network_gb_per_s
     gather = wire * (ranks - 1) / ranks / (gather_bw * 1e9) if ranks > 1 else 0.0
