@@ -23,6 +23,9 @@ from tests.conftest import ROOT
 from tests.test_actor_support import make_run, put_groups, sample_groups, torchrun
 
 PROMPT = [2, 34, 32, 18, 31, 100, 57, 18]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+"""Every linear layer of the decoder blocks and the LM head, which the tiny model ties to its embeddings:
+the engine unties it, so a merge changes the output projection alone, as the trainer's adapter does."""
 
 
 def test_merge_is_the_base_plus_scaled_product_from_the_kept_base() -> None:
@@ -126,6 +129,7 @@ def refitted(tmp_path_factory, tiny_model_dir):
     cfg, run = make_run(tmp_path_factory.mktemp("lora-refit"), "lora-refit", tiny_model_dir, [
         "rollout.n_samples=4", "actor.groups_per_step=1", "run.steps=2", "checkpoint.interval=1",
         "checkpoint.keep_last=3", "engines.threads=1", "actor.lora.rank=4", "actor.lora.alpha=8.0", "actor.lr=0.01",
+        f"actor.lora.target_modules={TARGETS}",
     ])  # fmt: skip
     groups = sample_groups(tiny_model_dir, 2, 4, seed=11)
     engine = _engine(run.path)
@@ -184,7 +188,7 @@ def test_refits_send_only_the_adapters(refitted, tiny_model_dir) -> None:
     run, _, _ = refitted
     log = "\n".join(p.read_text() for p in (run.path / "logs").glob("torchrun-*.log"))
     sizes = [float(x.split(": ")[1].split(" MB")[0]) for x in log.split("refit v")[1:]]
-    # 2 blocks x (q, k, v, o, gate, up, down), A [4, in] + B [out, 4] each, fp32; the whole model is ~3 MB
+    # 2 blocks x (q, k, v, o, gate, up, down) and the head, A [4, in] + B [out, 4] each, fp32; the model is ~1.3 MB
     model = (tiny_model_dir / "model.safetensors").stat().st_size
     assert len(sizes) == 3 and all(s <= 0.1 for s in sizes) and model > 1e6, (sizes, model)
 

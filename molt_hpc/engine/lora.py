@@ -85,3 +85,18 @@ class AdapterMerge:
         if any(w.is_cuda for w in self.params.values()):
             torch.cuda.synchronize()
         return len(targets)
+
+
+def untie_adapted_head(model: torch.nn.Module, target_modules: list[str] | None) -> bool:
+    """Give the LM head a weight of its own when LoRA adapts it and it is tied to the input embeddings
+    (the trainer's adapter changes the output projection only); before any runner sees the weights.
+    Returns whether it untied."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embed is None or head.weight is not embed.weight or not target_modules:
+        return False
+    path = next(name for name, m in model.named_modules() if m is head)
+    if not any(path == t or path.endswith("." + t) for t in target_modules):
+        return False
+    head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    model.config.get_text_config().tie_word_embeddings = False
+    return True

@@ -70,6 +70,10 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
     if model is None:
         path = resolve_model(cfg.model, run.models)
         model = load_causal_lm(path, dtype=cfg.model.dtype, device=device, attn=cfg.model.attn_implementation)
+    if cfg.actor.lora is not None:  # an adapted LM head tied to the embeddings: merges change the head alone
+        from molt_hpc.engine.lora import untie_adapted_head
+
+        untie_adapted_head(model, cfg.actor.lora.target_modules)
     vision = Vision(resolve_model(cfg.model, run.models)) if hasattr(model.config, "vision_config") else None
     eos = model.generation_config.eos_token_id if model.generation_config else model.config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
