@@ -104,6 +104,20 @@ def convert_gguf_cmd(gguf_file: str, out_dir: str) -> None:
     click.echo(f"wrote {convert_gguf(gguf_file, out_dir)}")
 
 
+@model_group.command("merge")
+@click.argument("source")
+@click.argument("out_dir")
+@click.option("--base", default=None, help="The base model directory (default: the one the adapters name).")
+def merge_cmd(source: str, out_dir: str, base: str | None) -> None:
+    """Merge a LoRA run's adapters (SOURCE: its run directory, a checkpoint, or an adapter directory) into
+    their base and write the plain HF model to OUT_DIR."""
+    from pathlib import Path
+
+    from molt_hpc.actor.lora_merge import merge_adapter
+
+    click.echo(f"wrote {merge_adapter(Path(source), Path(out_dir), Path(base) if base else None)}")
+
+
 @main.command("sample")
 @click.argument("config", required=False)
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)

@@ -6,7 +6,8 @@ holds a whole model. Dropout is off (the engine samples without dropout; a ratio
 log-probs must compare like with like). Weights are checked before anything is loaded, so a bad
 directory fails with a clear error naming the file.
 
-Parameter dtypes: the policy and the critic keep fp32 master weights (they train); the frozen
+Parameter dtypes: the policy and the critic keep fp32 master weights (they train), except a LoRA
+policy's frozen base, kept in `model.dtype` beside its fp32 adapters (`molt_hpc.actor.lora`); the frozen
 reference is stored in `model.dtype`, the dtype its forward computes in anyway, so `bfloat16`
 halves its memory with the same log-probs as an fp32 copy cast at every forward (and a CPU run with
 the default `float32` keeps fp32).
@@ -20,6 +21,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from molt_hpc.actor import lora
 from molt_hpc.actor.moe_router import prepare_routers
 from molt_hpc.actor.offload import OptimizerOffload
 from molt_hpc.actor.state import Trainable
@@ -54,7 +56,12 @@ def check_weights(path: Path) -> None:
 
 
 def load_model(
-    path: Path, cfg: MoltConfig, world: World, role: Role, documents: DocumentAttention | None = None
+    path: Path,
+    cfg: MoltConfig,
+    world: World,
+    role: Role,
+    documents: DocumentAttention | None = None,
+    adapter: Path | None = None,
 ) -> nn.Module:
     """The policy, the frozen reference, the critic (a one-label value head on the same backbone) or a
     reward model (a one-label sequence-classification head: `molt-hpc rm train`) from the HF directory
@@ -63,11 +70,18 @@ def load_model(
 
     A critic built from the policy's directory gets a new head initialised from `run.seed`, the
     same at any rank count; from a critic checkpoint the head is loaded.
+
+    Under `[actor.lora]` the policy is the base in `path` (stored in `model.dtype`, frozen) with
+    adapters (`molt_hpc.actor.lora`) read from the PEFT directory `adapter`, or fresh from `run.seed`.
     """
     check_weights(path)
     quiet_transformers()
     act, trainable = cfg.actor, role != "reference"
     compute = getattr(torch, cfg.model.dtype)
+    lora_policy = role == "policy" and act.lora is not None
+    adapters = None
+    if lora_policy:
+        adapters = lora.saved_value(adapter) if adapter is not None else lora.fresh_value(cfg.run.seed)
 
     def prepare(model: nn.Module) -> None:  # on the meta device, before anything is allocated
         disable_dropout(model)
@@ -76,13 +90,16 @@ def load_model(
         prepare_routers(model, cfg, role)  # fp32 (replay) routers, before parallelize gives each its fp32 unit
         if role == "policy" and act.freeze_router:
             freeze_router(model)
+        if lora_policy:
+            lora.inject(model, act.lora)  # adapters fp32 and trained, the base frozen
         parallelize(model, world.mesh, act, compute_dtype=compute, documents=documents)
 
     t0 = time.perf_counter()
     model, stats = load_sharded(
         path, shard=prepare, device=torch.device("cpu") if act.offload == "full" else world.device,
-        buffer_device=world.device, dtype=compute if role == "reference" else torch.float32,
+        buffer_device=world.device, dtype=compute if role == "reference" or lora_policy else torch.float32,
         attn=cfg.model.attn_implementation, critic=role == "critic", seed=cfg.run.seed, reward=role == "reward",
+        adapters=adapters,
     )  # fmt: skip
     get_logger().info(
         "%s from %s: this rank read %.3f of %.3f GB (%.0f%%) in %.1fs", role, path, stats.bytes_read / 1e9,
@@ -107,8 +124,18 @@ def expected_shapes(base: Path, *, critic: bool = False) -> dict[str, tuple[int,
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
-def check_checkpoint_model(model_dir: Path, base: Path, *, critic: bool = False) -> None:
-    """Refuse a checkpointed model whose tensors differ from the configured model's."""
+def check_checkpoint_model(model_dir: Path, base: Path, *, critic: bool = False, lora_policy: bool = False) -> None:
+    """Refuse a checkpointed model whose tensors differ from the configured model's (a LoRA adapter
+    directory's tensors are checked against the configured adapters when they are loaded)."""
+    adapter = (model_dir / lora.CONFIG_FILE).is_file()
+    if adapter != lora_policy:
+        held, wanted = ("LoRA adapters", "without") if adapter else ("a full model", "with")
+        raise ValueError(
+            f"{model_dir} holds {held} but this run is configured {wanted} [actor.lora]: resume it with the "
+            "[actor.lora] it was saved with, or use a new run.name"
+        )
+    if adapter:
+        return
     check_shapes(model_dir, expected_shapes(base, critic=critic))
 
 

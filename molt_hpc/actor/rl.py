@@ -37,7 +37,7 @@ def resume_point(cfg: MoltConfig, run: RunDir, base: Path, required: bool) -> Pa
     latest = state.latest_to_resume(cfg, run, required)
     if latest is None:
         return None
-    build.check_checkpoint_model(latest / "policy", base)
+    build.check_checkpoint_model(latest / "policy", base, lora_policy=cfg.actor.lora is not None)
     if cfg.algorithm.uses_critic:
         if not (latest / "critic").is_dir():
             raise ValueError(
@@ -53,7 +53,8 @@ def build_models(cfg: MoltConfig, world: World, base: Path, ckpt: Path | None) -
     log = get_logger()
     if cfg.actor.offload == "optimizer" and world.device.type == "cpu":
         log.info("actor.offload = 'optimizer' on a CPU trainer: the optimizer state is in host memory already")
-    src = ckpt / "policy" if ckpt else base
+    adapter = ckpt / "policy" if ckpt and cfg.actor.lora else None  # LoRA: the base, then the adapters
+    src = ckpt / "policy" if ckpt and adapter is None else base
     # how rows run (packing, CP) follows from the model's config and modules: read on the meta device
     docs, pack_tokens = sequence_layout(cfg, world, meta_model(src, critic=False, dtype=torch.float32,
                                                                attn=cfg.model.attn_implementation))  # fmt: skip
@@ -61,13 +62,14 @@ def build_models(cfg: MoltConfig, world: World, base: Path, ckpt: Path | None) -
         "micro-batches: %s; context parallel %d", f"packed, {pack_tokens} tokens" if pack_tokens else
         f"{cfg.actor.micro_batch_size} padded rows", cfg.actor.cp,
     )  # fmt: skip
-    policy = build.load_model(src, cfg, world, "policy", documents=docs)
+    policy = build.load_model(src, cfg, world, "policy", documents=docs, adapter=adapter)
     moe = MoeRouting.for_policy(policy, cfg)  # replay, aux losses and routing metrics of an MoE policy
     models = Models(policy=build.trainable("policy", policy, cfg, cfg.actor.lr), pack_tokens=pack_tokens, moe=moe)
     if is_vision_model(base):  # pixel values from the base directory's image processor
         models.images = ImageInputs(Vision(base))
     if cfg.algorithm.uses_reference:
-        models.reference = build.load_model(base, cfg, world, "reference", documents=docs)
+        # LoRA: the policy itself, its adapters switched off for the reference forward (step.py)
+        models.reference = policy if cfg.actor.lora else build.load_model(base, cfg, world, "reference", documents=docs)
     if cfg.algorithm.uses_critic:
         critic = build.load_model(ckpt / "critic" if ckpt else base, cfg, world, "critic", documents=docs)
         models.critic = build.trainable("critic", critic, cfg, cfg.actor.critic_lr)

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from molt_hpc import checkpoint as ck
+from molt_hpc.actor import lora
 from molt_hpc.actor.weights import bucket_count_bytes, full_buckets, plan_buckets
 from molt_hpc.actor.world import World, gather_all, share
 from molt_hpc.config import MoltConfig
@@ -47,7 +48,11 @@ class StableWriter(FileSystemWriter):
 
 
 def save_model(world: World, model: nn.Module, out: Path, tokenizer_src: Path, shard_bytes: int) -> None:
-    """`model` in HF layout under `out`: safetensors shards + index, config, tokenizer files."""
+    """`model` in HF layout under `out`: safetensors shards + index, config, tokenizer files; a LoRA
+    policy as a PEFT adapter directory over the base in `tokenizer_src` (`lora.save_adapter`)."""
+    if lora.has_adapters(model):
+        lora.save_adapter(world, model, out, tokenizer_src)
+        return
     plan = plan_buckets(model, shard_bytes)
     weight_map: dict[str, str] = {}
     for i, bucket in enumerate(full_buckets(model, plan, keep=world.is_main)):

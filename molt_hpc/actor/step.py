@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from molt_hpc.actor import lora
 from molt_hpc.actor.batch import critic_values, mini_batch_rows, policy_logprobs, rows_forward
 from molt_hpc.actor.clip import clip_grad_norm
 from molt_hpc.actor.moe_router import MoeRouting
@@ -136,13 +137,14 @@ def build_experience(groups: list[Group], cfg: MoltConfig, models: Models, world
     act, temp, shape = cfg.actor, cfg.rollout.temperature, (cfg.actor.micro_batch_size, models.pack_tokens)
     if models.reference is not None:
         ref = models.reference
-        exp.base_log_probs = rows_forward(
-            lambda mb: policy_logprobs(ref, mb, temp, act.logprob_chunk, act.logprob_kernel, images=images)[0],
-            exp,
-            rows,
-            *shape,
-            world,
-        )
+        with lora.adapters_disabled(ref) if act.lora else contextlib.nullcontext():  # LoRA: the base is the reference
+            exp.base_log_probs = rows_forward(
+                lambda mb: policy_logprobs(ref, mb, temp, act.logprob_chunk, act.logprob_kernel, images=images)[0],
+                exp,
+                rows,
+                *shape,
+                world,
+            )
     if models.critic is not None:
         critic = models.critic.model
         exp.values = rows_forward(lambda mb: critic_values(critic, mb), exp, rows, *shape, world)

@@ -21,11 +21,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from molt_hpc.actor import lora
 from molt_hpc.actor.weights import full_tensor
 from molt_hpc.actor.world import World, share
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import get_logger
 from molt_hpc.parallel.expert_gather import refit_metas, refit_split, refit_tensors
+from molt_hpc.refit.buckets import TensorMeta
 from molt_hpc.rundir import RunDir
 
 RETRY_S = 5.0
@@ -142,14 +144,20 @@ class EngineSync:
         dtype = self.dtype if self.world.size > 1 else None
         ok, fatal = True, None
         key = tuple(map(id, model.parameters()))
-        if key != self._layout[0]:
+        lora_info = {"lora_scaling": lora.scaling(model)} if lora.has_adapters(model) else None
+        if key != self._layout[0] and lora_info is None:
             split = refit_split(model)
             self._layout = (key, split, refit_metas(model, self.dtype, split))
         with torch.no_grad():  # plain views of the parameters (no autograd op per tensor)
-            tensors = refit_tensors(model, dtype, _whole, self._layout[1])  # EP experts: per expert
+            if lora_info is not None:  # LoRA: the adapters alone (the engines keep the base), whole and fp32
+                adapters = lora.full_adapters(model, keep=self.world.is_main)
+                tensors, metas = iter(adapters.items()), [TensorMeta.of(n, t) for n, t in adapters.items()]
+            else:
+                tensors = refit_tensors(model, dtype, _whole, self._layout[1])  # EP experts: per expert
+                metas = self._layout[2]
             if self.sender is not None:
                 try:
-                    ok = self._push(engines, model, tensors, version)
+                    ok = self._push(engines, tensors, version, metas, lora_info)
                 except RefitFailed as err:
                     ok, fatal = False, str(err)
             for _ in tensors:  # the other ranks (and rank 0 after a failed push) finish every gather
@@ -159,9 +167,8 @@ class EngineSync:
             raise RefitFailed(fatal)
         return time.perf_counter() - t0 if ok else None
 
-    def _push(self, engines: list[Engine], model: nn.Module, tensors, version: int) -> bool:
+    def _push(self, engines: list[Engine], tensors, version: int, metas, extra: dict | None) -> bool:
         assert self.sender is not None
-        metas = self._layout[2]
         started = time.monotonic()
         try:
             if engines != self.connected:
@@ -169,7 +176,10 @@ class EngineSync:
                 self.sender.connect([url for _, url, _ in engines])
                 self.connected = engines
             # a world of one hands over its own parameters: engines on its GPU can read them in place
-            self.sender.push(tensors, version, metas=metas, in_place=self.world.size == 1)
+            if extra is not None:
+                self.sender.push(tensors, version, metas=metas, extra=extra)
+            else:
+                self.sender.push(tensors, version, metas=metas, in_place=self.world.size == 1)
         except ValueError as err:  # cannot work as configured: no retry can help
             self.connected = []
             raise RefitFailed(f"refit v{version} cannot succeed: {one_line(str(err))}") from None

@@ -100,6 +100,11 @@ class MoltConfig(Section):
             raise ValueError(
                 "engines.kind = 'vllm' refits over NCCL from a GPU: set actor.device = 'cuda' (or 'auto' on a GPU node)"
             )
+        if act.lora is not None and self.engines.kind == "vllm":
+            raise ValueError(
+                "[actor.lora] with engines.kind = 'vllm' is not supported yet (adapter refits reach the builtin "
+                "engine only): set engines.kind = 'builtin' or drop [actor.lora]"
+            )
         self._check_sequences()
         self._check_eval()
         self._check_stages()
@@ -160,6 +165,11 @@ class MoltConfig(Section):
             raise ValueError(
                 f"actor.router_replay = true but run.stage = {stage!r} has no engines whose routing could be "
                 "replayed: set actor.router_replay = false for this stage"
+            )
+        if stage != "rl" and self.actor.lora is not None:
+            raise ValueError(
+                f"[actor.lora] with run.stage = {stage!r} is not supported yet (LoRA trains the RL policy only): "
+                "drop [actor.lora] for this stage"
             )
         rm = self.reward_model
         if rm is not None and rm.max_model_len is not None and rm.max_model_len < self.rollout.max_total_tokens:

@@ -161,6 +161,22 @@ class AlgorithmConfig(Section):
         return self.kl_coef > 0.0
 
 
+class LoraConfig(Section):
+    """LoRA: low-rank adapters (built with `peft`) are trained over a frozen base kept in `model.dtype`."""
+
+    rank: PositiveInt = 16
+    """Rank r of each adapter (A is r x in, B is out x r)."""
+    alpha: PositiveFloat = 32.0
+    """Scale numerator: an adapter adds `(alpha / rank) · B·A` to its layer's weight."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input in training forwards (peft's `lora_dropout`). The engines sample
+    without it, so anything above 0 makes the trainer's log-probs differ from the engines' by design."""
+    target_modules: list[str] | None = None
+    """Module names to adapt, as peft matches them (a name equals a module's last name parts, e.g.
+    `q_proj` or `self_attn.o_proj`). Unset: every linear layer of the decoder blocks (MoE experts,
+    routers and the vision tower only when named). A name that matches no linear layer is an error."""
+
+
 class ActorConfig(Section):
     """The actor pool: the FSDP2 trainer of the policy (and reference, critic)."""
 
@@ -241,8 +257,17 @@ class ActorConfig(Section):
     everything already lives in host memory: `optimizer` changes nothing there, `full` runs the same
     offload code path with no memory effect."""
 
+    lora: LoraConfig | None = None
+    """Train low-rank adapters instead of every weight (`[actor.lora]`, see docs/lora.md): the base
+    stays frozen in `model.dtype`, only the adapters are optimised, refits send only the adapters and
+    checkpoints are PEFT adapter directories. Unset: full fine-tuning."""
+
     @model_validator(mode="after")
     def _check_ep_dispatch(self) -> "ActorConfig":
+        if self.lora is not None and self.ep > 1:
+            raise ValueError(
+                "[actor.lora] with actor.ep > 1 is not supported yet: set actor.ep = 1 or drop [actor.lora]"
+            )
         if self.ep_dispatch == "deep_ep" and self.ep == 1:
             raise ValueError("actor.ep_dispatch = 'deep_ep' moves tokens between EP ranks: set actor.ep > 1 with it")
         if self.ep_dispatch == "deep_ep" and self.device == "cpu":

@@ -8,16 +8,19 @@ paused until a complete update arrives, so no token is ever sampled from a mix o
 """
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 
 import torch
 from aiohttp import web
 
+from molt_hpc.engine.lora import AdapterMerge
 from molt_hpc.engine.server import EngineState, run_on_scheduler
 from molt_hpc.log import get_logger
 from molt_hpc.protocol.edge import error, parse, read_json
 from molt_hpc.protocol.requests import FinishRequest, InitRequest, UpdateRequest
+from molt_hpc.refit.buckets import metas_from_info
 from molt_hpc.refit.experts import expert_views
 from molt_hpc.refit.receiver import RefitReceiver
 
@@ -25,7 +28,13 @@ from molt_hpc.refit.receiver import RefitReceiver
 class WeightSync:
     """Refit state of one engine: idle → started → (loading → loaded | torn) → idle."""
 
-    def __init__(self, state: EngineState, model: torch.nn.Module, on_version: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        state: EngineState,
+        model: torch.nn.Module,
+        on_version: Callable[[int], None] | None = None,
+        lora_only: bool = False,
+    ):
         self.state = state
         self.receiver = RefitReceiver()
         # keep_vars: the live Parameters, tied weights under both of their names; fused MoE experts also
@@ -33,6 +42,9 @@ class WeightSync:
         self.params = {**model.state_dict(keep_vars=True), **expert_views(model)}
         self.phase = "idle"
         self.on_version = on_version
+        self.lora = AdapterMerge(self.params)
+        self.lora_only = lora_only
+        """A LoRA run's engine: refits bring adapters (`update_info.lora_scaling`); a base change is refused."""
 
     def add_routes(self, app: web.Application) -> None:
         app.add_routes(
@@ -63,7 +75,7 @@ class WeightSync:
         before, self.phase = self.phase, "loading"
         t0 = time.perf_counter()
         try:
-            loaded = await asyncio.to_thread(self.receiver.receive, info, self.params)
+            loaded = await asyncio.to_thread(self._receive, info)
         except ValueError:  # refused before anything was loaded (the buckets were drained)
             self.phase = before
             raise
@@ -72,6 +84,34 @@ class WeightSync:
             raise
         self.phase = "loaded"
         return web.json_response({"loaded": loaded, "seconds": time.perf_counter() - t0})
+
+    def _receive(self, info: dict) -> int:
+        """Receive one update: full weights into the live parameters, or adapters merged into them (`engine.lora`)."""
+        scaling = info.get("lora_scaling")
+        if scaling is None:
+            if self.lora_only:
+                self._drain(info)
+                raise ValueError(
+                    "this engine serves a LoRA run ([actor.lora]): its refits bring adapters only, and a refit "
+                    "that changes the base weights is refused"
+                )
+            return self.receiver.receive(info, self.params)
+        metas = metas_from_info(info)
+        problem = self.lora.check(metas)
+        if not isinstance(scaling, int | float) or isinstance(scaling, bool):
+            problem = f"update_info.lora_scaling must be a number (alpha / rank), got {scaling!r}"
+        if problem is not None:
+            self._drain(info)
+            raise ValueError(problem)
+        loaded = self.receiver.receive(info, self.lora.buffers(metas))
+        self.lora.merge(float(scaling))
+        return loaded
+
+    def _drain(self, info: dict) -> None:
+        """Take a refused update's buckets off the wire (into nothing), so the sender and the other engines
+        stay in step; the receiver refuses names this (empty) target lacks."""
+        with contextlib.suppress(ValueError):
+            self.receiver.receive(info, {})
 
     async def finish(self, request: web.Request) -> web.Response:
         version = parse(FinishRequest, await read_json(request)).chosen

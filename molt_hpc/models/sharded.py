@@ -149,9 +149,17 @@ def _lookup(name: str, table: dict, prefix: str):
 
 
 def load_local_shards(
-    model: nn.Module, path: Path, *, init_missing: Callable | None = None, missing_ok: tuple[str, ...] = ()
+    model: nn.Module,
+    path: Path,
+    *,
+    init_missing: Callable | None = None,
+    missing_ok: tuple[str, ...] = (),
+    adapters: Callable | None = None,
 ) -> LoadStats:
-    """Fill this rank's part of every tensor of `model` (materialised, sharded) from `path`'s files."""
+    """Fill this rank's part of every tensor of `model` (materialised, sharded) from `path`'s files.
+
+    `adapters` (a LoRA policy: `molt_hpc.actor.lora`) gives the whole value of each adapter tensor by
+    name; the adapted layers' base tensors (`.base_layer.`) are read under their HF names."""
     prefix = getattr(model, "base_model_prefix", "model")
     with Checkpoint(path) as ckpt, torch.no_grad():
         classes = [c.__name__ for c in type(model).__mro__]  # FSDP2 subclasses the model's class
@@ -160,7 +168,10 @@ def load_local_shards(
         for name, t in _tensors(model):
             region = local_region(t)
             local = t.to_local() if isinstance(t, DTensor) else t
-            recipe = _lookup(name, table, prefix)
+            if adapters is not None and (".lora_A." in name or ".lora_B." in name):
+                local.copy_(adapters(name, tuple(t.shape))[tuple(slice(s, s + n) for s, n in region)])
+                continue
+            recipe = _lookup(name.replace(".base_layer.", "."), table, prefix)
             if recipe is None:
                 if init_missing is None or not name.startswith(missing_ok):
                     raise ValueError(f"{path} has no tensor for {name}; is it a checkpoint of this model?")
@@ -188,12 +199,13 @@ def load_sharded(
     critic: bool = False,
     seed: int = 0,
     reward: bool = False,
+    adapters: Callable | None = None,
 ) -> tuple[nn.Module, LoadStats]:
     """The model in `path`, sharded by `shard` and materialised on `device`; (model, what this rank read).
 
     `critic`: a one-label token classifier on the same backbone; `reward`: a one-label sequence
     classifier. Their head (`score`), when the directory has none, is initialised from `seed` the same
-    way at any rank count.
+    way at any rank count. `adapters`: see `load_local_shards`.
     """
     model = meta_model(path, critic=critic, dtype=dtype, attn=attn, reward=reward)
     tied = is_tied(model)
@@ -209,6 +221,6 @@ def load_sharded(
     if critic or reward:  # the new head: the classifier's modules beside its backbone
         init = head_init(seed, model.config.initializer_range)
         head = tuple(f"{n}." for n, _ in model.named_children() if n != model.base_model_prefix)
-    stats = load_local_shards(model, path, init_missing=init, missing_ok=head)
+    stats = load_local_shards(model, path, init_missing=init, missing_ok=head, adapters=adapters)
     assert is_tied(model) == tied, "sharding or materialising untied the embeddings"
     return model, stats

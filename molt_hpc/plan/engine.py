@@ -110,8 +110,12 @@ def refit_estimate(
 ) -> Refit:
     """Gather the shards (cast to the wire dtype) to rank 0, then broadcast to every engine worker; inside
     a node at the device profile's `refit_gb_per_s` (`plan.cuda` or `plan.cpu`), across nodes at
-    `plan.network_gb_per_s`."""
+    `plan.network_gb_per_s`. A LoRA run sends its fp32 adapters alone."""
     wire = dtype_bytes(cfg) * arch.params
+    if cfg.actor.lora is not None and cfg.run.stage == "rl":
+        from molt_hpc.plan.lora import adapter_params
+
+        wire = 4 * adapter_params(arch, cfg.actor.lora)
     node_bw = getattr(cfg.plan, "cpu" if device == "cpu" else "cuda").refit_gb_per_s
     gather_bw = node_bw if actor_nodes <= 1 else cfg.plan.network_gb_per_s
     send_bw = node_bw if same_node else cfg.plan.network_gb_per_s

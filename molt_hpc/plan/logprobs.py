@@ -69,6 +69,9 @@ def backward_moments(arch: Arch, s: "Shape") -> list[tuple[str, dict[str, float]
         # the gathered chunk and its gradient (copies), the fp32 temporaries
         chunk = {"log-prob chunk": m * v * (2 * c + 4 * fp32), **previous}
         return [("backward: log-probs", {"logits gradient": n * c * v, **chunk})]
+    if s.lora:  # a frozen head: no weight gradient, only the hidden states' (`needs_input_grad`)
+        return [("backward: log-probs", {"hidden-state gradient": n * c * h,
+                                         "log-prob chunk": m * v * (c + 4 * fp32), **previous})]  # fmt: skip
     grads = {"hidden-state gradient": n * c * h, "LM head gradient accumulator (fp32)": 4 * v * h}
     cast = 4 if c != 4 else 0  # `.to(float32)` of an fp32 product is the product itself
     return [

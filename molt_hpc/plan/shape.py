@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.plan.arch import Arch
+from molt_hpc.plan.lora import adapter_params
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,12 @@ class Shape:
     """The row length when attention is `eager` (it keeps [heads, T, T] scores per row); 0 otherwise."""
     vocab_logits: bool = True
     """Whether the step computes log-probs over the vocabulary (a reward model's head has one output)."""
+    lora_params: int = 0
+    """Adapter parameters of a LoRA policy (`plan/lora.py`); 0: a full fine-tune."""
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_params > 0
 
     @property
     def tokens(self) -> int:
@@ -88,4 +95,5 @@ def shape_of(cfg: MoltConfig, ranks: int, device: str, arch: Arch) -> Shape:
         freeze_router=act.freeze_router,
         eager_seq=math.ceil(longest / act.cp) if cfg.model.attn_implementation == "eager" else 0,
         vocab_logits=cfg.run.stage != "rm",
+        lora_params=adapter_params(arch, act.lora) if act.lora is not None and rl else 0,
     )  # fmt: skip

@@ -25,12 +25,16 @@ COST = {
     "engines.tensor_parallel": 2,
     "engines.nodes_per_engine": 2,
     "actor.offload": 3,
+    "actor.lora.rank": 3,
     "slurm.actor.nodes": 4,
     "slurm.engines.nodes": 4,
     "actor.offload='full'": 5,
 }
 """Rank of each kind of change: free, some recompute, more communication, host round trips (the
-optimizer's moments), more GPUs, and last the whole state on the host (the optimizer steps on the CPU)."""
+optimizer's moments) or low-rank adapters instead of every weight (LoRA trains another model), more
+GPUs, and last the whole state on the host (the optimizer steps on the CPU)."""
+LORA_RANKS = (128, 64, 32, 16, 8)
+"""Adapter ranks tried, largest first, when a full fine-tune does not fit: the largest that fits is suggested."""
 
 
 @dataclass
@@ -109,6 +113,9 @@ def suggest(plan: Plan, *, local: bool = False, gpus: int | None = None, limit: 
         s = _evaluate(plan, changes, failing, local, gpus) if changes else None
         if s is not None:
             found.append(s)
+    lora = _lora(plan, failing, local, gpus)
+    if lora is not None:
+        found.append(lora)
     cheapest_fit = min((s.cost for s in found if s.fits), default=None)
     if found and (cheapest_fit is None or cheapest_fit > 2):  # a combination of cheaper changes may do
         combo = _combine(plan, found, failing, local, gpus)
@@ -127,6 +134,20 @@ def _evaluate(plan: Plan, changes: list[str], failing: list[str], local: bool, g
     if not any(d < 0 for d in effect.values()):
         return None
     return Suggestion(changes, after, effect)
+
+
+def _lora(plan: Plan, failing: list[str], local: bool, gpus: int | None) -> Suggestion | None:
+    """LoRA for a full RL fine-tune: the largest rank of `LORA_RANKS` that fits, else the smallest that helps."""
+    cfg = plan.cfg
+    if cfg.actor.lora is not None or cfg.run.stage != "rl":
+        return None
+    helpful = None
+    for rank in LORA_RANKS:
+        s = _evaluate(plan, [f"actor.lora.rank={rank}"], failing, local, gpus)
+        if s is not None and s.fits:
+            return s
+        helpful = s or helpful
+    return helpful
 
 
 def _combine(plan: Plan, singles: list[Suggestion], failing: list[str], local: bool, gpus: int | None):

@@ -86,12 +86,16 @@ def trainer_memory(arch: Arch, s: Shape) -> TrainerMemory:
     p_train = p_all - (arch.router_params if s.freeze_router else 0)
     state = {"parameters": 4 * p_all / s.ranks, "gradients": 4 * p_train / s.ranks,
              "optimizer": 8 * p_train / s.ranks}  # fmt: skip
+    if s.lora:  # the base frozen in the compute dtype; fp32 adapters, their gradients and moments
+        p_train = s.lora_params
+        state = {"parameters": (c * p_all + 4 * p_train) / s.ranks, "gradients": 4 * p_train / s.ranks,
+                 "optimizer": 8 * p_train / s.ranks}  # fmt: skip
     host = {}
     offloaded = {"none": (), "optimizer": ("optimizer",), "full": ("parameters", "gradients", "optimizer")}
     for key in offloaded[s.offload]:
         host[key] = state[key]
         state[key] = 0.0
-    if s.reference:
+    if s.reference and not s.lora:  # LoRA's reference is the policy with its adapters off
         state["reference"] = s.compute_bytes * p_all / s.ranks  # stored in model.dtype (it never trains)
     if s.critic:
         p_critic = p_all - (0 if arch.tied else arch.vocab * arch.hidden) + arch.hidden
@@ -136,12 +140,13 @@ def _phases(arch: Arch, s: Shape, state: dict[str, float]) -> list[Phase]:
                 **resident,
                 "gradients": grads,
                 **root,
-                "root gradients (unsharded)": c * arch.root_params,
-                "reduce-scatter (fp32)": 4 * arch.root_params,
+                "root gradients (unsharded)": 0.0 if s.lora else c * arch.root_params,  # LoRA: the root is frozen
+                "reduce-scatter (fp32)": 0.0 if s.lora else 4 * arch.root_params,
             },
         )
     )
-    opt = {"optimizer step temporaries": 0.0 if s.fused_adam else 4 * (arch.params - arch.router_params) / s.ranks}
+    trained = s.lora_params if s.lora else arch.params - arch.router_params
+    opt = {"optimizer step temporaries": 0.0 if s.fused_adam else 4 * trained / s.ranks}
     out.append(Phase("optimizer step", {**resident, "gradients": grads, **opt}))
     if s.reference:
         out += _reference_forward(arch, s, resident)
@@ -172,17 +177,18 @@ def _block_backward(arch, s, resident, grads, root, kept, per_block) -> list[Pha
         # the first micro-batch of an update has only the gradients of the blocks after i so far
         done = grads * sum(b.params for b in arch.blocks[i + 1 :]) / arch.params
         parts = {**resident, "gradients": grads if s.micro_batches > 1 else done, **root,
-                 "LM head gradient": c * arch.vocab * h,
+                 "LM head gradient": 0.0 if s.lora else c * arch.vocab * h,
                  "saved activations": sum(kept[:i]) + (per_block[i] if s.ac else kept[i]),
                  "block (unsharded)": c * p, "residual gradient": n * c * h}  # fmt: skip
         if s.ac:
             parts["activation gradients"] = AC_GRAD_TRANSIENT * n * c * mlp_width(arch, block)
         else:
             parts["activation gradients"] = SWIGLU_GRADS * n * c * mlp_width(arch, block)
-            parts["down projection weight gradient"] = c * h * _down_width(arch, s, block)
+            if not s.lora:  # a frozen base layer computes no weight gradient (its adapters' are tiny)
+                parts["down projection weight gradient"] = c * h * _down_width(arch, s, block)
         if i > 0:  # FSDP2 prefetches the block whose backward comes next: its all-gather output
             parts["next block (prefetched)"] = c * _unsharded(arch, s, arch.blocks[i - 1])
-        if i < len(per_block) - 1:
+        if i < len(per_block) - 1 and not s.lora:
             parts["reduce-scatter (fp32)"] = 4 * _unsharded(arch, s, arch.blocks[i + 1])
         parts.update(_ulysses(arch, s))
         out.append(Phase(name, parts))

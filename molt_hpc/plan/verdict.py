@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from molt_hpc.config import MoltConfig
 from molt_hpc.plan.arch import Arch
 from molt_hpc.plan.engine import GIB, EngineMemory, Refit, engine_memory, largest_tensor, refit_estimate
+from molt_hpc.plan.lora import adapted_weights, adapter_params
 from molt_hpc.plan.shape import shape_of
 from molt_hpc.plan.trainer import Phase, TrainerMemory, trainer_memory
 
@@ -152,6 +153,10 @@ def _refit_phase(arch: Arch, cfg: MoltConfig, trainer: TrainerMemory) -> Phase:
     resident = {k: v for k, v in trainer.state.items() if k != "gradients"}
     if cfg.run.stage != "rl":
         return Phase("checkpoint (rank 0)", {**resident, "whole tensor": 4 * largest_tensor(arch)})
+    if cfg.actor.lora is not None:  # the fp32 adapters alone, every one whole on rank 0
+        adapters = 4.0 * adapter_params(arch, cfg.actor.lora)
+        return Phase("refit (rank 0)", {**resident, "whole adapters": adapters,
+                                        "refit bucket": float(min(cfg.refit.bucket_mb << 20, adapters))})  # fmt: skip
     bucket = float(min(cfg.refit.bucket_mb << 20, b * arch.params))
     return Phase("refit (rank 0)", {**resident, "whole tensor": b * largest_tensor(arch), "refit bucket": bucket})
 
@@ -164,6 +169,10 @@ def _host(arch: Arch, cfg: MoltConfig, where: Placement, trainer: TrainerMemory)
         out[f"offloaded {key}"] = per_node * value
     if where.actor_device == "cpu":
         out["trainer on the CPU"] = per_node * trainer.peak.total
+    if cfg.actor.lora is not None and where.mode == "local" and where.engine_device == "cuda":
+        # the builtin engine on this node keeps the base of every adapted weight in host memory (engine/lora.py)
+        c = 4 if cfg.model.dtype == "float32" else 2
+        out["engine: base of the adapted weights"] = where.engines * c * adapted_weights(arch, cfg.actor.lora)
     return out
 
 

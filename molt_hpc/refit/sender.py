@@ -203,12 +203,14 @@ class RefitSender:
         version: int,
         metas: Sequence[TensorMeta] | None = None,
         in_place: bool = False,
+        extra: dict | None = None,
     ) -> RefitStats:
         """Send full tensors (HF names) to every engine and make `version` their weight version.
 
         `named_tensors` may be a generator (e.g. gathering FSDP shards layer by layer); then pass
         `metas` (names, dtypes, shapes in the same order) so the bucket plan is known up front.
         `in_place`: the tensors are the trainer's live parameters, unchanged until this returns.
+        `extra`: more `update_info` fields (a LoRA refit's `lora_scaling`: the tensors are adapters).
         """
         if not self.urls:
             raise ValueError(
@@ -216,7 +218,12 @@ class RefitSender:
             )
         t0 = time.perf_counter()
         items: Iterable[tuple[str, torch.Tensor]] = named_tensors
-        if in_place and self.device.type == "cuda" and all(self.transports[u] == "ipc" for u in self.urls):
+        if (
+            extra is None
+            and in_place
+            and self.device.type == "cuda"
+            and all(self.transports[u] == "ipc" for u in self.urls)
+        ):
             items = list(items)
             mapped = self._in_place
             if mapped is not None and mapped.metas is metas and mapped.key == addresses(items):
@@ -236,7 +243,7 @@ class RefitSender:
             if shared and (self._channel is None or need > self._channel.slot_bytes):  # first push, or outgrown
                 self._share(shared, need)
             self._calls.round(self.urls, "/start_weight_update")
-            info = update_info(metas, bucket_bytes, version)
+            info = {**update_info(metas, bucket_bytes, version), **(extra or {})}
             if self._channel is not None:
                 info["ipc_first"] = self._channel.posted
             calls = [self._calls.post(url, "/update_weights", {"update_info": info}) for url in self.urls]

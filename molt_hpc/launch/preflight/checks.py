@@ -25,6 +25,7 @@ from molt_hpc.config import MoltConfig
 from molt_hpc.config.load import validate
 from molt_hpc.launch.preflight.data import check_rows
 from molt_hpc.launch.preflight.files import PreflightError, check_file, where_read
+from molt_hpc.launch.preflight.lora import check_lora
 from molt_hpc.launch.preflight.stages import (
     absolute_stage_paths,
     check_reward_model_section,
@@ -250,6 +251,7 @@ def _check_after_rows(resolved: MoltConfig, cfg: MoltConfig, cwd: Path, files: l
         check_agent(resolved, cfg.rollout.agent, cwd)
     tokenizer, vision = check_model(resolved, cfg.model.path, cwd)
     check_vision(resolved, vision)
+    check_lora(resolved, PreflightError)
     for key, _, path in files:
         for warning in check_rows(resolved.data, tokenizer, path, key, vision=vision):
             warn(warning)

@@ -1,0 +1,223 @@
+"""LoRA policies (`[actor.lora]`): peft's low-rank adapters over a frozen base, in the trainer.
+
+The adapters are injected into the plain transformers model on the meta device (peft's
+`inject_adapter_in_model`: no `PeftModel` wrapper, so the base keeps its HF module paths, with
+`.base_layer` inserted in each adapted layer's), before FSDP2 shards it. The base is stored in
+`model.dtype` and frozen (no fp32 master copy); the adapters are fp32 and are the only trained
+parameters. The reference policy of the KL is the same model with its adapters switched off
+(`adapters_disabled`): no second copy of the weights.
+
+Names: a parameter `model.layers.0.self_attn.q_proj.lora_A.default.weight` travels (refit) as
+`model.layers.0.self_attn.q_proj.lora_A.weight` and is saved (PEFT adapter directories:
+`adapter_config.json` + `adapter_model.safetensors`, what `PeftModel.from_pretrained` and vLLM's
+`--lora-modules` read) as `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`.
+"""
+
+import contextlib
+import copy
+import json
+import math
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from molt_hpc.config.train import LoraConfig
+
+ADAPTER = "default"
+"""peft's adapter name inside the trainer (never saved: PEFT files drop it)."""
+PEFT_PREFIX = "base_model.model."
+"""What `PeftModel` puts before the HF module path in its saved keys."""
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter `name` is a LoRA adapter's (A or B)."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def base_name(name: str) -> str:
+    """The HF name of a base tensor inside an adapted layer (`q_proj.base_layer.weight` → `q_proj.weight`)."""
+    return name.replace(".base_layer.", ".")
+
+
+def wire_name(name: str) -> str:
+    """A trainer adapter parameter's name without peft's adapter name (refits and saved files use it)."""
+    return name.replace(f".lora_A.{ADAPTER}.", ".lora_A.").replace(f".lora_B.{ADAPTER}.", ".lora_B.")
+
+
+def _excluded(name: str, routers: set[str]) -> bool:
+    """Experts and routers are adapted only when named (a fused expert is no linear layer anyway)."""
+    return ".experts." in f".{name}." or name in routers
+
+
+def target_names(model: nn.Module, cfg: LoraConfig) -> list[str]:
+    """Full module paths of the linear layers `cfg` adapts in `model`; a `ValueError` naming the fix when
+    a configured name matches none, or matches a layer peft cannot wrap here."""
+    from molt_hpc.models.blocks import language_blocks
+    from molt_hpc.models.moe import find_routers
+
+    modules = dict(model.named_modules())
+    if cfg.target_modules is None:
+        routers = {r.name for r in find_routers(model)}
+        inside = {id(m) for block in language_blocks(model) for m in block.modules()}
+        names = [
+            n for n, m in modules.items() if isinstance(m, nn.Linear) and id(m) in inside and not _excluded(n, routers)
+        ]
+        if not names:
+            raise ValueError(
+                f"{type(model).__name__} has no linear layer in its decoder blocks for LoRA to adapt; "
+                "name the layers in actor.lora.target_modules"
+            )
+        return names
+    names = []
+    for target in cfg.target_modules:
+        found = [n for n in modules if n == target or n.endswith("." + target)]
+        if not found:
+            sample = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, nn.Linear)})
+            raise ValueError(
+                f"actor.lora.target_modules: {target!r} matches no module of {type(model).__name__}; its linear "
+                f"layers are named {', '.join(sample[:12])}"
+            )
+        bad = [n for n in found if not isinstance(modules[n], nn.Linear)]
+        if bad:
+            raise ValueError(
+                f"actor.lora.target_modules: {target!r} names {bad[0]}, a {type(modules[bad[0]]).__name__}: LoRA "
+                "here adapts linear layers only (nn.Linear); name linear layers instead"
+            )
+        names += [n for n in found if n not in names]
+    return names
+
+
+def peft_config(model: nn.Module, cfg: LoraConfig):
+    """peft's `LoraConfig` for `model`: the explicit module paths of `target_names`."""
+    import peft
+
+    return peft.LoraConfig(
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=target_names(model, cfg),
+        bias="none", init_lora_weights=True,
+    )  # fmt: skip
+
+
+def inject(model: nn.Module, cfg: LoraConfig) -> None:
+    """Add the adapters to `model` in place (on the meta device too): base frozen, adapters fp32, trained."""
+    import peft
+
+    peft.inject_adapter_in_model(peft_config(model, cfg), model, adapter_name=ADAPTER)
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+    for module in model.modules():
+        for attr in ("lora_A", "lora_B"):
+            if isinstance(getattr(module, attr, None), nn.ModuleDict):
+                getattr(module, attr).to(torch.float32)  # fp32 master adapters whatever the base's dtype
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return any(is_adapter(name) for name, _ in model.named_parameters())
+
+
+def adapter_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(name, p) for name, p in model.named_parameters() if is_adapter(name)]
+
+
+def scaling(model: nn.Module) -> float:
+    """`alpha / rank` of the model's adapters (one value: every layer has the same rank and alpha)."""
+    cfg = model.peft_config[ADAPTER]
+    return float(cfg.lora_alpha) / float(cfg.r)
+
+
+def fresh_value(seed: int) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
+    """Initial adapters as peft draws them (A: Kaiming-uniform with a = sqrt(5), i.e. U(±1/sqrt(in));
+    B: zeros, so the policy starts as the base), from a generator seeded by `seed` and the name: the
+    same values at any rank count."""
+
+    def value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if ".lora_B." in name:
+            return torch.zeros(shape)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(wire_name(name).encode()))
+        bound = 1.0 / math.sqrt(shape[1])
+        return torch.rand(shape, generator=gen) * (2 * bound) - bound
+
+    return value
+
+
+def read_adapter(adapter_dir: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a PEFT adapter directory, by wire name (`PEFT_PREFIX` removed)."""
+    from safetensors.torch import load_file
+
+    path = adapter_dir / WEIGHTS_FILE
+    if not (adapter_dir / CONFIG_FILE).is_file() or not path.is_file():
+        raise ValueError(
+            f"{adapter_dir} is not a PEFT adapter directory ({CONFIG_FILE} + {WEIGHTS_FILE}): a checkpoint of a "
+            "full fine-tune cannot resume with [actor.lora]; use a new run.name or drop [actor.lora]"
+        )
+    return {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(path)).items()}
+
+
+def saved_value(adapter_dir: Path) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
+    """Adapter values read from a PEFT adapter directory (a checkpoint's `policy`)."""
+    tensors = read_adapter(adapter_dir)
+
+    def value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = tensors.get(wire_name(name))
+        if t is None or tuple(t.shape) != shape:
+            got = "missing" if t is None else f"of shape {list(t.shape)}"
+            raise ValueError(
+                f"{adapter_dir}: adapter tensor {wire_name(name)} is {got}, the configured [actor.lora] needs "
+                f"{list(shape)}; resume with the rank and target_modules it was saved with"
+            )
+        return t.float()
+
+    return value
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model alone inside the block (the KL's reference policy); a no-op without adapters.
+    Flips peft's per-layer switch only: `enable_adapters(False)` would also freeze the adapters."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, b in zip(layers, before, strict=True):
+            m._disable_adapters = b
+
+
+def write_adapter(out: Path, tensors: dict[str, torch.Tensor], config, base: Path) -> None:
+    """A PEFT adapter directory at `out`: `tensors` by wire name, `config` (peft's `LoraConfig`) naming `base`."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({PEFT_PREFIX + k: v.contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_FILE),
+              metadata={"format": "pt"})  # fmt: skip
+    config = copy.copy(config)
+    config.base_model_name_or_path, config.inference_mode = str(base), True
+    config.save_pretrained(str(out))
+    assert json.loads((out / CONFIG_FILE).read_text())["r"] == config.r
+
+
+def full_adapters(model: nn.Module, keep: bool) -> dict[str, torch.Tensor]:
+    """Every adapter tensor whole (gathered from the FSDP shards: a collective), by wire name; {} unless `keep`."""
+    from molt_hpc.actor.weights import full_tensor
+
+    out = {}
+    for name, p in adapter_params(model):
+        full, _ = full_tensor(p.detach())
+        if keep:
+            out[wire_name(name)] = full.detach().to("cpu", copy=True)
+    return out
+
+
+def save_adapter(world, model: nn.Module, out: Path, base: Path) -> None:
+    """The LoRA policy `model` as a PEFT adapter directory at `out` over `base` (every rank calls; rank 0 writes)."""
+    tensors = full_adapters(model, keep=world.is_main)
+    if world.is_main:
+        write_adapter(out, tensors, model.peft_config[ADAPTER], base)
