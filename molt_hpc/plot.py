@@ -42,6 +42,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         (kl[1], [(kl[0], None)]),
         ("trainer tokens/s", [("tokens_per_s", None)]),
     ]
+    if any("mismatch_abs_mean" in r for r in records):  # the observatory: same-version tokens only
+        panels.append(("train-inference mismatch, same weights (|trainer - engine| log-prob)",
+                       [("mismatch_abs_mean", "mean"), ("mismatch_k3", "k3 KL")]))  # fmt: skip
     panels = next((p for key, p in STAGE_PANELS.items() if any(key in r for r in records)), panels)
     evals = [{**r, "step": r["eval_version"]} for r in read_metrics(run_dir / "metrics.jsonl", source="eval")]
     if evals:  # the held-out evaluation (`[eval]`): pass@k and mean reward at the version evaluated
