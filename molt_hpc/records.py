@@ -46,3 +46,17 @@ def eval_summary(run_dir: str | Path) -> str | None:
     if best is not None:
         line += f"; best: {best['checkpoint']} ({best['metric']} {best['value']:.3f})"
     return line
+
+
+def rollout_rate(rollout: list[dict], until: float | None, windows: int = 10) -> tuple[float, float, int] | None:
+    """(accepted groups/s, generated tokens/s, windows counted) over the last `windows` rollout records that
+    ended by `until` (the last training step's time): a finished run's trailing window (its final
+    evaluation, the wind-down) is not the rollout's rate."""
+    done = [r for r in rollout if r.get("window_s") and (until is None or r["time"] <= until + 1e-6)]
+    done = done[-windows:]
+    seconds = sum(r["window_s"] for r in done)
+    if not done or seconds <= 0:
+        return None
+    groups = sum(r.get("groups_per_s", 0.0) * r["window_s"] for r in done)
+    tokens = sum(r.get("tokens_per_s", 0.0) * r["window_s"] for r in done)
+    return groups / seconds, tokens / seconds, len(done)

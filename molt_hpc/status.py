@@ -43,9 +43,9 @@ def status_lines(run_dir: str | Path) -> list[str]:
     else:
         lines.append(f"step: 0/{cfg.run.steps} (no training step recorded yet)")
     rollout = read_metrics(run_dir / "metrics.jsonl", source="rollout")
-    if rollout and rollout[-1].get("groups_per_s") is not None:
-        last = rollout[-1]
-        lines.append(f"rollout: {last['groups_per_s']:.2f} groups/s, {last.get('tokens_per_s', 0):.0f} tokens/s")
+    rate = records.rollout_rate(rollout, until=actor[-1]["time"] if actor else None)
+    if rate is not None:
+        lines.append(f"rollout: {rate[0]:.2f} groups/s, {rate[1]:.0f} tokens/s (the last {rate[2]} windows)")
     if (line := records.eval_summary(run_dir)) is not None:
         lines.append(line)
     if cfg.run.stage == "rl" and actor:  # the plan's speed prediction beside what the run measured
