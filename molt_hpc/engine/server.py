@@ -51,71 +51,15 @@ async def run_on_scheduler(state: EngineState, fn) -> Any:
     return await asyncio.wrap_future(state.scheduler.call(fn))
 
 
+STATE = web.AppKey("state", EngineState)
+IDS = web.AppKey("ids", itertools.count)
+
+
 def build_app(state: EngineState, token: str, open_health: bool = False) -> web.Application:
-    """The engine's routes; `open_health`: see `token_middleware`."""
+    """The engine's routes; `open_health`: see `token_middleware`. Handlers read the state from the app."""
     middlewares = [token_middleware(token, open_health), errors_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=1 << 30)
-    app["state"] = state
-    ids = itertools.count()
-    sched = state.scheduler
-
-    async def generate(request: web.Request) -> web.Response:
-        req = parse_generate(await read_json(request), state.vocab_size, state.max_model_len)
-        sp = req.sampling_params
-        gen = None if sp.seed is None else torch.Generator(device=sched.runner.device).manual_seed(sp.seed)
-        row = Row(prompt=list(req.token_ids), params=sp, future=Future(), generator=gen)
-        if req.mm is not None:  # decoding and measuring images is CPU work: off the event loop
-            row.images = await asyncio.to_thread(row_images, req.mm, row.prompt, state.vision)
-            row.rope_delta = row.images.rope_delta
-        elif state.vision is not None:
-            check_no_pads(row.prompt, state.vision)
-        await run_on_scheduler(state, lambda: sched.submit(row))
-        try:
-            reason, version = await asyncio.wrap_future(row.future)
-        except asyncio.CancelledError:  # the client left: free the row's slot, then let aiohttp finish
-            sched.call(lambda: sched.cancel(row))
-            raise
-        choice = {
-            "index": 0,
-            "token_ids": row.tokens,
-            "logprobs": {"content": logprob_content(row)},
-            "finish_reason": reason,
-            "weight_versions": row.versions,
-        }
-        if row.routing is not None:  # vLLM's --enable-return-routed-experts field
-            choice["routed_experts"] = row.routing.encode(sp.routed_experts_prompt_start) if row.tokens else None
-        return web.json_response(
-            {"id": req.request_id or f"gen-{state.index}-{next(ids)}", "choices": [choice], "weight_version": version}
-        )
-
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "index": state.index, **state.place, **sched.status()})
-
-    async def pause(request: web.Request) -> web.Response:
-        body = parse(PauseRequest, await read_json(request))
-        mode = request.query.get("mode") or body.mode or "abort"
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
-        done: Future = Future()
-        await run_on_scheduler(state, lambda: sched.pause(mode, done))
-        return web.json_response({"mode": mode, **(await asyncio.wrap_future(done))})
-
-    async def resume(request: web.Request) -> web.Response:
-        await read_json(request)  # a body, if any, must at least be JSON: a malformed one resumes nothing
-        return web.json_response(await run_on_scheduler(state, sched.resume))
-
-    async def is_paused(request: web.Request) -> web.Response:
-        return web.json_response({"is_paused": sched.pause_mode is not None})
-
-    async def models(request: web.Request) -> web.Response:
-        entry = {
-            "id": state.model_name,
-            "object": "model",
-            "owned_by": "molt-hpc",
-            "max_model_len": state.max_model_len,
-        }
-        return web.json_response({"object": "list", "data": [entry]})
-
+    app[STATE], app[IDS] = state, itertools.count()
     app.add_routes(
         [
             web.post("/inference/v1/generate", generate),
@@ -127,3 +71,66 @@ def build_app(state: EngineState, token: str, open_health: bool = False) -> web.
         ]
     )
     return app
+
+
+async def generate(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    sched = state.scheduler
+    req = parse_generate(await read_json(request), state.vocab_size, state.max_model_len)
+    sp = req.sampling_params
+    gen = None if sp.seed is None else torch.Generator(device=sched.runner.device).manual_seed(sp.seed)
+    row = Row(prompt=list(req.token_ids), params=sp, future=Future(), generator=gen)
+    if req.mm is not None:  # decoding and measuring images is CPU work: off the event loop
+        row.images = await asyncio.to_thread(row_images, req.mm, row.prompt, state.vision)
+        row.rope_delta = row.images.rope_delta
+    elif state.vision is not None:
+        check_no_pads(row.prompt, state.vision)
+    await run_on_scheduler(state, lambda: sched.submit(row))
+    try:
+        reason, version = await asyncio.wrap_future(row.future)
+    except asyncio.CancelledError:  # the client left: free the row's slot, then let aiohttp finish
+        sched.call(lambda: sched.cancel(row))
+        raise
+    choice = {
+        "index": 0,
+        "token_ids": row.tokens,
+        "logprobs": {"content": logprob_content(row)},
+        "finish_reason": reason,
+        "weight_versions": row.versions,
+    }
+    if row.routing is not None:  # vLLM's --enable-return-routed-experts field
+        choice["routed_experts"] = row.routing.encode(sp.routed_experts_prompt_start) if row.tokens else None
+    rid = req.request_id or f"gen-{state.index}-{next(request.app[IDS])}"
+    return web.json_response({"id": rid, "choices": [choice], "weight_version": version})
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response({"status": "ok", "index": state.index, **state.place, **state.scheduler.status()})
+
+
+async def pause(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = parse(PauseRequest, await read_json(request))
+    mode = request.query.get("mode") or body.mode or "abort"
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+    done: Future = Future()
+    await run_on_scheduler(state, lambda: state.scheduler.pause(mode, done))
+    return web.json_response({"mode": mode, **(await asyncio.wrap_future(done))})
+
+
+async def resume(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    await read_json(request)  # a body, if any, must at least be JSON: a malformed one resumes nothing
+    return web.json_response(await run_on_scheduler(state, state.scheduler.resume))
+
+
+async def is_paused(request: web.Request) -> web.Response:
+    return web.json_response({"is_paused": request.app[STATE].scheduler.pause_mode is not None})
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    entry = {"id": state.model_name, "object": "model", "owned_by": "molt-hpc", "max_model_len": state.max_model_len}
+    return web.json_response({"object": "list", "data": [entry]})

@@ -235,6 +235,15 @@ class RefitSender:
         if metas is None:
             items = list(items)
             metas = [TensorMeta.of(name, t) for name, t in items]
+        plan = self._push_buckets(items, version, metas, extra)
+        total = sum(b.nbytes for b in plan)
+        stats = RefitStats(version, time.perf_counter() - t0, total, len(plan), len(self.urls))
+        get_logger().info("refit v%d: %.1f MB in %d buckets to %d engines, %.2fs (%.2f GB/s)", version, total / 1e6,
+                          len(plan), len(self.urls), stats.seconds, stats.gb_per_s)  # fmt: skip
+        return stats
+
+    def _push_buckets(self, items, version: int, metas: Sequence[TensorMeta], extra: dict | None) -> list:
+        """The bucketed push (start, update with the buckets, finish) to every engine; its bucket plan."""
         bucket_bytes = self.cfg.bucket_mb << 20
         plan = plan_buckets(metas, bucket_bytes)
         try:
@@ -256,11 +265,7 @@ class RefitSender:
             # complete push (re-connect first).
             self._drop()
             raise
-        total = sum(b.nbytes for b in plan)
-        stats = RefitStats(version, time.perf_counter() - t0, total, len(plan), len(self.urls))
-        get_logger().info("refit v%d: %.1f MB in %d buckets to %d engines, %.2fs (%.2f GB/s)", version, total / 1e6,
-                          len(plan), len(self.urls), stats.seconds, stats.gb_per_s)  # fmt: skip
-        return stats
+        return plan
 
     def _push_in_place(
         self, items: list[tuple[str, torch.Tensor]], version: int, mapped: "_InPlace | None", t0: float, metas=None

@@ -77,46 +77,16 @@ async def checked_body(request: web.Request) -> bytes:
     return body
 
 
+POOL = web.AppKey("pool", EnginePool)
+RETRIES = web.AppKey("retries", int)
+CLIENT = web.AppKey("client", aiohttp.ClientSession)
+STATS = web.AppKey("stats", dict)
+
+
 def build_app(pool: EnginePool, cfg: MoltConfig, token: str) -> web.Application:
+    """The router's routes; handlers read the engine pool, its HTTP client and the counters from the app."""
     app = web.Application(middlewares=[token_middleware(token), errors_middleware], client_max_size=1 << 30)
-    stats = {"retries": 0, "unrouted": 0}
-
-    async def proxy(request: web.Request) -> web.StreamResponse:
-        body = await checked_body(request)
-        session_id = check_session(request.headers.get(SESSION_HEADER))
-        client: aiohttp.ClientSession = app["client"]
-        tried: set[int] = set()
-        last = "no healthy engine"
-        for _ in range(cfg.router.connect_retries):
-            engine = pool.pick(session_id, tried)
-            if engine is None:
-                break
-            tried.add(engine.index)
-            engine.in_flight += 1
-            engine.total += 1
-            started = [False]
-            try:
-                return await forward(request, engine, body, client, started)
-            except aiohttp.ClientConnectionError as err:
-                if started[0]:
-                    pool.mark_failed(engine, f"failed mid-answer: {err}")
-                    raise
-                # nothing reached the client yet: take the engine out and try the next one
-                last = f"engine {engine.index}: {type(err).__name__}: {err}"
-                pool.mark_failed(engine, last)
-                stats["retries"] += 1
-            finally:
-                engine.in_flight -= 1
-        stats["unrouted"] += 1
-        return error(503, f"no engine could take the request ({last}); retry later")
-
-    async def health(request: web.Request) -> web.Response:
-        m = pool.metrics()
-        return web.json_response({"status": "ok" if m["healthy"] else "no engines", "engines": m["healthy"]})
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.json_response({**pool.metrics(), **stats})
-
+    app[POOL], app[RETRIES], app[STATS] = pool, cfg.router.connect_retries, {"retries": 0, "unrouted": 0}
     app.add_routes(
         [
             web.post(GENERATE_PATH, proxy),
@@ -125,21 +95,63 @@ def build_app(pool: EnginePool, cfg: MoltConfig, token: str) -> web.Application:
             web.get("/metrics", metrics),
         ]
     )
-
-    async def lifecycle(app: web.Application):
-        connector = aiohttp.TCPConnector(limit=0)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
-            app["client"] = client
-            await pool.refresh(client)
-            task = asyncio.create_task(pool.run_forever(client))
-            yield
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):  # the health loop ends with the router
-                await task
-
     app.cleanup_ctx.append(lifecycle)
     return app
+
+
+async def lifecycle(app: web.Application):
+    """The router's HTTP client and the engines' health loop, for the app's life."""
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
+        app[CLIENT] = client
+        await app[POOL].refresh(client)
+        task = asyncio.create_task(app[POOL].run_forever(client))
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):  # the health loop ends with the router
+            await task
+
+
+async def proxy(request: web.Request) -> web.StreamResponse:
+    """Forward a request to the session's engine; on a connection error before any answer, the next one."""
+    app = request.app
+    pool, stats = app[POOL], app[STATS]
+    body = await checked_body(request)
+    session_id = check_session(request.headers.get(SESSION_HEADER))
+    tried: set[int] = set()
+    last = "no healthy engine"
+    for _ in range(app[RETRIES]):
+        engine = pool.pick(session_id, tried)
+        if engine is None:
+            break
+        tried.add(engine.index)
+        engine.in_flight += 1
+        engine.total += 1
+        started = [False]
+        try:
+            return await forward(request, engine, body, app[CLIENT], started)
+        except aiohttp.ClientConnectionError as err:
+            if started[0]:
+                pool.mark_failed(engine, f"failed mid-answer: {err}")
+                raise
+            # nothing reached the client yet: take the engine out and try the next one
+            last = f"engine {engine.index}: {type(err).__name__}: {err}"
+            pool.mark_failed(engine, last)
+            stats["retries"] += 1
+        finally:
+            engine.in_flight -= 1
+    stats["unrouted"] += 1
+    return error(503, f"no engine could take the request ({last}); retry later")
+
+
+async def health(request: web.Request) -> web.Response:
+    m = request.app[POOL].metrics()
+    return web.json_response({"status": "ok" if m["healthy"] else "no engines", "engines": m["healthy"]})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.json_response({**request.app[POOL].metrics(), **request.app[STATS]})
 
 
 async def serve(cfg: MoltConfig, run: RunDir) -> None:
