@@ -32,13 +32,13 @@ from molt_hpc.protocol.requests import GenerateRequest, InitRequest, RpcRequest
 from molt_hpc.refit.calls import HTTP_GRACE_S
 from molt_hpc.rollout.chat_server import ChatServer
 from molt_hpc.rollout.engines import EngineLink
-from molt_hpc.rollout.evaluation import GREEDY
 from molt_hpc.rundir import RunDir
-from molt_hpc.scorer import register_scorer
 from molt_hpc.scorer.client import ScorerClient
+from molt_hpc.scorer.registry import register_scorer
 from molt_hpc.scorer.request import ClassifyRequest
 from molt_hpc.trajectory import TraceImage
 
+GREEDY = {"temperature": 0.0, "top_k": 1, "top_p": 1.0}  # `[eval]` with temperature 0 (rollout.evaluation)
 FULL = ["rollout.temperature=0.7", "rollout.top_p=0.9", "rollout.top_k=40", "rollout.max_new_tokens=64",
         "rollout.max_total_tokens=512", "rollout.max_turns=3"]  # fmt: skip
 
