@@ -10,8 +10,6 @@ deepep.py         the DeepEP dispatch of expert parallelism (`actor.ep_dispatch 
 local_experts.py  the experts a rank holds, run as grouped GEMMs on the rows sent to them (both dispatches)
 expert_gather.py  expert-parallel weights out of their shards for refits and checkpoints, one EP slice at a time
 ep_check.py       whether an EP degree fits the world and the model (torch-free: launchers call it too)
+
+The package itself imports nothing: launchers read `ep_check` before any torch import.
 """
-
-from molt_hpc.parallel.fsdp import parallelize
-
-__all__ = ["parallelize"]
