@@ -8,7 +8,6 @@ import pytest
 
 from tests.conftest import molt
 
-
 LAUNCHERS = ["molt_hpc.launch.local", "molt_hpc.launch.slurm", "molt_hpc.launch.preflight"]
 """The buffer's codec brings numpy to the launchers (tens of milliseconds); torch would bring seconds."""
 
