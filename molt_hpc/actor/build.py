@@ -34,8 +34,8 @@ from molt_hpc.log import get_logger
 from molt_hpc.models import check_model_dir
 from molt_hpc.models.moe import find_routers
 from molt_hpc.models.sharded import load_sharded
+from molt_hpc.parallel import parallelize
 from molt_hpc.parallel.attention import DocumentAttention
-from molt_hpc.parallel.fsdp import parallelize
 
 Role = Literal["policy", "reference", "critic", "reward"]
 

@@ -11,5 +11,17 @@ local_experts.py  the experts a rank holds, run as grouped GEMMs on the rows sen
 expert_gather.py  expert-parallel weights out of their shards for refits and checkpoints, one EP slice at a time
 ep_check.py       whether an EP degree fits the world and the model (torch-free: launchers call it too)
 
-The package itself imports nothing: launchers read `ep_check` before any torch import.
+`parallelize` is loaded on first use, so that launchers can read `ep_check` without importing torch.
 """
+
+from typing import Any
+
+__all__ = ["parallelize"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "parallelize":
+        from molt_hpc.parallel.fsdp import parallelize
+
+        return parallelize
+    raise AttributeError(f"module 'molt_hpc.parallel' has no attribute {name!r}")
