@@ -4,7 +4,11 @@ Token in, trace out: `tokens` is exactly what the engine saw plus what it produc
 re-tokenised. `action_ranges` are the spans the model produced; everything else (prompt, env
 feedback) is context that never trains. MoE routing travels like the tokens, one row per token.
 Images (vision-language models) travel with the tokens: each `TraceImage` holds the encoded image and
-the run of placeholder tokens its features fill. The replay buffer stores and hands over whole
+the run of placeholder tokens its features fill. A chat-mode trace whose chat template re-rendered the
+history differently from what the engine saw is cut into *segments* (`segments`): each is its own
+token sequence (the exact prompt one call sent and what followed it), trained with its own log-probs
+as its own forward pass (position ids restart at every segment), while the sample stays one sample:
+one reward, one advantage, one member of its group. The replay buffer stores and hands over whole
 `Group`s, because GRPO-style advantages compare the samples of one prompt.
 """
 
@@ -74,6 +78,10 @@ class Trajectory:
     images: list[TraceImage] = field(default_factory=list)
     """Vision-language models: every image of the trace (the prompt's and the observations'), in order
     of their placeholder runs, which never overlap an action."""
+    segments: list[int] = field(default_factory=list)
+    """Offsets in `tokens` where a new independent sequence starts (chat mode, after a prefix break),
+    ascending; empty for one sequence. No action starts at or spans a segment start: every segment
+    opens with a prompt of its own, and attention never crosses into an earlier segment."""
 
     def __post_init__(self) -> None:
         if self.routed_experts is not None:
@@ -89,6 +97,9 @@ class Trajectory:
             last = end
         if self.images:
             _check_images(self.images, self.action_ranges, len(self.tokens))
+        if self.segments:
+            _check_segments(self.segments, self.action_ranges, len(self.tokens), self.prompt_len)
+            assert not self.images, "a segmented trace carries no images"
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Trajectory):
@@ -111,7 +122,9 @@ class Trajectory:
 
     @property
     def response_len(self) -> int:
-        return len(self.tokens) - self.prompt_len
+        """Tokens after the first prompt; for a segmented trace, of its last segment (the conversation as
+        it was last rendered), which holds every turn."""
+        return len(self.tokens) - (self.segments[-1] if self.segments else 0) - self.prompt_len
 
 
 def _check_images(images: list[TraceImage], ranges: list[tuple[int, int]], n_tokens: int) -> None:
@@ -121,6 +134,15 @@ def _check_images(images: list[TraceImage], ranges: list[tuple[int, int]], n_tok
         last = im.end
     for start, end in ranges:
         assert not any(im.offset < end and start < im.end for im in images), "an action overlaps an image's tokens"
+
+
+def _check_segments(segments: list[int], ranges: list[tuple[int, int]], n_tokens: int, prompt_len: int) -> None:
+    last = prompt_len
+    for s in segments:
+        assert last < s < n_tokens, f"segment starts must ascend past the first prompt inside the trace: {segments}"
+        last = s
+    for start, end in ranges:
+        assert not any(start <= s < end for s in segments), f"an action {(start, end)} opens or spans a segment"
 
 
 @dataclass

@@ -5,13 +5,11 @@ import math
 import textwrap
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from molt_hpc.agents import ChatAgent, Env, Result, State
 from molt_hpc.agents.calls import EnvError, call_user
-from molt_hpc.agents.chat_runner import trajectory_from_calls
 from molt_hpc.agents.loader import load_agent
 from molt_hpc.agents.observation import ObservationFormatter
 from molt_hpc.models import build_tiny_tokenizer
@@ -157,22 +155,3 @@ def test_observation_glue_follows_the_template() -> None:
     )
     raw = ObservationFormatter(tok, apply_chat_template=False)
     assert raw.token_ids("obs", eos) == tok("obs", add_special_tokens=False)["input_ids"]
-
-
-def call(prompt: list[int], completion: list[int], version: int = 0):
-    return SimpleNamespace(prompt_ids=prompt, completion_ids=completion, versions=[version] * len(completion),
-                           finish_reason="stop")  # fmt: skip
-
-
-def test_chat_calls_chain_into_one_trace_and_restart_on_a_mismatch() -> None:
-    calls = [call([1, 2], [3, 4], 0), call([1, 2, 3, 4, 5], [6], 1)]
-    traj, breaks = trajectory_from_calls(calls, rollout_id="r", group_id="g")
-    assert (traj.tokens, traj.prompt_len, traj.action_ranges, traj.versions, breaks) == (
-        [1, 2, 3, 4, 5, 6], 2, [(2, 4), (5, 6)], [0, 0, 1], 0,
-    )  # fmt: skip
-    assert all(math.isnan(x) for x in traj.action_logprobs)  # chat mode records no rollout log-probs
-    calls.append(call([1, 2, 9, 9], [7], 2))  # the template re-tokenised the history differently
-    traj, breaks = trajectory_from_calls(calls, rollout_id="r", group_id="g")
-    assert (traj.tokens, traj.prompt_len, traj.action_ranges, traj.versions, breaks) == (
-        [1, 2, 9, 9, 7], 4, [(4, 5)], [2], 1,
-    )  # fmt: skip

@@ -11,16 +11,16 @@ from molt_hpc.algorithm.mismatch import finish, observe
 # and sample 1 (prompt 1, 3 actions), then a padded row: sample 2 (prompt 1, 2 actions, 1 pad).
 MASK = [[0, 0, 1, 1, 0, 1, 0, 1, 1, 1], [0, 1, 1, 0, 0, 0, 0, 0, 0, 0]]
 SEQ = [[0, 0, 0, 0, 0, 0, 1, 1, 1, 1], [2, 2, 2, -1, -1, -1, -1, -1, -1, -1]]
-VER = [[-1, -1, 3, 3, -1, 2, -1, 3, 3, 3], [-1, 3, 3, -1, -1, -1, -1, -1, -1, -1]]
+VER = [[-1, -1, 3, 3, -1, 2, -1, 3, 3, 2], [-1, 3, 3, -1, -1, -1, -1, -1, -1, -1]]
 TRAINER = [[0, 0, -1.0, -2.0, 0, -0.5, 0, -0.2, -3.0, -1.5], [0, -0.7, -0.1, 0, 0, 0, 0, 0, 0, 0]]
-ENGINE = [[0, 0, -1.1, -1.0, 0, -0.9, 0, -0.2, -2.0, float("nan")], [0, -0.4, -0.1, 0, 0, 0, 0, 0, 0, 0]]
+ENGINE = [[0, 0, -1.1, -1.0, 0, -0.9, 0, -0.2, -2.0, -0.6], [0, -0.4, -0.1, 0, 0, 0, 0, 0, 0, 0]]
 
 
 def test_observatory_matches_the_hand_computed_batch():
     t = lambda x, dt=torch.float64: torch.tensor(x, dtype=dt)  # noqa: E731
     parts = observe(t(TRAINER), t(ENGINE), t(MASK, torch.bool), t(VER, torch.long), 3, t(SEQ, torch.long), 2.0)
-    # same-version tokens with an engine log-prob: (0,2) (0,3) [sample 0 turn 1], (0,7) (0,8) [sample 1],
-    # (1,1) (1,2) [sample 2]; (0,5) is version 2 and (0,9) has no engine log-prob
+    # same-version tokens: (0,2) (0,3) [sample 0 turn 1], (0,7) (0,8) [sample 1], (1,1) (1,2) [sample 2];
+    # (0,5) and (0,9) are version 2
     d = [-1.0 + 1.1, -2.0 + 1.0, -0.2 + 0.2, -3.0 + 2.0, -0.7 + 0.4, -0.1 + 0.1]
     n = len(d)
     overall, tokens = parts[0]

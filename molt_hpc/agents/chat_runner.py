@@ -1,19 +1,18 @@
 """`ChatAgentRunner`: one dataset row → one `Trajectory`, the user's `ChatAgent` owning the loop.
 
 The agent talks to the framework's OpenAI-compatible endpoint (`molt_hpc.rollout.chat_server`)
-through a base URL bound to its session; the endpoint records every call. Afterwards the runner
-rebuilds the trace from those records: consecutive calls whose prompt extends the previous
-prompt + completion token for token form one trajectory (each completion an action, the text in
-between context); where the template re-tokenised differently the chain restarts and the
-earlier actions are left out (counted in `info["chat_prefix_breaks"]`).
-
-Chat mode carries no rollout log-probs (the agent may as well call a remote API): the log-probs
-are NaN and `info["rollout_logprobs"] = 0.0` marks the trajectory, so the trainer recomputes them
-and treats the data as on-policy only. Weight versions are recorded from the engines.
+through a base URL bound to its session; the endpoint records every call with the engine's per-token
+log-probs, weight versions and (router replay) routing. Afterwards the runner rebuilds the trace from
+those records (`molt_hpc.agents.chat_trace`): calls whose prompt extends an earlier prompt +
+completion token for token form one segment (each completion an action, the text in between
+context); a call that extends none (the template re-tokenised the history differently) opens another
+segment. The sample then trains like an env-mode one: the engine's log-probs, off-policy correction,
+the staleness bound. `info` counts the calls (`chat_calls`), the segments after the first
+(`chat_prefix_breaks`) and the segments left out to fit `rollout.max_total_tokens`
+(`chat_dropped_segments`).
 """
 
 import json
-import math
 from typing import Any
 from urllib.parse import quote
 
@@ -21,6 +20,7 @@ import aiohttp
 
 from molt_hpc.agents.base import ChatAgent, ChatContext, Result
 from molt_hpc.agents.calls import EngineError, EnvError, call_user
+from molt_hpc.agents.chat_trace import trajectory_from_calls
 from molt_hpc.agents.openai_client import OpenAIPool
 from molt_hpc.config.rollout import RolloutConfig
 from molt_hpc.data import Prompt
@@ -44,36 +44,6 @@ class ChatClient:
 
     async def chat(self, messages: list[dict[str, Any]], **params: Any) -> str:
         return (await self.completion(messages, **params))["choices"][0]["message"]["content"]
-
-
-def trajectory_from_calls(calls: list[Any], *, rollout_id: str, group_id: str) -> tuple[Trajectory, int]:
-    """The longest exact chain of recorded calls ending at the last one, and how many breaks came before."""
-    breaks = 0
-    tokens: list[int] = []
-    ranges: list[tuple[int, int]] = []
-    versions: list[int] = []
-    prompt_len = 0
-    for i, call in enumerate(calls):
-        if i == 0 or call.prompt_ids[: len(tokens)] != tokens:
-            breaks += i > 0
-            ranges, versions, prompt_len = [], [], len(call.prompt_ids)
-        start = len(call.prompt_ids)
-        tokens = list(call.prompt_ids) + list(call.completion_ids)
-        if call.completion_ids:
-            ranges.append((start, len(tokens)))
-        versions += list(call.versions)
-    n_action = sum(e - s for s, e in ranges)
-    traj = Trajectory(
-        tokens=tokens,
-        prompt_len=prompt_len,
-        action_ranges=ranges,
-        action_logprobs=[math.nan] * n_action,
-        versions=versions,
-        finish_reason=calls[-1].finish_reason,
-        group_id=group_id,
-        rollout_id=rollout_id,
-    )
-    return traj, breaks
 
 
 class ChatAgentRunner:
@@ -125,7 +95,9 @@ class ChatAgentRunner:
             raise EnvError("api", f"ChatAgent.run returned {type(result).__name__}; return a float or a Result")
         if not calls:
             raise EnvError("api", "ChatAgent.run made no call to the chat endpoint")
-        traj, breaks = trajectory_from_calls(calls, rollout_id=rollout_id, group_id=group_id)
+        traj, breaks, dropped = trajectory_from_calls(
+            calls, max_tokens=self.cfg.max_total_tokens, rollout_id=rollout_id, group_id=group_id
+        )
         traj.reward = result.reward
         traj.score = result.score if result.score is not None else result.reward
         traj.info = {
@@ -133,6 +105,6 @@ class ChatAgentRunner:
             "turns": float(len(traj.action_ranges)),
             "chat_calls": float(len(calls)),
             "chat_prefix_breaks": float(breaks),
-            "rollout_logprobs": 0.0,
+            "chat_dropped_segments": float(dropped),
         }
         return traj

@@ -12,8 +12,9 @@ Conventions every module of `molt_hpc.algorithm` shares:
   per row (`pack=True`). `seq_index[b, t]` says which sample a token belongs to (`-1` on padding);
   per-sample tensors (`reward`, `group_index`, `truncated`) are `[N]`. Sequence-level math
   (GSPO, sequence IS weights, GAE) goes through `seq_index`, so it is right in both layouts.
-- **Position ids restart at 0 for every sample**, and the padding at the end of a row is one more
-  block starting at 0. Give a transformers model `position_ids`, *no* `attention_mask` and
+- **Position ids restart at 0 for every sample** (and at every segment of a segmented chat-mode
+  sample: each segment is its own sequence, `Trajectory.segments`), and the padding at the end of a
+  row is one more block starting at 0. Give a transformers model `position_ids`, *no* `attention_mask` and
   `use_cache=False`: it then detects the restarts and builds a block-causal mask, so packed samples
   never see each other (with a cache, or with an attention mask, it does not look for packing).
 - **Truncation to `max_len` never keeps half an action.** A trajectory longer than `max_len` is cut
@@ -145,6 +146,7 @@ class _Kept:
     routed: np.ndarray | None
     dropped: int
     images: list[TraceImage] = field(default_factory=list)
+    segments: list[int] = field(default_factory=list)
     why_dropped: str | None = None
     """Set when the whole sample is dropped (see `molt_hpc.algorithm.vision`)."""
 
@@ -172,6 +174,7 @@ def _truncate(traj: Trajectory, max_len: int, vision: VisionSpec | None = None, 
         routed=routed,
         dropped=traj.num_action_tokens - n_kept,
         images=kept_images(traj, cut) if vision is not None else [],
+        segments=[s for s in traj.segments if s < cut],
     )
 
 
@@ -320,7 +323,7 @@ class _Rows:
         """Write sample `i` into row `r` from column `off`."""
         n = len(k.tokens)
         self.sequences[r, off : off + n] = _longs(k.tokens)
-        self.position_ids[r, off : off + n] = torch.arange(n)
+        self.position_ids[r, off : off + n] = _positions(n, k.segments)
         self.seq_index[r, off : off + n] = i
         if self.routed_experts is not None and k.routed is not None:
             self.routed_experts[r, off : off + n] = torch.from_numpy(k.routed)
@@ -331,6 +334,14 @@ class _Rows:
             self.action_log_probs[r, span] = _floats(k.logprobs[a : a + end - start])
             self.versions[r, span] = _longs(k.versions[a : a + end - start])
             a += end - start
+
+
+def _positions(n: int, segments: list[int]) -> Tensor:
+    """Position ids of a sample of `n` tokens: 0.. from its start and again from every segment start."""
+    pos = torch.arange(n)
+    for start in segments:
+        pos[start:] -= pos[start].clone()
+    return pos
 
 
 # Python lists to tensors through `array` (a C loop): 3-6x faster than `torch.tensor(list)`, which

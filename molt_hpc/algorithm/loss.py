@@ -171,11 +171,11 @@ def is_log_weights(
     old_log_probs: Tensor | None, rollout_log_probs: Tensor, mask: Tensor, seq_index: Tensor, n: int, level: str
 ) -> Tensor:
     """`log w [B, T]`, detached: the trainer's old policy over the engine, per token or per sample
-    (mean over its action tokens); 0 without old log-probs or where the engine gave none (NaN)."""
+    (mean over its action tokens); 0 without old log-probs."""
     if old_log_probs is None:
         return torch.zeros(mask.shape, dtype=rollout_log_probs.dtype, device=mask.device)
     old = old_log_probs.detach().to(rollout_log_probs.dtype)
-    log_w = _masked((old - torch.where(rollout_log_probs.isnan(), old, rollout_log_probs)), mask)
+    log_w = _masked(old - rollout_log_probs, mask)
     log_w = log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if level == "sequence":
         seq_log = sum_per_sample(log_w, seq_index, mask, n) / count_per_sample(seq_index, mask, n).clamp(min=1)
@@ -255,11 +255,9 @@ def policy_loss(
         raise ValueError(f"token_count (LossScale.tokens) must be the positive global token count, got {scale.tokens}")
     seq_index = row_seq_index(action_mask) if seq_index is None else seq_index
     n = n_samples if n_samples is not None else int(seq_index.max().item()) + 1
-    # Chat-mode samples carry no engine log-probs (NaN): they are on-policy by definition, so ratio 1.
-    engine = torch.where(rollout_log_probs.isnan(), log_probs.detach(), rollout_log_probs)
     rollout = rollout_log_probs.to(log_probs.dtype)
     mask = policy_mask(action_mask, rollout, cfg, old_log_probs=old_log_probs, seq_index=seq_index, n_samples=n)
-    old = engine if old_log_probs is None else old_log_probs.to(log_probs.dtype)
+    old = rollout if old_log_probs is None else old_log_probs.to(log_probs.dtype)
     log_ratio = _masked((log_probs - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), mask)
     adv = _masked(advantages.to(log_probs.dtype), mask)
 
@@ -268,7 +266,7 @@ def policy_loss(
     factor, metrics = _is_factor(log_w.to(log_probs.dtype), action_mask, cfg)
     tok_loss = tok_loss * factor
     coef = aggregation_weights(mask, seq_index, n, cfg.aggregation, scale).to(log_probs.dtype)
-    engine_log_ratio = _masked((log_probs.detach() - engine).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), mask)
+    engine_log_ratio = _masked((log_probs.detach() - rollout).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), mask)
     metrics |= _ratio_metrics(log_ratio, engine_log_ratio, clipped, mask)
     metrics["policy_loss"] = _masked(tok_loss * coef, mask).sum().detach()
     tok_loss = tok_loss + _kl_and_entropy(log_probs, base_log_probs, entropy, mask, cfg, metrics)

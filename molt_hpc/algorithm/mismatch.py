@@ -44,7 +44,7 @@ def observe(
     is_threshold: float,
 ) -> list[tuple[dict[str, Tensor], int]]:
     """The mismatch metrics of one micro-batch (`[B, T]` tensors, padded or packed) as weighted parts."""
-    same = action_mask & (versions == version) & ~logp_engine.isnan()
+    same = action_mask & (versions == version)
     tokens = int(same.sum())
     if tokens == 0:
         return []

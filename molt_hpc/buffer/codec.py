@@ -2,8 +2,9 @@
 
 Variable-length lists are concatenated over the group's samples and cut back by offsets
 (`token_offsets[i]:token_offsets[i+1]` are sample i's tokens). Per-sample scalars (prompt length,
-reward, score, finish reason, info, ids) and the group's own fields go to safetensors'
-`__metadata__` map under the key `molt`, as one JSON string, so one rename publishes everything.
+reward, score, finish reason, info, ids, a segmented trace's segment starts) and the group's own
+fields go to safetensors' `__metadata__` map under the key `molt`, as one JSON string, so one rename
+publishes everything.
 
 Images (vision-language models) are stored once per group: each distinct image's bytes once
 (`image_bytes`, cut by `image_byte_offsets`; a group's samples share their prompt's images), and per
@@ -134,6 +135,7 @@ def encode_group(group: Group) -> bytes:
                 "group_id": s.group_id,
                 "rollout_id": s.rollout_id,
                 "has_experts": s.routed_experts is not None,
+                **({"segments": s.segments} if s.segments else {}),
             }
             for s in samples
         ],
@@ -200,6 +202,7 @@ def decode_group(data: bytes) -> Group:
                 rollout_id=sm["rollout_id"],
                 routed_experts=experts,
                 images=images[i],
+                segments=[int(x) for x in sm.get("segments", [])],
             )
         )
         action_at += n_action

@@ -14,6 +14,13 @@ class RolloutConfig(Section):
     agent: str = "envs/reverse.py"
     """The agent: a file path (`envs/math.py`) or an importable module (`my_pkg.my_env`) that
     declares one `Env` subclass or one `ChatAgent` subclass."""
+    tool_parser: Literal["hermes", "llama3", "none"] = "hermes"
+    """Chat mode: how the chat endpoint reads tool calls in a reply to a request that offers `tools`
+    (the tools are always rendered by the model's own chat template). `hermes`: Hermes / Qwen 2.5 / Qwen 3
+    and the built-in tiny model, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; `llama3`:
+    Llama 3.1 / 3.2 JSON, `{"name": ..., "parameters": {...}}`; `none`: replies stay text (the agent
+    parses them) and `tool_choice` `required` or a named function is refused. Pick the format the
+    model was trained on."""
     n_samples: PositiveInt = 8
     """Samples per prompt: the group size of GRPO-style advantages."""
     groups_in_flight: PositiveInt = 16

@@ -1,22 +1,26 @@
 """The OpenAI-compatible chat endpoint that chat-mode agents talk to, served on top of the engines.
 
 `POST /v1/chat/completions` (and `/s/<session>/v1/chat/completions`, so any OpenAI client keeps
-an episode on one engine without custom headers; `X-Session-ID` works too): the messages go
-through the tokenizer's chat template, the router generates with the session id, the reply is
-decoded with special tokens skipped. Every call is recorded per session (prompt ids, completion
-ids, weight versions) for `ChatAgentRunner` to turn into a trajectory. Requests need the run's
-token as the API key. Per-session overrides (greedy evaluation) are applied to every call.
+an episode on one engine without custom headers; `X-Session-ID` works too): the messages (and the
+`tools`) go through the tokenizer's chat template, the router generates with the session id, the
+reply is decoded with special tokens skipped and, when the request offered tools, read for tool calls
+by `rollout.tool_parser` (`molt_hpc.rollout.tool_calls`). Every call is recorded per session as a
+`ChatCall` (prompt ids, completion ids, the engine's per-token log-probs and weight versions, MoE
+routing under router replay) for `ChatAgentRunner` to turn into a trajectory
+(`molt_hpc.agents.chat_trace`). `logprobs: true` returns those same log-probs to the agent. Requests
+need the run's token as the API key. Per-session overrides (greedy evaluation) apply to every call.
 """
 
+import hmac
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from molt_hpc.agents.calls import EngineError
+from molt_hpc.agents.chat_trace import ChatCall, routing_start
 from molt_hpc.config.rollout import RolloutConfig
 from molt_hpc.engine.client import SESSION_HEADER, EngineHTTPError
 from molt_hpc.log import get_logger
@@ -31,16 +35,9 @@ from molt_hpc.protocol.edge import (
 )
 from molt_hpc.rollout.chat_schema import ChatRequest
 from molt_hpc.rollout.engines import EngineLink
+from molt_hpc.rollout.tool_calls import forced_prefix, parse_reply
 
-
-@dataclass
-class ChatCall:
-    """One completion served to a session."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    versions: list[int]
-    finish_reason: str
+__all__ = ["ChatCall", "ChatServer"]
 
 
 def _problem(
@@ -53,11 +50,38 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> we
     return web.json_response(_problem(status, message, kind)[1], status=status)
 
 
+def unsupported(req: ChatRequest, parser: str) -> tuple[str, str] | None:
+    """(param, why) of the first thing in `req` this endpoint cannot honour, or None."""
+    if (req.n or 1) != 1 or req.stream:
+        return ("n" if (req.n or 1) != 1 else "stream"), "only n = 1 without streaming is served"
+    if req.stop:
+        return "stop", "stop strings are not supported; use max_tokens"
+    for name in ("presence_penalty", "frequency_penalty"):  # the trained policy samples without penalties
+        if getattr(req, name):
+            return name, f"{name} is not supported (the engines sample without penalties); omit it or send 0"
+    if req.top_logprobs:
+        return "top_logprobs", "top_logprobs is not supported (the engines return the sampled token's); send 0"
+    if req.choice in ("required", "function") and parser == "none":
+        why = f"tool_choice = {req.choice!r} needs a tool-call format: set rollout.tool_parser (hermes, llama3)"
+        return "tool_choice", why
+    return None
+
+
 class ChatServer:
     """The endpoint, its per-session record, and its lifecycle (`start` / `close`)."""
 
-    def __init__(self, tokenizer: Any, link: EngineLink, cfg: RolloutConfig, token: str, model: str = "policy"):
+    def __init__(
+        self,
+        tokenizer: Any,
+        link: EngineLink,
+        cfg: RolloutConfig,
+        token: str,
+        model: str = "policy",
+        routed_experts: bool = False,
+    ):
         self.tokenizer, self.link, self.cfg, self.token, self.model = tokenizer, link, cfg, token, model
+        self.routed_experts = routed_experts
+        """Ask the engines for every call's MoE routing (router replay)."""
         self.calls: dict[str, list[ChatCall]] = defaultdict(list)
         self.failures: dict[str, str] = {}
         self.overrides: dict[str, dict[str, Any]] = {}
@@ -99,7 +123,7 @@ class ChatServer:
         return web.json_response(answer, status=status)
 
     def authorised(self, authorization: str | None) -> bool:
-        return authorization == f"Bearer {self.token}"
+        return hmac.compare_digest((authorization or "").encode(), f"Bearer {self.token}".encode())
 
     async def handle(self, raw: bytes, session: str | None) -> tuple[int, dict[str, Any]]:
         """One request as it arrived (raw body, session id from the path or header, if any): checked at
@@ -113,44 +137,46 @@ class ChatServer:
 
     async def complete(self, req: ChatRequest, session: str) -> tuple[int, dict[str, Any]]:
         """One chat completion for `session`: (HTTP status, JSON answer); the call is recorded."""
-        if (req.n or 1) != 1 or req.stream:
-            return _problem(400, "only n = 1 without streaming is served", param="n" if (req.n or 1) != 1 else "stream")
-        if req.stop:
-            return _problem(400, "stop strings are not supported; use max_tokens", param="stop")
-        for name in ("presence_penalty", "frequency_penalty"):  # the trained policy samples without penalties
-            if getattr(req, name):
-                return _problem(
-                    400,
-                    f"{name} is not supported (the engines sample without penalties); omit it or send 0",
-                    param=name,
-                )
-        template_kwargs = {"tools": req.tools} if req.tools else {}
+        refused = unsupported(req, self.cfg.tool_parser)
+        if refused is not None:
+            return _problem(400, refused[1], param=refused[0])
+        prefix = forced_prefix(self.cfg.tool_parser, req.choice, req.choice_name)
         try:
             text = self.tokenizer.apply_chat_template(
-                req.template_messages(), add_generation_prompt=True, tokenize=False, **template_kwargs
+                req.template_messages(), tools=req.template_tools(), add_generation_prompt=True, tokenize=False
             )
         except Exception as err:  # the template's refusal (a role or layout it does not know): the caller's to fix
             return _problem(
                 400, f"the chat template refused the messages: {type(err).__name__}: {err}", param="messages"
             )
-        prompt_ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        params, problem = self._sampling_params(req, len(prompt_ids), session)
+        prompt_ids = list(self.tokenizer(text + prefix, add_special_tokens=False)["input_ids"])
+        params, problem = self._sampling_params(req, prompt_ids, session)
         if problem:
             return _problem(400, problem, param="max_tokens")
         try:
             out = await self.link.generate(prompt_ids, params, session)
             if out.finish_reason == "abort":
                 raise EngineError("the engine aborted the request")
+            call = self._record(prompt_ids, out, params)
         except EngineError as err:
             self.failures[session] = str(err)
             return _problem(502, f"the engine pool failed this call: {err}", "server_error")
         except EngineHTTPError as err:
             return _problem(400 if err.status < 500 else 502, err.message)
-        call = ChatCall(prompt_ids, list(out.token_ids), list(out.weight_versions), out.finish_reason)
         self.calls[session].append(call)
-        return 200, self._answer(out, len(prompt_ids))
+        return 200, self._answer(req, prefix, out, len(prompt_ids))
 
-    def _sampling_params(self, req: ChatRequest, prompt_len: int, session: str) -> tuple[dict, str | None]:
+    def _record(self, prompt_ids: list[int], out: Any, params: dict[str, Any]) -> ChatCall:
+        ids = list(out.token_ids)
+        if len(out.logprobs) != len(ids) or len(out.weight_versions) != len(ids):
+            raise EngineError(f"engine returned {len(ids)} tokens but {len(out.logprobs)} log-probs")
+        return ChatCall(
+            prompt_ids, ids, [float(x) for x in out.logprobs], [int(v) for v in out.weight_versions],
+            out.finish_reason, getattr(out, "routed_experts", None), params.get("routed_experts_prompt_start", 0),
+        )  # fmt: skip
+
+    def _sampling_params(self, req: ChatRequest, prompt_ids: list[int], session: str) -> tuple[dict, str | None]:
+        prompt_len = len(prompt_ids)
         room = self.cfg.max_total_tokens - prompt_len
         if room <= 0:
             cap = self.cfg.max_total_tokens
@@ -165,22 +191,41 @@ class ChatServer:
             **self.overrides.get(session, {}),
         }
         params["max_tokens"] = min(asked, self.cfg.max_new_tokens, room)
+        if self.routed_experts:
+            params["routed_experts_prompt_start"] = routing_start(self.calls.get(session, []), prompt_ids)
         return params, None
 
-    def _answer(self, out: Any, prompt_len: int) -> dict[str, Any]:
-        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    def _answer(self, req: ChatRequest, prefix: str, out: Any, prompt_len: int) -> dict[str, Any]:
+        text = prefix + self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         get_logger().debug("chat completion of %d tokens", len(out.token_ids))
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = out.finish_reason
+        parsed = parse_reply(self.cfg.tool_parser, text, req.offered, req.choice, req.choice_name)
+        if parsed is not None:
+            content, calls = parsed
+            message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
+            finish = "tool_calls"
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
+        if req.logprobs:
+            choice["logprobs"] = {"content": self._logprobs(out)}
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.model,
-            "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": out.finish_reason}
-            ],
+            "choices": [choice],
             "usage": {
                 "prompt_tokens": prompt_len,
                 "completion_tokens": len(out.token_ids),
                 "total_tokens": prompt_len + len(out.token_ids),
             },
         }
+
+    def _logprobs(self, out: Any) -> list[dict[str, Any]]:
+        """OpenAI's `logprobs.content`: every token the engine produced (its stop token too) with the
+        engine's log-prob, the one the trace trains with."""
+        pieces = [self.tokenizer.decode([t]) for t in out.token_ids]
+        return [
+            {"token": p, "logprob": float(lp), "bytes": list(p.encode()), "top_logprobs": []}
+            for p, lp in zip(pieces, out.logprobs, strict=True)
+        ]

@@ -130,7 +130,7 @@ async def run_loop(cfg: MoltConfig, run: RunDir, inputs: Inputs, link, buffer, s
     agent_cls, tokenizer, token = inputs.agent_cls, inputs.tokenizer, link.token
     server = None
     if issubclass(agent_cls, ChatAgent):
-        server = ChatServer(tokenizer, link, cfg.rollout, token)
+        server = ChatServer(tokenizer, link, cfg.rollout, token, routed_experts=cfg.actor.router_replay)
         atomic_write(run.rendezvous / "chat.json", json.dumps({"url": await server.start()}))
         runner = ChatAgentRunner(agent_cls, server, cfg.rollout, link.session)
     else:
