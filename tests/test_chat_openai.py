@@ -5,7 +5,6 @@ real files loaded as `rollout.agent` would load them.
 """
 
 import asyncio
-import math
 import textwrap
 from pathlib import Path
 
@@ -15,10 +14,10 @@ from molt_hpc.agents.chat_runner import ChatAgentRunner
 from molt_hpc.agents.grading import reverse_reward
 from molt_hpc.agents.loader import load_agent
 from molt_hpc.data import Position, PromptDataset
-from molt_hpc.models import load_tokenizer
+from molt_hpc.models import load_causal_lm, load_tokenizer
 from molt_hpc.rollout.chat_server import ChatServer
 from molt_hpc.rollout.group import run_group
-from tests.rollout_support import with_link
+from tests.rollout_support import check_logprobs, with_link
 from tests.test_rollout_procs import ROOT, shared_pool
 
 openai = pytest.importorskip("openai")  # the `chat` extra; `make test` installs it (dev extra)
@@ -58,6 +57,11 @@ def tok(tiny_model_dir):
     return load_tokenizer(tiny_model_dir)
 
 
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_causal_lm(tiny_model_dir)
+
+
 def run_agent(pool, tok, agent_file: Path, prompt_index: int):
     cfg = pool.cfg.rollout
     agent_cls = load_agent(str(agent_file))
@@ -83,7 +87,7 @@ def run_agent(pool, tok, agent_file: Path, prompt_index: int):
     return prompt, outcome.group.samples
 
 
-def test_the_shipped_chat_agent_scores_what_the_engine_generated(pool, tok) -> None:
+def test_the_shipped_chat_agent_scores_what_the_engine_generated(pool, tok, model) -> None:
     prompt, samples = run_agent(pool, tok, ROOT / "envs" / "reverse_chat.py", 3)
     text = tok.apply_chat_template(
         [{"role": "user", "content": prompt.prompt}], add_generation_prompt=True, tokenize=False
@@ -94,7 +98,8 @@ def test_the_shipped_chat_agent_scores_what_the_engine_generated(pool, tok) -> N
         reply = tok.decode(s.tokens[start:end], skip_special_tokens=True)
         assert s.reward == reverse_reward(reply, prompt.label)
         assert s.info["exact"] == float(reply.strip() == prompt.label)
-        assert s.info["rollout_logprobs"] == 0.0 and all(math.isnan(x) for x in s.action_logprobs)
+        check_logprobs(model, s)  # the engine's per-token log-probs, as env mode records them
+        assert s.versions == [0] * s.num_action_tokens and s.info["chat_prefix_breaks"] == 0.0
 
 
 def test_two_openai_calls_whose_prompts_extend_form_one_trajectory(pool, tok, tmp_path) -> None:
@@ -106,13 +111,13 @@ def test_two_openai_calls_whose_prompts_extend_form_one_trajectory(pool, tok, tm
         assert s.info["chat_calls"] == 2.0 and s.info["refused"] == 1.0  # the refused call was not recorded
         text = tok.apply_chat_template(second, add_generation_prompt=True, tokenize=False)
         start, end = s.action_ranges[-1]
-        assert s.tokens[:start] == tok(text, add_special_tokens=False)["input_ids"]
+        last = s.segments[-1] if s.segments else 0
+        assert s.tokens[last:start] == tok(text, add_special_tokens=False)["input_ids"]
         assert s.reward == float(len(tok.decode(s.tokens[start:end], skip_special_tokens=True)))
-        # Both replies are actions of one trace unless the template re-tokenised the first differently.
-        assert len(s.action_ranges) == 2 - int(s.info["chat_prefix_breaks"])
-        if len(s.action_ranges) == 2:
-            a, b = s.action_ranges[0]
-            assert tok.decode(s.tokens[a:b], skip_special_tokens=True) == one and a == s.prompt_len
+        # Both replies are actions: of one sequence, or of two segments where the template re-tokenised the first.
+        assert len(s.action_ranges) == 2 and len(s.segments) == int(s.info["chat_prefix_breaks"])
+        a, b = s.action_ranges[0]
+        assert tok.decode(s.tokens[a:b], skip_special_tokens=True) == one and a == s.prompt_len
 
 
 def test_without_openai_ctx_openai_says_what_to_install(monkeypatch) -> None:
@@ -126,3 +131,32 @@ def test_without_openai_ctx_openai_says_what_to_install(monkeypatch) -> None:
     ):
         client.chat.completions.create(model="policy", messages=[])
     asyncio.run(pool.close())  # nothing was opened, nothing to close
+
+
+RECORDED = """
+from molt_hpc.agents import ChatAgent, Result
+class Recorded(ChatAgent):
+    async def run(self, ctx):
+        messages, seen = [{"role": "user", "content": ctx.prompt}], []
+        for turn in range(3):
+            reply = await ctx.openai.chat.completions.create(
+                model=ctx.model, messages=messages, logprobs=True, max_tokens=4 + turn, seed=turn
+            )
+            seen += [c.logprob for c in reply.choices[0].logprobs.content]
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": "and again"}]
+        return Result(reward=0.0, info={"seen": seen})
+"""
+
+
+def test_the_trace_trains_with_the_logprobs_the_engine_returned_to_the_agent(pool, tok, model, tmp_path) -> None:
+    """`logprobs: true` hands the agent the engine's log-probs over HTTP; the recorded trace carries exactly
+    those, call after call, and they are the model's own (teacher-forced, per segment)."""
+    path = tmp_path / "recorded.py"
+    path.write_text(RECORDED)
+    _, samples = run_agent(pool, tok, path, 7)
+    for s in samples:
+        seen = s.info.pop("seen")
+        assert len(s.action_ranges) == 3 and s.info["chat_calls"] == 3.0
+        assert s.action_logprobs == seen  # exactly: the same numbers, through the buffer-bound record
+        check_logprobs(model, s)
