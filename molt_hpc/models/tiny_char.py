@@ -1,10 +1,10 @@
 """`builtin:tiny-char`: the offline tiny model.
 
-It is a character-level tokenizer (one token per printable ASCII character plus
-four specials, ChatML chat template) and a random-init Qwen3 whose vocabulary is exactly the
-tokenizer's, saved in HF layout with safetensors. Every other part of molt-hpc loads it the way it
-would load a real checkpoint, so the tiny model exercises the real code paths. Nothing here ever
-reaches a hub: loads pass `local_files_only`.
+It is a character-level tokenizer (one token per printable ASCII character plus four specials, a
+ChatML chat template that writes tools and tool calls as Qwen 2.5 does) and a random-init Qwen3
+whose vocabulary is exactly the tokenizer's, saved in HF layout with safetensors. Every other part
+of molt-hpc loads it the way it would load a real checkpoint, so the tiny model exercises the real
+code paths. Nothing here ever reaches a hub: loads pass `local_files_only`.
 """
 
 import string
@@ -14,10 +14,38 @@ from molt_hpc.config.model import TinyModelConfig
 from molt_hpc.hf_logging import quiet_transformers
 
 SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+TOOLS_SYSTEM = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\n<tools>{% for tool in tools %}{{ '\\n' }}"
+    "{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\nFor each function call, return a json object with "
+    "function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
 )
+HERMES_CALL = (
+    '<tool_call>\n{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}'
+    "\n</tool_call>"
+)
+
+
+def chat_template(tool_call: str = HERMES_CALL) -> str:
+    """ChatML, with tools the way Qwen 2.5 writes them: the functions in the system turn, each call of an
+    assistant turn written by `tool_call` (Jinja over `call`). Without tools and tool calls it is plain
+    ChatML, `<|im_start|>role\ncontent<|im_end|>\n` per message. (Chat templates render with `trim_blocks`: a
+    newline right after a block tag is written as `{{ '\\n' }}`.)"""
+    return (
+        "{% set skip_system = tools and messages[0]['role'] == 'system' %}{% if tools %}<|im_start|>system\n"
+        "{% if skip_system %}{{ messages[0]['content'] }}\n\n{% endif %}" + TOOLS_SYSTEM + "<|im_end|>\n{% endif %}"
+        "{% for message in messages %}{% if not (loop.first and skip_system) %}"
+        "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+        "{% for call in message['tool_calls'] or [] %}"
+        "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+        + tool_call
+        + "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+CHAT_TEMPLATE = chat_template()
 
 
 def build_tiny_tokenizer():
