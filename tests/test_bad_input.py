@@ -218,6 +218,9 @@ BAD_CHAT = [
     (b'{"messages": []}', "messages"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', "n = 1"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}', "presence_penalty"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', "top_logprobs"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}', "tool_choice needs tools"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "text parts"),
 ]
 
 

@@ -8,6 +8,7 @@ import pytest
 from molt_hpc.config import load_config
 from molt_hpc.protocol.edge import BadRequest, parse
 from molt_hpc.rollout.chat_schema import ChatRequest
+from molt_hpc.rollout.chat_server import unsupported
 from molt_hpc.rollout.tool_calls import forced_prefix, parse_hermes, parse_llama3, parse_reply
 
 USER = [{"role": "user", "content": "2+3?"}]
@@ -138,3 +139,12 @@ def test_an_unknown_tool_parser_is_refused_with_exit_2(tmp_path) -> None:
                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 2, out.stdout + out.stderr
     assert "tool_parser" in out.stderr and "hermes" in out.stderr
+
+
+def test_a_forced_tool_choice_needs_a_parser() -> None:
+    for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+        req = parse(ChatRequest, {"messages": USER, "tools": TOOLS, "tool_choice": choice})
+        param, why = unsupported(req, "none")
+        assert param == "tool_choice" and "rollout.tool_parser" in why
+        assert unsupported(req, "hermes") is None
+    assert unsupported(parse(ChatRequest, {"messages": USER, "tools": TOOLS, "tool_choice": "none"}), "none") is None
