@@ -2,33 +2,20 @@
 `<result>21</result>` back as the next turn, and answers with `<answer>…</answer>` (graded like
 `envs/math.py`) within `MAX_CALLS` calculator calls.
 
-The expression is evaluated by `molt_hpc.agents.arith` (a restricted AST walk over numbers and
-arithmetic operators, never `eval`); a malformed one answers `<result>error: …</result>`.
+The expression is evaluated by `molt_hpc.agents.arith.calculate` (a restricted AST walk over numbers
+and arithmetic operators, never `eval`); a malformed one answers `<result>error: …</result>`.
+`envs/calculator_chat.py` is the same task in chat mode, with the calculator as an OpenAI tool.
 Set `rollout.max_turns` to at least `MAX_CALLS + 1` so the model has a turn left to answer.
 """
 
 import re
 
 from molt_hpc.agents import Env, Result, State
-from molt_hpc.agents.arith import ArithError, evaluate
+from molt_hpc.agents.arith import calculate
 from molt_hpc.agents.grading import extract_answers, grade
 
 CALL_RE = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 MAX_CALLS = 3
-
-
-def format_value(value) -> str:
-    """A calculator result as text: integers plainly, other fractions as `a/b`, floats as repr."""
-    if hasattr(value, "denominator"):
-        return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
-    return repr(value)
-
-
-def calculate(expression: str) -> str:
-    try:
-        return format_value(evaluate(expression))
-    except ArithError as err:  # a bad expression is the model's mistake: it reads the error and goes on
-        return f"error: {err}"
 
 
 class CalculatorEnv(Env):

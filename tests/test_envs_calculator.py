@@ -99,3 +99,16 @@ def test_the_call_budget_ends_the_episode() -> None:
 def test_no_call_and_no_answer_ends_with_zero() -> None:
     result = step(Calculator(), "I think it is 21")
     assert (result.terminated, result.reward, result.info["missing_answer"]) == (True, 0.0, 1.0)
+
+
+def test_the_chat_calculators_tool_answers_calls_and_errors() -> None:
+    import sys
+
+    agent = load_agent(str(ROOT / "envs" / "calculator_chat.py"))
+    run_tool = sys.modules[agent.__module__].run_tool
+    assert run_tool("calculate", '{"expression": "12 * (3 + 4)"}') == "84"
+    assert run_tool("calculate", '{"expression": "1/3 + 1/6"}') == "1/2"
+    assert run_tool("calculate", '{"expression": "__import__(\\"os\\")"}').startswith("error: ")
+    assert run_tool("calculate", '{"expr": "1"}').startswith("error: pass")
+    assert run_tool("calculate", "[1]").startswith("error: pass")
+    assert run_tool("search", "{}") == "error: no tool named 'search'; call calculate"

@@ -4,6 +4,7 @@ Model-written text is parsed into a Python AST and only number literals, the ari
 and unary signs are walked; anything else (names, calls, attributes) is refused. It never calls
 `eval`. Results are exact `Fraction`s (a non-integer power falls back to float), and sizes are
 bounded so `9**9**9` or a 10,000-digit literal is refused instead of hanging the process.
+`calculate` is the calculator tool both calculator envs offer: the value as text, or the error.
 """
 
 import ast
@@ -43,6 +44,21 @@ def evaluate(expr: str) -> Number:
     except (SyntaxError, ValueError, RecursionError, MemoryError) as err:  # malformed input is an answer, not a crash
         raise ArithError(f"not an arithmetic expression: {type(err).__name__}") from None
     return _walk(tree.body, text)
+
+
+def format_value(value: Number) -> str:
+    """A result as text: integers plainly, other fractions as `a/b`, floats as repr."""
+    if isinstance(value, Fraction):
+        return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+    return repr(value)
+
+
+def calculate(expression: str) -> str:
+    """The calculator tool: the value of `expression` as text, or `error: ...` (the model reads it and goes on)."""
+    try:
+        return format_value(evaluate(expression))
+    except ArithError as err:
+        return f"error: {err}"
 
 
 def _check_size(value: Number) -> Number:

@@ -151,8 +151,10 @@ class ChatServer:
             )
         prompt_ids = list(self.tokenizer(text + prefix, add_special_tokens=False)["input_ids"])
         params, problem = self._sampling_params(req, prompt_ids, session)
-        if problem:
-            return _problem(400, problem, param="max_tokens")
+        if problem:  # OpenAI's code for it, so an agent can tell a conversation that outgrew the budget
+            status, answer = _problem(400, problem, param="messages")
+            answer["error"]["code"] = "context_length_exceeded"
+            return status, answer
         try:
             out = await self.link.generate(prompt_ids, params, session)
             if out.finish_reason == "abort":
