@@ -3,6 +3,7 @@
 base.py          the API the user writes against: Env, Result, State, ChatAgent, ChatContext
 step_runner.py   StepEnvRunner: env mode, token in, trace out
 chat_runner.py   ChatAgentRunner: chat mode through the framework's OpenAI-compatible endpoint
+chat_trace.py    a chat episode's trace rebuilt from the endpoint's calls (segments, log-probs, routing)
 loader.py        load_agent: the one agent class a file or module declares
 calls.py         calling user code safely; EnvError / EngineError
 env_hosts.py     where env calls run (the runner's interface); the orchestrator's threads
