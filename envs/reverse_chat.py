@@ -8,7 +8,8 @@ other episodes; building your own works the same and is as cheap when it reuses 
 `AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client)`.
 
 Chat mode records the tokens of every call with the engine's per-token log-probs and rebuilds the
-trajectory from them, so it trains like env mode (off-policy correction, async rollout). Needs `pip install 'molt-hpc[chat]'`. Run it with
+trajectory from them, so it trains like env mode (off-policy correction, async rollout). Needs
+`pip install 'molt-hpc[chat]'`. Run it with
 `molt-hpc run configs/tiny_cpu.toml --set rollout.agent=envs/reverse_chat.py`.
 """
 
