@@ -1,14 +1,27 @@
 """A chat-mode trace rebuilt from the endpoint's calls: segments, their log-probs and routing, the buffer
 round trip, and the trainer's forward over a segmented sample (each segment its own sequence)."""
 
+import asyncio
+import json
+
+import aiohttp
 import numpy as np
 import pytest
 import torch
+from aiohttp import web
 
 from molt_hpc.actor.batch import policy_logprobs
 from molt_hpc.agents.chat_trace import ChatCall, routing_start, trajectory_from_calls
 from molt_hpc.algorithm import make_experience
 from molt_hpc.buffer.codec import decode_group, encode_group
+from molt_hpc.config import load_config
+from molt_hpc.engine.routing import encode_routing
+from molt_hpc.models import build_tiny_tokenizer
+from molt_hpc.protocol.edge import parse
+from molt_hpc.rollout.chat_schema import ChatRequest
+from molt_hpc.rollout.chat_server import ChatServer
+from molt_hpc.rollout.engines import EngineLink
+from molt_hpc.rundir import RunDir
 from molt_hpc.trajectory import Group, Trajectory
 
 
@@ -107,3 +120,51 @@ def test_the_trainer_forwards_each_segment_as_its_own_sequence(tiny_model_dir) -
 
 def _actions(policy, exp) -> torch.Tensor:
     return policy_logprobs(policy, exp, 1.0, 8)[0][exp.action_mask]
+
+
+def test_the_endpoint_asks_each_segment_only_for_the_routing_it_lacks(tmp_path) -> None:
+    """Router replay in chat mode: through the chat endpoint to a recording engine on loopback, a call that
+    continues a segment asks for the routing of its new positions only, a call that opens one for all."""
+
+    tok, cfg, starts = build_tiny_tokenizer(), load_config(None, ["rollout.max_total_tokens=256"]), []
+    out = [*tok("ok", add_special_tokens=False)["input_ids"], tok.eos_token_id]
+
+    async def generate(request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
+        start = body["sampling_params"]["routed_experts_prompt_start"]
+        starts.append((start, len(body["token_ids"])))
+        rows = np.arange(start, len(body["token_ids"]) + len(out) - 1, dtype=np.uint8)[:, None, None]
+        content = [{"token_id": t, "logprob": -0.5} for t in out]
+        choice = {"token_ids": out, "logprobs": {"content": content}, "finish_reason": "stop",
+                  "routed_experts": encode_routing(rows)}  # fmt: skip
+        return web.json_response({"choices": [choice], "weight_version": 0})
+
+    async def go():
+        app = web.Application()
+        app.add_routes([web.post("/inference/v1/generate", generate)])
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        (tmp_path / "rendezvous").mkdir()
+        async with aiohttp.ClientSession() as s:
+            chat = ChatServer(
+                tok, EngineLink(s, url, "tok", RunDir(tmp_path), 30.0), cfg.rollout, "tok", routed_experts=True
+            )
+            first = [{"role": "user", "content": "hi"}]
+            for messages in (first, [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "x"}],
+                             [{"role": "user", "content": "other"}]):  # fmt: skip
+                status, answer = await chat.complete(parse(ChatRequest, {"messages": messages}), "s")
+                assert status == 200, answer
+            calls, _ = chat.take("s")
+        await runner.cleanup()
+        return calls
+
+    calls = asyncio.run(go())
+    (s1, p1), (s2, p2), (s3, _) = starts
+    assert (s1, s2, s3) == (0, p1 + len(out) - 1, 0)
+    traj, breaks, _ = trajectory_from_calls(calls, max_tokens=256)
+    assert breaks == 1 and traj.segments == [p2 + len(out)]
+    assert traj.routed_experts[: p2 + len(out) - 1, 0, 0].tolist() == [i % 256 for i in range(p2 + len(out) - 1)]
+    assert traj.routed_experts[p2 + len(out) - 1, 0, 0] == -1  # the segment's last token: never forwarded

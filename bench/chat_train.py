@@ -1,0 +1,84 @@
+"""Chat mode vs env mode in training: the same task (reverse a string, the tiny config), the same seed.
+
+Each mode runs `molt-hpc run configs/tiny_cpu.toml` for `--steps` steps, asynchronous (buffer.max_staleness
+2): env mode with `envs/reverse.py`, chat mode with `envs/reverse_chat.py` (the `openai` client against the
+chat endpoint). From each run's `metrics.jsonl`: `kl_rollout` (k3 of the engine's log-probs against the
+trainer's over the trained tokens: the distance the off-policy correction spans), the train/inference
+mismatch on same-version tokens, the share of groups trained from older weights, the trainer's tokens/s,
+the rollout's generated tokens/s, steps per minute and the reward's first and last quarter. Modes alternate
+over `--repeats` rounds; the table shows medians over rounds (per-step values: mean over steps 2..N).
+
+    python bench/chat_train.py [--steps 30] [--repeats 2]
+"""
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from molt_hpc.log import read_metrics  # noqa: E402
+
+AGENTS = {"env mode": "envs/reverse.py", "chat mode": "envs/reverse_chat.py"}
+
+
+def one_run(agent: str, steps: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="molt-bench-") as root:
+        cmd = [
+            str(Path(sys.executable).parent / "molt-hpc"), "run", "configs/tiny_cpu.toml", "--set", f"run.root={root}",
+            "--set", f"run.steps={steps}", "--set", f'rollout.agent="{agent}"', "--set", "checkpoint.interval=0",
+            "--set", "logging.progress=lines",
+        ]  # fmt: skip
+        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
+        records = read_metrics(Path(root) / "tiny-cpu" / "metrics.jsonl")
+    actor = [r for r in records if r["source"] == "actor"]
+    rollout = [r for r in records if r["source"] == "rollout" and r.get("tokens_per_s")]
+    later = actor[1:]  # step 1 trains on version-0 rollouts only
+    groups = [sum(r["staleness"].values()) for r in later]
+    stale = [sum(n for k, n in r["staleness"].items() if k != "0") for r in later]
+    q = max(1, len(actor) // 4)
+    span = actor[-1]["time"] - actor[0]["time"]
+    return {
+        "kl_rollout": statistics.fmean(r["kl_rollout"] for r in later),
+        "kl_rollout_max": max(r["kl_rollout"] for r in later),
+        "mismatch": statistics.fmean(r["mismatch_abs_mean"] for r in later if "mismatch_abs_mean" in r),
+        "stale_share": sum(stale) / sum(groups),
+        "train_tok_s": statistics.median(r["tokens_per_s"] for r in later),
+        "rollout_tok_s": statistics.median(r["tokens_per_s"] for r in rollout),
+        "steps_min": (len(actor) - 1) / span * 60,
+        "reward_first": statistics.fmean(r["reward"] for r in actor[:q]),
+        "reward_last": statistics.fmean(r["reward"] for r in actor[-q:]),
+    }
+
+
+COLUMNS = [
+    ("kl_rollout", "kl_rollout", ".4f"), ("kl_rollout_max", "max", ".4f"), ("mismatch", "mismatch |d|", ".1e"),
+    ("stale_share", "stale groups", ".2f"), ("train_tok_s", "train tok/s", ".0f"),
+    ("rollout_tok_s", "rollout tok/s", ".0f"), ("steps_min", "steps/min", ".1f"),
+    ("reward_first", "reward q1", ".3f"), ("reward_last", "reward q4", ".3f"),
+]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in AGENTS}
+    for _ in range(args.repeats):
+        for name, agent in AGENTS.items():
+            results[name].append(one_run(agent, args.steps))
+    print(f"tiny config, reverse task, {args.steps} steps per run, median of {args.repeats} alternating runs")
+    print("| mode | " + " | ".join(title for _, title, _ in COLUMNS) + " |")
+    print("|---" * (len(COLUMNS) + 1) + "|")
+    for name, runs in results.items():
+        med = {key: statistics.median(r[key] for r in runs) for key, _, _ in COLUMNS}
+        print(f"| {name} | " + " | ".join(f"{med[key]:{fmt}}" for key, _, fmt in COLUMNS) + " |")
+
+
+if __name__ == "__main__":
+    main()
