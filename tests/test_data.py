@@ -32,11 +32,12 @@ def test_loads_text_and_chat_rows_through_the_template(tok, tmp_path: Path) -> N
             {"prompt": "extra", "label": None, "files": ["a.txt"], "meta": {"k": 1}},
         ],
     )
-    ds = PromptDataset.load(DataConfig(path=str(path), system_prompt="Be brief."), tok)
+    ds = PromptDataset.load(DataConfig(path=str(path), system_prompt="Be brief.", max_prompt_tokens=512), tok)
     assert [p.prompt_id for p in ds.prompts] == ["a", "d.jsonl:2", "d.jsonl:3"]
     want = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.decode(ds[0].token_ids) == want
     assert ds[1].extra["tools"] == [{"name": "calc"}]
+    assert '<tools>\n{"name": "calc"}\n</tools>' in tok.decode(ds[1].token_ids)  # the template writes the row's tools
     assert ds[2].extra == {"files": ["a.txt"], "meta": {"k": 1}}  # extra keys ride along for later use
     raw = PromptDataset.load(DataConfig(path=str(path), apply_chat_template=False), tok, limit=1)
     assert tok.decode(raw[0].token_ids) == "hi"
