@@ -2,7 +2,8 @@
 
 Roles: `engine` (one inference engine), `scorer` (a reward-model scorer), `sandbox` (the server that runs
 untrusted code for envs), `router` (the session-affine router), `pool` (a node's engines, plus the router,
-the rollout orchestrator, the scorers and the sandbox on the pool's first node, supervised). Reads the
+the rollout orchestrator, the scorers and the sandbox on the pool's first node, supervised), `sandboxes`
+(a Slurm job's het group 2: the sandbox server alone, supervised). Reads the
 resolved config from `RUN_DIR/config.toml`; heavy modules are imported after the arguments are parsed.
 """
 
@@ -45,11 +46,18 @@ def run_pool(cfg, run_dir: Path, args: argparse.Namespace) -> int:
     from molt_hpc.log import setup_logging
     from molt_hpc.rundir import RunDir
 
+    if args.role == "sandboxes":
+        setup_logging("sandboxes", cfg.logging.level)
+        return pool(cfg, RunDir(run_dir), 0, cfg.engines.max_restarts, role="sandboxes")
     setup_logging(f"pool {args.node_rank}", cfg.logging.level)
-    return pool(cfg, RunDir(run_dir), args.node_rank, cfg.engines.max_restarts)
+    role = "pool-no-sandbox" if args.no_sandbox else "pool"
+    return pool(cfg, RunDir(run_dir), args.node_rank, cfg.engines.max_restarts, role=role)
 
 
-ROLES = {"engine": run_engine, "router": run_router, "pool": run_pool, "scorer": run_scorer, "sandbox": run_sandbox}
+ROLES = {
+    "engine": run_engine, "router": run_router, "pool": run_pool, "scorer": run_scorer, "sandbox": run_sandbox,
+    "sandboxes": run_pool,
+}  # fmt: skip
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -60,6 +68,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--engine-node", type=int, default=0,
         help="this node's rank in its engine (role engine; 0 serves it, others join it: engines.nodes_per_engine)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-sandbox", action="store_true",
+        help="role pool: leave the [sandbox] server to the Slurm job's sandbox het group (role sandboxes)",
     )  # fmt: skip
     parser.add_argument(
         "--node-rank",

@@ -115,7 +115,8 @@ def _slurm_lines(run_dir: Path) -> list[str]:
     comps = job_components(job_id)
     if comps:
         nodes = " + ".join(c.get("NodeList") or "(none yet)" for c in comps)
-        lines.append(f"job: restarts {comps[0].get('Restarts', '0')}, nodes {nodes} (het groups 0 + 1)")
+        groups = " + ".join(str(i) for i in range(len(comps)))
+        lines.append(f"job: restarts {comps[0].get('Restarts', '0')}, nodes {nodes} (het groups {groups})")
     steps = job_step_lines(job_id)
     return [*lines, "job steps: " + ("; ".join(steps) if steps else "none running")]
 

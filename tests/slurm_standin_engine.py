@@ -6,7 +6,10 @@ Fault injection: MOLT_STANDIN_ENGINE_FAIL_AFTER=S exits with code 3 after S seco
 MOLT_STANDIN_ENGINE_CONFIG_ERROR=TEXT records TEXT as the run's failure, a config error, the way the real
 orchestrator records one it finds at run time (`molt_hpc.fault`), and exits with code 2.
 Its start event also records the children the real pool would start on this node (`pool_children` of
-the run's config at `SLURM_NODEID`): each engine process's `--index ...` arguments and the services.
+the run's config at `SLURM_NODEID`, without the sandbox under `--no-sandbox`): each engine process's
+`--index ...` arguments and the services. As `SCRIPT RUN_DIR --role sandboxes` (het group 2 of a run with
+`[sandbox]`) it records where it runs and becomes the real `jobs/engine.py --role sandboxes`: the sandbox
+server, really serving.
 """
 
 import json
@@ -40,20 +43,28 @@ def record(event: str, **fields) -> None:
         f.write(json.dumps(line) + "\n")
 
 
-def children() -> dict:
+def children(with_sandbox: bool) -> dict:
     """What the real pool runs on this node: engine processes (their arguments from `--index`), services."""
     from molt_hpc.config import load_config
     from molt_hpc.launch.pool import pool_children
     from molt_hpc.rundir import RunDir
 
     run = RunDir(RUN)
-    engines, services = pool_children(load_config(run.config), run, int(os.environ.get("SLURM_NODEID", "0")))
-    return {"engines": [c.cmd[c.cmd.index("--index") :] for c in engines], "services": [c.name for c in services]}
+    node = int(os.environ.get("SLURM_NODEID", "0"))
+    engines, services = pool_children(load_config(run.config), run, node, with_sandbox=with_sandbox)
+    return {
+        "engines": [c.cmd[c.cmd.index("--index") :] if "--index" in c.cmd else c.name for c in engines],
+        "services": [c.name for c in services],
+    }
 
 
 def main() -> int:
-    assert sys.argv[2:] == ["--role", "pool"], sys.argv
-    record("start", **children())
+    if sys.argv[2:] == ["--role", "sandboxes"]:
+        record("sandboxes")
+        engine = Path(__file__).resolve().parents[1] / "jobs" / "engine.py"
+        os.execv(sys.executable, [sys.executable, "-u", str(engine), *sys.argv[1:]])
+    assert sys.argv[2:4] == ["--role", "pool"] and sys.argv[4:] in ([], ["--no-sandbox"]), sys.argv
+    record("start", no_sandbox=sys.argv[4:] == ["--no-sandbox"], **children(sys.argv[4:] == []))
     if CONFIG_ERROR:
         from molt_hpc.fault import fail
 

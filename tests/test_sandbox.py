@@ -142,12 +142,16 @@ def test_auto_falls_back_loudly_and_bwrap_refuses_without_bubblewrap(monkeypatch
         isolation.choose(SandboxConfig(python="/nonexistent/python3"))
 
 
-def test_slurm_refuses_sandbox_configs_before_anything_renders(tmp_path) -> None:
-    for args in (["submit", "--dry-run", "--no-plan"], ["sbatch", "-o", str(tmp_path / "job.sbatch")]):
-        done = molt(args[0], "configs/tiny_code_cpu.toml", *args[1:])
-        assert done.returncode == 2 and "[sandbox] runs in local mode only" in done.stderr
-        assert "#SBATCH" not in done.stdout
+def test_slurm_renders_the_sandbox_as_a_cpu_het_group(tmp_path) -> None:
+    script = molt("submit", "configs/tiny_code_cpu.toml", "--dry-run", "--no-plan").stdout
+    frame, group2 = script.split("# het group 2: sandbox server\n")
+    assert frame.count("#SBATCH hetjob") == 2 and "--gpus-per-node" not in group2.split("\n\n")[0]
+    for bad, what in (("slurm.sandboxes.nodes=2", "2 nodes"), ("slurm.sandboxes.gpus_per_node=1", "1 GPUs")):
+        done = molt("sbatch", "configs/tiny_code_cpu.toml", "--set", bad, "-o", str(tmp_path / "job.sbatch"))
+        assert done.returncode == 2 and what in done.stderr and "slurm.sandboxes.nodes = 1" in done.stderr
     assert not (tmp_path / "job.sbatch").exists()
+    plain = molt("submit", "configs/tiny_cpu.toml", "--dry-run", "--no-plan").stdout
+    assert plain.count("#SBATCH hetjob") == 1 and "het group 2" not in plain.split("\n\n", 1)[1]
 
 
 def test_run_refuses_a_sandbox_that_cannot_start_before_anything_starts(tmp_path) -> None:

@@ -29,10 +29,7 @@ from tests.conftest import ROOT, molt
 
 GOLDEN = ROOT / "tests" / "golden"
 # Slurm jobs run the RL loop: the SFT and reward-model configs (run.stage) have no job script.
-# RL configs a Slurm job can run ([sandbox] is local only until a sandbox het group exists: refused, tested apart)
-CONFIGS = sorted(
-    p for p in (ROOT / "configs").glob("*.toml") if load_config(p).run.stage == "rl" and load_config(p).sandbox is None
-)
+CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.toml") if load_config(p).run.stage == "rl")
 HEREDOC = re.compile(rf"<<'{HEREDOC_END}'\n(.*?)\n{HEREDOC_END}\n", re.S)
 
 
@@ -92,8 +89,11 @@ def sbatch_groups(script: str) -> list[dict[str, str | None]]:
 def test_sbatch_lines_follow_the_slurm_section(config: Path, in_root) -> None:
     cfg = load_config(config)
     for script in (slurm.dry_run_script(cfg), slurm.standalone_script(cfg)):
-        actor, engines = sbatch_groups(script)
-        for opts, group in ((actor, cfg.slurm.actor), (engines, cfg.slurm.engines)):
+        actor, engines, *boxes = sbatch_groups(script)
+        groups = [(actor, cfg.slurm.actor), (engines, cfg.slurm.engines)]
+        assert len(boxes) == (cfg.sandbox is not None)  # het group 2 exists for a [sandbox] alone
+        groups += [(opts, cfg.slurm.sandboxes) for opts in boxes]
+        for opts, group in groups:
             assert opts["nodes"] == str(group.nodes)
             assert opts["ntasks-per-node"] == "1"
             assert opts["cpus-per-task"] == str(group.cpus_per_task)

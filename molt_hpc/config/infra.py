@@ -126,12 +126,16 @@ class SlurmGroupConfig(Section):
 
 
 class SlurmConfig(Section):
-    """The heterogeneous Slurm job: het group 0 is the actor pool, het group 1 the engine pool."""
+    """The heterogeneous Slurm job: het group 0 is the actor pool, het group 1 the engine pool, and with
+    `[sandbox]` het group 2 the sandbox server's CPU node."""
 
     actor: SlurmGroupConfig = Field(default_factory=SlurmGroupConfig)
     """Het group 0: the actor pool."""
     engines: SlurmGroupConfig = Field(default_factory=SlurmGroupConfig)
     """Het group 1: the engine pool."""
+    sandboxes: SlurmGroupConfig = Field(default_factory=SlurmGroupConfig)
+    """Het group 2, only with `[sandbox]`: the CPU node that runs the sandbox server, so code a model wrote
+    never runs on a GPU node (one node, no GPUs; `sandbox.workers` and `cpus_per_task` size it)."""
     time: str = "01:00:00"
     """Time limit of the job (D-HH:MM:SS)."""
     job_name: str = "molt-hpc"
@@ -162,6 +166,17 @@ class SlurmConfig(Section):
         if isinstance(value, str):
             slurm_time_seconds(value)
         return value
+
+    @model_validator(mode="after")
+    def _check_sandboxes(self) -> "SlurmConfig":
+        group = self.sandboxes
+        if group.nodes != 1 or group.gpus_per_node:
+            raise ValueError(
+                f"slurm.sandboxes asks for {group.nodes} nodes with {group.gpus_per_node} GPUs each: the sandbox "
+                "group is one CPU node (model-written code never runs beside a GPU); set slurm.sandboxes.nodes = 1 "
+                "and gpus_per_node = 0, and raise sandbox.workers with slurm.sandboxes.cpus_per_task for more at once"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_stop_timeout(self) -> "SlurmConfig":

@@ -66,9 +66,18 @@ def scorer_env(cfg: MoltConfig, index: int) -> dict[str, str]:
     return env
 
 
-def pool_children(cfg: MoltConfig, run: RunDir, node_rank: int) -> tuple[list[Child], list[Child]]:
-    """(engines, services) this node runs: engines (and on node 0 the reward-model scorers and the sandbox)
-    are restarted when they die; services are the router and orchestrator on node 0."""
+def sandbox_child(run: RunDir) -> Child:
+    """The sandbox server: restarted like an engine, and it never sees a GPU."""
+    cmd = job_command("engine.py", str(run.path), "--role", "sandbox")
+    return Child("sandbox", cmd, run.logs / "sandbox.log", {"CUDA_VISIBLE_DEVICES": ""})
+
+
+def pool_children(
+    cfg: MoltConfig, run: RunDir, node_rank: int, with_sandbox: bool = True
+) -> tuple[list[Child], list[Child]]:
+    """(engines, services) this node runs: engines (and on node 0 the reward-model scorers and, unless a
+    Slurm het group of its own runs it, the sandbox) are restarted when they die; services are the router
+    and orchestrator on node 0."""
     engines = []
     for local, (index, part) in enumerate(node_engines(cfg, node_rank)):
         cmd = job_command("engine.py", str(run.path), "--role", "engine", "--index", str(index))
@@ -81,9 +90,8 @@ def pool_children(cfg: MoltConfig, run: RunDir, node_rank: int) -> tuple[list[Ch
         for index in range(cfg.reward_model.count):
             cmd = job_command("engine.py", str(run.path), "--role", "scorer", "--index", str(index))
             engines.append(Child(f"scorer {index}", cmd, run.logs / f"scorer-{index}.log", scorer_env(cfg, index)))
-    if node_rank == 0 and cfg.sandbox is not None:  # untrusted code never sees a GPU
-        cmd = job_command("engine.py", str(run.path), "--role", "sandbox")
-        engines.append(Child("sandbox", cmd, run.logs / "sandbox.log", {"CUDA_VISIBLE_DEVICES": ""}))
+    if node_rank == 0 and cfg.sandbox is not None and with_sandbox:
+        engines.append(sandbox_child(run))
     services = []
     if node_rank == 0:
         single = {"OMP_NUM_THREADS": "1"}
@@ -113,11 +121,16 @@ def check_pool_nodes(cfg: MoltConfig, nnodes: str | None) -> None:
         )
 
 
-def run_pool(cfg: MoltConfig, run: RunDir, node_rank: int, max_restarts: int) -> int:
-    """Start and supervise this node's pool until SIGTERM (exit 0) or a fatal child death (exit 1)."""
+def run_pool(cfg: MoltConfig, run: RunDir, node_rank: int, max_restarts: int, role: str = "pool") -> int:
+    """Start and supervise this node's pool until SIGTERM (exit 0) or a fatal child death (exit 1). `role`:
+    `pool` (all of it), `pool-no-sandbox` (het group 2 runs the sandbox), `sandboxes` (that group: the
+    sandbox server alone)."""
     log = get_logger()
-    check_pool_nodes(cfg, os.environ.get("SLURM_NNODES"))
-    engines, services = pool_children(cfg, run, node_rank)
+    if role == "sandboxes":
+        engines, services = [sandbox_child(run)], []
+    else:
+        check_pool_nodes(cfg, os.environ.get("SLURM_NNODES"))
+        engines, services = pool_children(cfg, run, node_rank, with_sandbox=role == "pool")
     children = engines + services
     # The router holds no state: restarted like an engine (the orchestrator follows it to its new port).
     restartable = engines + [c for c in services if c.name == "router"]

@@ -1,6 +1,7 @@
 """The sandbox server process: `POST /run` executes untrusted code in a bounded pool of confined processes.
 
-Loopback only (envs run on the same node), the run's token on every route. `sandbox.workers` slots run
+Loopback only in a local-mode run; in a Slurm job it runs on the CPU node of its own het group and listens
+on every interface for the engine pool's envs. The run's token on every route. `sandbox.workers` slots run
 executions; up to `sandbox.max_queue` more wait for a slot, and a request past that is answered 429 with
 `Retry-After` (the client waits and sends it again). A slot is a number, not a process: each execution
 is a fresh confined `python3` (`execute.py`), so whatever the code does ends with it and the pool keeps
@@ -19,14 +20,12 @@ from pydantic import ValidationError
 from molt_hpc.config import MoltConfig
 from molt_hpc.config.sandbox import SandboxConfig
 from molt_hpc.log import get_logger, setup_logging
-from molt_hpc.net import serve_until_signal
+from molt_hpc.net import loopback_only, public_host, serve_until_signal
 from molt_hpc.protocol.edge import error, errors_middleware, read_json, token_middleware
 from molt_hpc.rundir import RunDir, atomic_write
 from molt_hpc.sandbox import isolation, sandbox_file
 from molt_hpc.sandbox.execute import execute
 from molt_hpc.sandbox.protocol import MAX_BODY_BYTES, RunRequest
-
-HOST = "127.0.0.1"
 
 
 class Pool:
@@ -93,9 +92,10 @@ async def serve(cfg: SandboxConfig, run: RunDir) -> None:
     isolation.become_subreaper()
     runner = web.AppRunner(build_app(Pool(cfg, mode), run.token()), handler_cancellation=True, access_log=None)
     await runner.setup()
-    sock = socket.create_server((HOST, 0))
+    host = "127.0.0.1" if loopback_only() else "0.0.0.0"  # a Slurm job: envs reach it from the engine nodes
+    sock = socket.create_server((host, 0))
     await web.SockSite(runner, sock).start()
-    url = f"http://{HOST}:{sock.getsockname()[1]}"
+    url = f"http://{public_host(host)}:{sock.getsockname()[1]}"
     atomic_write(sandbox_file(run), json.dumps({"url": url, "pid": os.getpid(), "isolation": mode}), durable=False)
     log.info("sandbox at %s: %s isolation, %d workers, queue %d", url, mode, cfg.workers, cfg.max_queue)
     await serve_until_signal(runner, sandbox_file(run), log)

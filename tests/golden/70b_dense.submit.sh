@@ -1,6 +1,7 @@
 #!/bin/bash
 # molt-hpc: one heterogeneous Slurm job, rendered from slurm/het_job.sbatch by `molt-hpc submit`.
-# Het group 0 is the actor pool (this script runs on its first node), het group 1 the engine pool.
+# Het group 0 is the actor pool (this script runs on its first node), het group 1 the engine pool; with a
+# [sandbox], het group 2 is the CPU node of the sandbox server.
 # Do not edit a rendered copy: change the config's [slurm] section and render again.
 
 # het group 0: actor pool

@@ -72,7 +72,8 @@ def check_partitions(cfg: MoltConfig, partitions: dict[str, Partition]) -> None:
     sl = cfg.slurm
     default = next((p.name for p in partitions.values() if p.default), None)
     used: dict[str, int] = {}
-    for key, group in (("actor", sl.actor), ("engines", sl.engines)):
+    groups = [("actor", sl.actor), ("engines", sl.engines)] + ([("sandboxes", sl.sandboxes)] if cfg.sandbox else [])
+    for key, group in groups:
         name = group.partition or default
         where = f"slurm.{key}.partition"
         if name is None:
@@ -109,18 +110,8 @@ def check_actor_ranks(cfg: MoltConfig) -> None:
         )
 
 
-def check_no_sandbox(cfg: MoltConfig) -> None:
-    """Untrusted code belongs on CPU nodes, in a het group of its own, which a Slurm job does not have yet."""
-    if cfg.sandbox is not None:
-        raise ValueError(
-            "[sandbox] runs in local mode only (`molt-hpc run`): a Slurm job has no CPU het group for it yet; "
-            "remove [sandbox] to submit"
-        )
-
-
 def preflight(cfg: MoltConfig) -> None:
     """Everything that can be checked before submission; raises ValueError with the fix."""
-    check_no_sandbox(cfg)
     check_actor_ranks(cfg)
     check_slurm_reachable()
     partitions = read_partitions()

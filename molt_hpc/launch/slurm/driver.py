@@ -1,6 +1,6 @@
 """The driver of one heterogeneous Slurm job; it runs as the batch shell on the actor pool's first node.
 
-It starts the two job steps (steps.py) and hands them to the `Lifecycle` (lifecycle.py),
+It starts the job steps (steps.py) and hands them to the `Lifecycle` (lifecycle.py),
 which watches them and ends, requeues or fails the job. Whatever fails the job, its reason goes to
 `logs/driver.log` and is recorded as the run's failure (`control/failed`), which `molt-hpc status`
 prints; submitit's own files keep the traceback.
@@ -88,9 +88,8 @@ def drive(run_dir: Path) -> dict[str, object]:
         return Lifecycle(cfg, run_dir, job_id, actor, pool, signals, restart, trackers).run()
     finally:
         trackers.close()
-        for step in (pool, actor):  # whatever happened, no step outlives the driver
-            if step.proc is not None and step.poll() is None:
-                step.stop(POOL_STOP_S)
+        for step in (pool, actor):  # whatever happened, no step outlives the driver (stop skips ended ones)
+            step.stop(POOL_STOP_S)
 
 
 def drive_and_record(run_dir: Path) -> dict[str, object]:

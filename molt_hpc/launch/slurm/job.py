@@ -16,7 +16,7 @@ from pathlib import Path
 
 from molt_hpc import fault
 from molt_hpc.config import MoltConfig, to_toml
-from molt_hpc.launch.slurm.checks import check_no_sandbox, preflight
+from molt_hpc.launch.slurm.checks import preflight
 from molt_hpc.launch.slurm.render import standalone_script as _standalone
 from molt_hpc.launch.slurm.render import submitit_command, submitit_script
 from molt_hpc.launch.slurm.state import (
@@ -40,13 +40,11 @@ def run_path(cfg: MoltConfig) -> Path:
 
 
 def dry_run_script(cfg: MoltConfig) -> str:
-    check_no_sandbox(cfg)
     folder = run_path(cfg) / "submitit"
     return submitit_script(cfg, folder, submitit_command(folder), Path.cwd())
 
 
 def standalone_script(cfg: MoltConfig) -> str:
-    check_no_sandbox(cfg)
     return _standalone(cfg, run_path(cfg), Path.cwd())
 
 

@@ -3,8 +3,9 @@
 - training finished (the actor step exits 0 after writing `control/done`): stop the engine pool, end;
 - the actor step fails: stop the engine pool and fail the job with its reason (its `error:` line
   when it refused its input), so no node idles on a dead run;
-- the engine step dies: relaunch it in the same allocation, up to `slurm.max_engine_restarts` times,
-  while the actor pool keeps its state; past that, the actor checkpoints and the job fails;
+- the engine step (or the sandbox's, with `[sandbox]`) dies: relaunch it in the same allocation, up to
+  `slurm.max_engine_restarts` times, while the actor pool keeps its state; past that, the actor
+  checkpoints and the job fails;
 - a cause recorded for the run (`control/failed`: a circuit breaker, a config error found at run
   time, no step for `run.stall_timeout_s`): the actor checkpoints and the job fails with that line;
   it is never relaunched as if it were a crash;
@@ -23,6 +24,7 @@ from pathlib import Path
 from molt_hpc.config import MoltConfig
 from molt_hpc.launch.procs import Child
 from molt_hpc.launch.slurm.state import control_file, stop_cause, touch_control
+from molt_hpc.launch.slurm.steps import PoolSteps
 from molt_hpc.launch.watchdog import Watchdog
 from molt_hpc.log import get_logger
 
@@ -52,7 +54,15 @@ class Lifecycle:
     """The watch loop and what follows it; one instance per job start."""
 
     def __init__(
-        self, cfg: MoltConfig, run_dir: Path, job_id: str, actor: Child, pool: Child, signals, restart: int, trackers
+        self,
+        cfg: MoltConfig,
+        run_dir: Path,
+        job_id: str,
+        actor: Child,
+        pool: PoolSteps,
+        signals,
+        restart: int,
+        trackers,
     ):
         self.cfg, self.run_dir, self.job_id, self.restart = cfg, run_dir, job_id, restart
         self.actor, self.pool, self.signals, self.trackers = actor, pool, signals, trackers

@@ -1,6 +1,7 @@
 """The heterogeneous job's batch script, rendered from the templates in `slurm/`.
 
-One frame (`slurm/het_job.sbatch`) holds the `#SBATCH` lines of both het groups and the setup lines;
+One frame (`slurm/het_job.sbatch`) holds the `#SBATCH` lines of the het groups (the actor pool, the engine
+pool, and with `[sandbox]` the sandbox server's CPU node) and the setup lines;
 two launch fragments end it: `launch_submitit.sh` (what `molt-hpc submit` sends through submitit: the
 pickled driver) and `launch_driver.sh` (what `molt-hpc sbatch` writes for users who submit by hand:
 `jobs/driver.py` fed the resolved config). Everything comes from the validated config; nothing here
@@ -75,8 +76,13 @@ def render_frame(
     output: str | None = None,
     error: str | None = None,
 ) -> str:
-    """The whole script: both groups' `#SBATCH` lines, the setup lines, then `launch`."""
+    """The whole script: every group's `#SBATCH` lines, the setup lines, then `launch`."""
     group0 = group_lines(cfg, cfg.slurm.actor) + job_lines(cfg, workdir, output, error)
+    group2 = ""
+    if cfg.sandbox is not None:
+        group2 = "\n".join(
+            ["#SBATCH hetjob", "# het group 2: sandbox server", *group_lines(cfg, cfg.slurm.sandboxes), ""]
+        )
     setup = ""
     if cfg.slurm.setup:
         setup = "# setup ([slurm] setup)\n" + "\n".join(cfg.slurm.setup) + "\n\n"
@@ -85,6 +91,7 @@ def render_frame(
         rendered_by=rendered_by,
         group0="\n".join(group0),
         group1="\n".join(group_lines(cfg, cfg.slurm.engines)),
+        group2=group2,
         setup=setup,
         launch=launch.rstrip("\n"),
     )

@@ -1,9 +1,11 @@
-"""The two job steps the driver starts inside the heterogeneous allocation, and their rendezvous.
+"""The job steps the driver starts inside the heterogeneous allocation, and their rendezvous.
 
 Het group 0: `srun --het-group=0 … torchrun … ACTOR_SCRIPT RUN_DIR`, one torchrun per node whose c10d
 rendezvous (MASTER_ADDR:PORT) sits on the group's first node. Het group 1: `srun --het-group=1 …
 python ENGINE_SCRIPT RUN_DIR --role pool`, one engine pool per node; it finds everything else
-through the run directory. Node lists come from the het job's environment; addresses from
+through the run directory. With `[sandbox]`, het group 2: `srun --het-group=2 … python ENGINE_SCRIPT
+RUN_DIR --role sandboxes`, the sandbox server on a CPU node, supervised there and watched by the driver
+together with the engine pool (`PoolSteps`). Node lists come from the het job's environment; addresses from
 `scontrol show node` (a node's name need not resolve, its NodeAddr does).
 """
 
@@ -20,6 +22,7 @@ from molt_hpc.net import free_port
 
 ACTOR_STEP = "molt-actor-pool"
 POOL_STEP = "molt-engine-pool"
+SANDBOX_STEP = "molt-sandbox"
 
 
 def het_nodes(index: int) -> list[str]:
@@ -103,16 +106,62 @@ def actor_command(cfg: MoltConfig, run_dir: Path, nodes: list[str], endpoint: st
 
 def engine_command(cfg: MoltConfig, run_dir: Path, nodes: list[str]) -> list[str]:
     pool = [sys.executable, "-u", script_path(cfg.slurm.engine_script), str(run_dir), "--role", "pool"]
+    if cfg.sandbox is not None:  # het group 2 runs it
+        pool.append("--no-sandbox")
     return srun_prefix(1, cfg.slurm.engines, len(nodes), POOL_STEP) + pool
 
 
-def job_steps(cfg: MoltConfig, run_dir: Path, job_id: str) -> tuple[SrunStep, SrunStep]:
-    """(actor pool, engine pool) steps of this allocation, not started yet; their logs go to `logs/`."""
+def sandbox_command(cfg: MoltConfig, run_dir: Path) -> list[str]:
+    server = [sys.executable, "-u", script_path(cfg.slurm.engine_script), str(run_dir), "--role", "sandboxes"]
+    return srun_prefix(2, cfg.slurm.sandboxes, 1, SANDBOX_STEP) + server
+
+
+class PoolSteps:
+    """The engine pool's step and, with `[sandbox]`, the sandbox server's: the driver watches, relaunches
+    and stops them as one pool (a dead one is relaunched alone)."""
+
+    def __init__(self, steps: list[SrunStep]):
+        self.steps, self.restarts, self.name = steps, 0, steps[0].name
+        self.cmd, self.log = steps[0].cmd, steps[0].log
+
+    def start(self) -> None:
+        for step in self.steps:
+            if step.proc is None or step.proc.poll() is not None:
+                step.start()
+
+    def poll(self) -> int | None:
+        """The exit code of a step that ended (a failure first), None while all run."""
+        ended = [(step, code) for step in self.steps if (code := step.poll()) is not None]
+        if not ended:
+            return None
+        step, code = max(ended, key=lambda sc: sc[1] != 0)
+        self.log = step.log
+        return code
+
+    def tail(self, lines: int = 20) -> str:
+        return (
+            self.steps[0].tail(lines)
+            if len(self.steps) == 1
+            else "\n".join(f"[{step.name}]\n{step.tail(lines)}" for step in self.steps)
+        )
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for step in self.steps:
+            step.stop(grace_s)
+
+
+def job_steps(cfg: MoltConfig, run_dir: Path, job_id: str) -> tuple[SrunStep, PoolSteps]:
+    """(actor pool, engine pool with the sandbox) steps of this allocation, not started yet; logs in `logs/`."""
     actor_nodes, engine_nodes = het_nodes(0), het_nodes(1)
     endpoint = f"{node_addr(actor_nodes[0])}:{free_port()}"
     logs = run_dir / "logs"
     actor_cmd = actor_command(cfg, run_dir, actor_nodes, endpoint, job_id)
     actor = SrunStep("actor pool", actor_cmd, logs / "actor.log", step_name=ACTOR_STEP)
     pool_cmd = engine_command(cfg, run_dir, engine_nodes)
-    pool = SrunStep("engine pool", pool_cmd, logs / "pool.log", step_name=POOL_STEP, stop_signal="INT")
-    return actor, pool
+    steps = [SrunStep("engine pool", pool_cmd, logs / "pool.log", step_name=POOL_STEP, stop_signal="INT")]
+    if cfg.sandbox is not None:
+        sandbox_cmd = sandbox_command(cfg, run_dir)
+        steps.append(
+            SrunStep("sandbox", sandbox_cmd, logs / "sandboxes.log", step_name=SANDBOX_STEP, stop_signal="INT")
+        )
+    return actor, PoolSteps(steps)
