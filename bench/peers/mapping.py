@@ -110,7 +110,6 @@ def differences(cfg: MoltConfig, system: str) -> list[str]:
         "(no evaluation at the stop); TRL every --trl-eval-every-s training seconds with its clock paused",
         "stop: molt-hpc gets SIGTERM at the budget (it checkpoints at the next step boundary); TRL stops before a step "
         "that would end past the budget; steps and evaluations after the budget are not counted",
-        "end of sequence: molt-hpc stops at the tokenizer's EOS; TRL also at generation_config's EOS ids",
     ]
     if alg.dynamic_sampling:
         notes.append(

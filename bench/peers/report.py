@@ -41,7 +41,7 @@ def molt_summary(run_dir: Path, t0: float, budget: float, key: str) -> dict[str,
         "steps": max((r["step"] for r in actor), default=0),
         "generated": sum(r.get("tokens_per_s", 0.0) * r["window_s"] for r in rollout),
         "trained": sum(r.get("action_tokens", 0) for r in actor),
-        "weights": weights_digest(next(iter(sorted((run_dir / "models").glob("*/"))), None)),
+        "weights": weights_digest(built_model(run_dir / "models")),
     }
 
 
@@ -56,6 +56,12 @@ def trl_summary(folder: Path, budget: float, key: str) -> dict[str, Any]:
         "notes": [e["text"] for e in events if e["kind"] == "note"],
         "eval_s": sum(e["seconds"] for e in events if e["kind"] == "eval"),
     }
+
+
+def built_model(cache: Path) -> Path | None:
+    """The model directory a run built into its model cache (None for a model given by path)."""
+    built = [p for p in sorted(cache.glob("*")) if p.is_dir() and not p.name.startswith(".")]
+    return built[0] if built else None
 
 
 def weights_digest(model_dir: Path | None) -> str | None:
@@ -87,6 +93,7 @@ def finish(runs: list[dict], budget: float) -> tuple[str | None, float | None]:
     ref_system = next((s for s in ("trl-vllm", "trl") if any(r["system"] == s for r in runs)), None)
     finals = [r["final"] for r in runs if r["system"] == ref_system and r["final"] is not None]
     ref = statistics.fmean(finals) if finals else None
+    ref = ref if ref else None  # a reference of 0 is reached by any evaluation: no time to it
     for run in runs:
         run["reach_s"] = reach_time(run["curve"], ref)
     return ref_system, ref
@@ -111,7 +118,7 @@ def _cell(value: Any, fmt: str) -> str:
 
 def table(runs: list[dict], key: str, ref_system: str | None, ref: float | None, mem: str) -> str:
     """The Markdown table: one row per run, then the median of each system."""
-    ref_text = f"{ref_system} {ref:.3f}" if ref is not None else "reference"
+    ref_text = f"{ref_system} {ref:.3f}" if ref is not None else f"{ref_system} (scored 0)"
     heads = [h.format(key=key, ref=ref_text, mem=mem) for _, h, _ in COLUMNS]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for run in runs:
@@ -142,6 +149,7 @@ def plot(runs: list[dict], key: str, budget: float, path: Path) -> None:
             label = f"{run['system']} seed {run['seed']}"
             ax.plot(xs, ys, styles[i % len(styles)], marker="o", ms=3, color=colours[run["system"]], label=label)
     ax.set_xlim(0, budget)
+    ax.set_ylim(0, max([0.05, *(1.1 * v for r in runs for _, v in r["curve"])]))
     ax.set_xlabel("wall-clock seconds since the process started (TRL: evaluation time excluded)")
     ax.set_ylabel(f"held-out {key}")
     ax.grid(alpha=0.3)

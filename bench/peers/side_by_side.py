@@ -37,9 +37,9 @@ STOP_GRACE_S = 300.0
 class MemorySampler(threading.Thread):
     """Peaks of a process tree: summed PSS (shared pages counted once) and the GPUs' used memory over its start."""
 
-    def __init__(self, pid: int):
+    def __init__(self):
         super().__init__(daemon=True)
-        self.pid, self.stop = pid, threading.Event()
+        self.pid, self.stop = 0, threading.Event()
         self.host_peak, self.gpu_peak = 0, None
         self.gpu_base = gpu_used()
 
@@ -96,9 +96,10 @@ def run_one(system: str, seed: int, args, cfg, overrides: list[str]) -> dict:
     cmd = command(system, args, overrides, name, seed, cfg, t0)
     print(f"== {name}: {' '.join(cmd)}", flush=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    sampler = MemorySampler()  # the GPU memory in use before the run
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    sampler = MemorySampler(proc.pid)
+    sampler.pid = proc.pid
     sampler.start()
     if system.startswith("molt"):
         code = _wait(proc, t0 + args.budget_s)
@@ -135,7 +136,10 @@ def print_settings(args, cfg, overrides: list[str]) -> dict:
     if importlib.util.find_spec("trl") is not None:
         from trl import GRPOConfig
 
-        settings["grpo_config"] = GRPOConfig(**changes).to_dict()
+        try:
+            settings["grpo_config"] = GRPOConfig(**changes).to_dict()
+        except ValueError as err:  # e.g. bf16 asked on a machine without a GPU
+            settings["grpo_config"] = f"cannot be built on this machine: {err}"
     molt_args, added = molt_command(args.config, overrides, system="molt-builtin", root=str(args.out),
                                     name="molt-builtin-sN", seed=cfg.run.seed, cfg=cfg)  # fmt: skip
     settings.update({"molt_command": ["molt-hpc", *molt_args], "molt_bench_overrides": added})
@@ -157,8 +161,11 @@ def summarise(runs: list[dict], args, cfg, notes: list[str]) -> str:
     ref_system, ref = finish(runs, args.budget_s)
     mem = "GPU memory" if any(r["peak_gpu_gb"] is not None for r in runs) else "host PSS"
     shared = weights_digest(model_dir(cfg, args.out / "models"))
-    if any(r.get("weights") not in (None, shared) for r in runs):
-        notes.append(f"initial weights differ: TRL's {shared}, molt-hpc's {[r.get('weights') for r in runs]}")
+    theirs = {r["weights"] for r in runs if r.get("weights") is not None}
+    if theirs - {shared}:
+        notes.append(f"initial weights DIFFER: TRL's sha256 {shared}, molt-hpc's {sorted(theirs)}")
+    elif theirs:
+        notes.append(f"initial weights: sha256 {shared} on both sides (molt-hpc's runs built their own copy)")
     text = table(runs, key, ref_system, ref, mem)
     text += "\n\nNotes:\n" + "\n".join(f"- {n}" for n in notes)
     plot(runs, key, args.budget_s, args.out / "pass_at_1.png")

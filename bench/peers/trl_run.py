@@ -103,6 +103,7 @@ class BudgetAndEval(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.evaluate(model, 0)
+        self.last_step_t = self.events.now()  # the first step's duration excludes the start-up
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         t = self.events.now()
