@@ -110,6 +110,8 @@ def differences(cfg: MoltConfig, system: str) -> list[str]:
         "(no evaluation at the stop); TRL every --trl-eval-every-s training seconds with its clock paused",
         "stop: molt-hpc gets SIGTERM at the budget (it checkpoints at the next step boundary); TRL stops before a step "
         "that would end past the budget; steps and evaluations after the budget are not counted",
+        f"checkpoints: molt-hpc every checkpoint.interval = {cfg.checkpoint.interval} steps, TRL every save_steps = "
+        "500 (its default)",
     ]
     if alg.dynamic_sampling:
         notes.append(
