@@ -46,7 +46,8 @@ def molt_summary(run_dir: Path, t0: float, budget: float, key: str) -> dict[str,
 
 
 def trl_summary(folder: Path, budget: float, key: str) -> dict[str, Any]:
-    events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines() if line.strip()]
+    path = folder / "events.jsonl"  # absent when the run failed before training
+    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
     steps = [e for e in events if e["kind"] == "step" and e["t"] <= budget]
     return {
         "curve": [(e["t"], e[key]) for e in events if e["kind"] == "eval" and e["t"] <= budget],

@@ -158,6 +158,8 @@ def summarise(runs: list[dict], args, cfg, notes: list[str]) -> str:
             run.update(trl_summary(args.out / run["name"], args.budget_s, key))
             notes += [n for n in run.pop("notes") if n not in notes]
         run["peak_gb"] = run["peak_gpu_gb"] if run["peak_gpu_gb"] is not None else run["peak_host_gb"]
+        if run["exit"] != 0:
+            notes.append(f"{run['name']} exited with code {run['exit']}: see {run['log']}")
     ref_system, ref = finish(runs, args.budget_s)
     mem = "GPU memory" if any(r["peak_gpu_gb"] is not None for r in runs) else "host PSS"
     shared = weights_digest(model_dir(cfg, args.out / "models"))
