@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # Test processes side by side, each taking whole files (module fixtures are built once); 0 runs serially.
 TEST_WORKERS ?= 2
 
-.PHONY: demo rlhf-demo test test-fast test-gpu check-onegpu lint fmt golden bench bench-gpu bench-gpu-speed clean venv
+.PHONY: demo rlhf-demo test test-fast test-gpu check-onegpu lint fmt golden bench bench-peers bench-gpu bench-gpu-speed clean venv
 
 venv: $(STAMP)
 
@@ -56,9 +56,17 @@ fmt: $(STAMP)
 golden: $(STAMP)
 	MOLT_GOLDEN_UPDATE=1 $(BIN)/pytest tests/test_slurm_render.py -q
 
-# CPU benchmarks (bench/gpu*.py need a GPU: `make bench-gpu`).
+# CPU benchmarks (bench/gpu*.py need a GPU: `make bench-gpu`), then molt-hpc beside TRL (`bench-peers`).
 bench: $(STAMP)
 	@for b in $$(ls bench/*.py | grep -v '^bench/gpu'); do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	$(MAKE) bench-peers
+
+# molt-hpc beside TRL's GRPOTrainer on CONFIG's task, each run 300 s of wall clock, 3 seeds (~35 min on the
+# CPU); installs the pinned TRL into .venv (bench/peers/requirements.txt). docs/peers.md says what it measures.
+PEERS_ARGS ?= --budget-s 300 --seeds 0 1 2 --systems trl molt-builtin
+bench-peers: $(STAMP)
+	$(BIN)/pip install -q -c constraints.txt -r bench/peers/requirements.txt
+	$(BIN)/python bench/peers/side_by_side.py --config $(CONFIG) --out runs/peers/$$(date +%Y%m%d-%H%M%S) $(PEERS_ARGS)
 
 # GPU benchmarks on two GPUs, one table (BENCH_ARGS="--dry-run" checks them on the CPU).
 bench-gpu: $(STAMP)
