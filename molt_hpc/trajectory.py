@@ -74,6 +74,9 @@ class Trajectory:
     images: list[TraceImage] = field(default_factory=list)
     """Vision-language models: every image of the trace (the prompt's and the observations'), in order
     of their placeholder runs, which never overlap an action."""
+    teacher_logprobs: list[float] | None = None
+    """On-policy distillation (`[distill]`): the teacher's log-prob of every action token, in order (len ==
+    total action tokens), at the rollout's temperature; None until a teacher scored the sample."""
 
     def __post_init__(self) -> None:
         if self.routed_experts is not None:
@@ -83,6 +86,8 @@ class Trajectory:
         n_action = sum(end - start for start, end in self.action_ranges)
         assert len(self.action_logprobs) == n_action, "one log-prob per action token"
         assert len(self.versions) == n_action, "one policy version per action token"
+        taught = self.teacher_logprobs
+        assert taught is None or len(taught) == n_action, "one teacher log-prob per action token"
         last = self.prompt_len
         for start, end in self.action_ranges:
             assert last <= start < end <= len(self.tokens), f"bad action range {(start, end)}"

@@ -144,6 +144,7 @@ def _postfix(rec: dict) -> str:
         ("eval_accuracy", "eval accuracy", ".3f"),
         ("kl", "kl", ".4f"),
         ("kl_rollout", "kl(rollout)", ".4f"),
+        ("distill/reverse_kl", "reverse kl", ".4f"),
         ("tokens_per_s", "tok/s", ".0f"),
         ("buffer_pending", "buffer", "d"),
         ("env_errors", "env errors", "d"),
