@@ -1,5 +1,7 @@
 """The classify request both scorers take, typed (no torch: the vLLM scorer's front uses it too)."""
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -33,7 +35,7 @@ class LogprobsRequest(BaseModel):
 
     input: list[list[int]] = Field(min_length=1)
     """Sequences of token ids."""
-    ranges: list[list[tuple[int, int]]]
+    ranges: list[list[Annotated[list[int], Field(min_length=2, max_length=2)]]]
     """Per sequence, the [start, end) spans whose tokens are scored, each within 1..len (token 0 has no context)."""
     temperature: float = Field(1.0, gt=0.0)
     """Log-probs of `softmax(logits / temperature)`, as the engines report the sampled tokens'."""
@@ -48,4 +50,4 @@ class LogprobsRequest(BaseModel):
             for start, end in spans:
                 if not 1 <= start < end <= len(seq):
                     raise ValueError(f"ranges[{i}] has the span {[start, end]} outside 1..{len(seq)} (or empty)")
-        return [list(s) for s in self.ranges]
+        return [[(a, b) for a, b in spans] for spans in self.ranges]
