@@ -165,8 +165,8 @@ def distilled(exp: Experience, cfg: MoltConfig) -> Experience:
             "[distill] is set but the step's groups carry no teacher log-probs (put into the buffer by a run "
             "without [distill]?): resume with the config that produced them, or start a new run"
         )
-    exp.advantages = distill_advantages(exp.advantages, exp.teacher_log_probs, exp.action_log_probs,
-                                        exp.action_mask, dist.combine, dist.weight)  # fmt: skip
+    exp.advantages = distill_advantages(exp.advantages, exp.teacher_log_probs, exp.action_log_probs, exp.action_mask,
+                                        dist.combine, dist.weight, dist.whiten, cfg.algorithm.adv_eps)  # fmt: skip
     return exp
 
 

@@ -8,8 +8,11 @@ student's distribution toward the teacher's where the student actually goes (mod
     distill_t = log π_t(a_t | c_t) - log π_s(a_t | c_t)        on action tokens, 0 elsewhere
 
 `distill.combine = "replace"` trains on `distill_t` alone; `"add"` on the env-based advantage (from
-`advantage.py`, whitened when configured) plus `weight · distill_t`. Nothing is normalised or discounted:
-each token's signal is about that token (the teacher's verdict on the prefix it continues). Observation
+`advantage.py`, whitened when configured) plus `weight · distill_t`. Nothing is discounted: each token's
+signal is about that token (the teacher's verdict on the prefix it continues). `distill.whiten` whitens
+`distill_t` over the step's action tokens first: its mean is minus the sampled reverse KL, negative while
+the student differs from the teacher, and a constant baseline removes the push it gives every sampled token
+without changing the expected gradient. Observation
 tokens (prompt, env feedback) are never actions, so they never count, in the advantages or the metric.
 """
 
@@ -18,6 +21,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from molt_hpc.algorithm.advantage import whiten
 from molt_hpc.trajectory import Group
 
 
@@ -34,10 +38,15 @@ def distill_advantages(
     action_mask: Tensor,
     combine: Literal["replace", "add"],
     weight: float = 1.0,
+    whitened: bool = False,
+    eps: float = 1e-6,
 ) -> Tensor:
-    """The per-token advantages `[B, T]` of distillation: `teacher - student` (`replace`), or the env-based
-    advantages `env` plus `weight · (teacher - student)` (`add`); 0 off the action tokens either way."""
+    """The per-token advantages `[B, T]` of distillation: `d = teacher - student` (`replace`), or the
+    env-based advantages `env` plus `weight · d` (`add`); 0 off the action tokens either way. With
+    `whitened`, `d` is first whitened over the action tokens (`advantage.whiten`)."""
     distill = reverse_kl_advantages(teacher, student, action_mask)
+    if whitened:
+        distill = whiten(distill, action_mask, eps)
     if combine == "replace":
         return distill
     assert combine == "add", f"unknown combine {combine!r}"

@@ -39,6 +39,12 @@ class DistillConfig(Section):
     when `algorithm.whiten`) plus `weight · (teacher_t - student_t)`."""
     weight: PositiveFloat = 1.0
     """Weight of the distillation term in `add`."""
+    whiten: bool = False
+    """Whiten the distillation term over the step's action tokens, `(d - mean) / (std + eps)`, before it is
+    used (`replace`) or added (`add`). Its mean is minus the reverse KL, below 0 wherever the student is
+    not the teacher, so unwhitened it pushes down every sampled token at once; a constant baseline leaves
+    the expected gradient as it is and removes that push (a fresh tiny student learned the reverse task
+    about twice as fast per step: `docs/distill.md`)."""
     max_batch: PositiveInt = 16
     """Most sequences in one forward of a teacher."""
     timeout_s: PositiveFloat = 60.0
