@@ -68,6 +68,19 @@ def test_advantages_match_a_float64_hand_computation() -> None:
     assert got.dtype == torch.float64 and got.tolist() == replace
     got = distill_advantages(e64, t64, s64, mask, "add", weight=0.3)
     assert got.flatten().tolist() == pytest.approx([x for row in add for x in row], abs=1e-15)
+    # whitened: (d - mean) / (std + eps) over the 6 action tokens, std with Bessel's correction
+    d = [x for row, mr in zip(replace, mask.tolist(), strict=True) for x, m in zip(row, mr, strict=True) if m]
+    mean = sum(d) / 6
+    std = math.sqrt(sum((x - mean) ** 2 for x in d) / 5)
+    white = [[(x - mean) / (std + 1e-6) if m else 0.0 for x, m in zip(row, mr, strict=True)]
+             for row, mr in zip(replace, mask.tolist(), strict=True)]  # fmt: skip
+    got = distill_advantages(None, t64, s64, mask, "replace", whitened=True)
+    assert got.flatten().tolist() == pytest.approx([x for row in white for x in row], abs=1e-12)
+    got = distill_advantages(e64, t64, s64, mask, "add", weight=0.3, whitened=True)
+    flat_white = [x for row in white for x in row]
+    want = [(e + 0.3 * w) if m else 0.0
+            for e, w, m in zip(e64.flatten().tolist(), flat_white, mask.flatten().tolist(), strict=True)]  # fmt: skip
+    assert got.flatten().tolist() == pytest.approx(want, abs=1e-12)
     # the metric: mean over the 6 action tokens of student - teacher (the sampled reverse KL)
     want = sum(s - t for tr, sr, mr in zip(t64.tolist(), s64.tolist(), mask.tolist(), strict=True)
                for t, s, m in zip(tr, sr, mr, strict=True) if m) / 6  # fmt: skip
