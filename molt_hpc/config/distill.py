@@ -43,8 +43,8 @@ class DistillConfig(Section):
     """Whiten the distillation term over the step's action tokens, `(d - mean) / (std + eps)`, before it is
     used (`replace`) or added (`add`). Its mean is minus the reverse KL, below 0 wherever the student is
     not the teacher, so unwhitened it pushes down every sampled token at once; a constant baseline leaves
-    the expected gradient as it is and removes that push (a fresh tiny student learned the reverse task
-    about twice as fast per step: `docs/distill.md`)."""
+    the expected gradient as it is and removes that push (on the tiny reverse task it decided whether a fresh
+    student learned at all in the demo's budget: `docs/distill.md`)."""
     max_batch: PositiveInt = 16
     """Most sequences in one forward of a teacher."""
     timeout_s: PositiveFloat = 60.0
