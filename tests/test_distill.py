@@ -221,3 +221,41 @@ def test_preflight_refuses_a_teacher_that_cuts_prompts_into_other_ids(tmp_path, 
     with pytest.raises(PreflightError, match=r"renders prompt 0 of the run into other ids \(they part at token"):
         preflight(config(bad), cwd=ROOT, warn=lambda _: None)
     assert preflight(config(tiny_model_dir), cwd=ROOT).distill.teacher == str(tiny_model_dir)
+
+
+def test_preflight_refuses_a_chat_mode_agent_and_a_reward_model_teacher(tmp_path, tiny_model_dir) -> None:
+    from molt_hpc.config import load_config
+    from molt_hpc.launch.preflight import PreflightError, preflight
+    from molt_hpc.models.reward import load_reward_model
+
+    base = [f"run.root={tmp_path}", f"distill.teacher={tiny_model_dir}"]
+    chat = load_config(ROOT / "configs" / "tiny_cpu.toml", [*base, "rollout.agent=envs/reverse_chat.py"])
+    with pytest.raises(PreflightError, match=r"a chat-mode agent \(rollout.agent = .*reverse_chat.py'\) does not"):
+        preflight(chat, cwd=ROOT)
+    load_reward_model(tiny_model_dir).save_pretrained(tmp_path / "rm")
+    rm = load_config(ROOT / "configs" / "tiny_cpu.toml", [f"run.root={tmp_path}", f"distill.teacher={tmp_path / 'rm'}"])
+    with pytest.raises(PreflightError, match=r"is a reward model .* not a causal LM"):
+        preflight(rm, cwd=ROOT)
+
+
+def test_teachers_run_on_the_pools_first_node_after_the_engines_and_scorers(tmp_path, monkeypatch) -> None:
+    """GPU placement: engine 0 takes GPU 0, the scorer the next one, the two teachers the two after."""
+    from molt_hpc.config import load_config
+    from molt_hpc.launch.local import split_gpus
+    from molt_hpc.launch.pool import pool_children
+    from molt_hpc.rundir import RunDir
+
+    cfg = load_config(None, ["actor.device=cuda", "engines.device=cuda", "reward_model.path=rm",
+                             "reward_model.device=cuda", "distill.teacher=t", "distill.count=2",
+                             "distill.device=cuda"])  # fmt: skip
+    assert split_gpus(cfg, [str(i) for i in range(6)]) == (["0"], ["1", "2", "3", "4"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,2,3,4")
+    run = RunDir(tmp_path)
+    engines = pool_children(cfg, run, 0)[0]
+    gpus = {c.name: c.env["CUDA_VISIBLE_DEVICES"] for c in engines}
+    assert gpus == {"engine 0": "1", "scorer 0": "2", "teacher 0": "3", "teacher 1": "4"}
+    teacher = next(c for c in engines if c.name == "teacher 1")
+    assert teacher.cmd[-4:] == ["--role", "teacher", "--index", "1"] and teacher.log.name == "teacher-1.log"
+    assert [c.name for c in pool_children(cfg, run, 1)[0]] == ["engine 1"]  # only the first node has teachers
+    cpu = load_config(None, ["distill.teacher=t", "distill.device=cpu"])
+    assert next(c for c in pool_children(cpu, run, 0)[0] if c.name == "teacher 0").env["CUDA_VISIBLE_DEVICES"] == ""
