@@ -24,6 +24,8 @@ from tests.conftest import BIN, ROOT
 from tests.test_distill import build_teacher, hf_logprobs
 from tests.test_e2e import wait_for_step
 
+pytestmark = pytest.mark.slow  # a whole `molt-hpc run` (about 35 s on 2 busy cores)
+
 TEMPERATURE = 0.8
 GROUPS_PER_STEP = 2
 
