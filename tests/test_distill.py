@@ -88,6 +88,12 @@ def test_advantages_match_a_float64_hand_computation() -> None:
     assert reverse_kl(teacher, student, torch.zeros_like(mask)) == 0.0
     groups = [Group("a", "p", [], meta={"teacher_tokens": 30, "teacher_s": 0.5}), Group("b", "p", [], meta={})]
     assert teacher_rate(groups) == 60.0 and teacher_rate([groups[1]]) is None
+    # the end-of-run line: first quarter -> last quarter of the steps' metric
+    from molt_hpc.plot import distill_summary
+
+    steps = [{"step": i + 1, "distill/reverse_kl": kl} for i, kl in enumerate([4.0, 3.0, 2.0, 2.0, 1.0, 0.5, 0.25, 0.75])]
+    assert distill_summary(steps) == "reverse KL to the teacher: first quarter 3.500 -> last quarter 0.500 nats/token"
+    assert distill_summary([{"step": 1, "reward": 0.5}]) is None
 
 
 # -- the trace, the buffer, the batch -------------------------------------------------------------------
