@@ -91,7 +91,8 @@ def test_advantages_match_a_float64_hand_computation() -> None:
     # the end-of-run line: first quarter -> last quarter of the steps' metric
     from molt_hpc.plot import distill_summary
 
-    steps = [{"step": i + 1, "distill/reverse_kl": kl} for i, kl in enumerate([4.0, 3.0, 2.0, 2.0, 1.0, 0.5, 0.25, 0.75])]
+    kls = [4.0, 3.0, 2.0, 2.0, 1.0, 0.5, 0.25, 0.75]
+    steps = [{"step": i + 1, "distill/reverse_kl": kl} for i, kl in enumerate(kls)]
     assert distill_summary(steps) == "reverse KL to the teacher: first quarter 3.500 -> last quarter 0.500 nats/token"
     assert distill_summary([{"step": 1, "reward": 0.5}]) is None
 
