@@ -30,7 +30,7 @@ rlhf-demo: $(STAMP)
 	$(BIN)/molt-hpc rm train configs/tiny_rm.toml
 	$(BIN)/molt-hpc run configs/tiny_rlhf.toml
 
-# On-policy distillation vs RL alone on the CPU (~7 min): the SFT stage's 4-layer model teaches a fresh 2-layer
+# On-policy distillation vs RL alone on the CPU (~6 min): the SFT stage's 4-layer model teaches a fresh 2-layer
 # student (configs/tiny_distill_cpu.toml); RL alone (configs/tiny_cpu.toml) gets the same wall-clock budget. One
 # PNG of both reward curves; the final rewards with their standard errors. The teacher is reused from
 # runs/distill-demo/tiny-sft when it exists.
