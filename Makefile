@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # Test processes side by side, each taking whole files (module fixtures are built once); 0 runs serially.
 TEST_WORKERS ?= 2
 
-.PHONY: demo rlhf-demo test test-fast test-gpu check-onegpu lint fmt golden bench bench-peers bench-gpu bench-gpu-speed clean venv
+.PHONY: demo rlhf-demo distill-demo test test-fast test-gpu check-onegpu lint fmt golden bench bench-peers bench-gpu bench-gpu-speed clean venv
 
 venv: $(STAMP)
 
@@ -29,6 +29,13 @@ rlhf-demo: $(STAMP)
 	$(BIN)/molt-hpc sft configs/tiny_sft.toml
 	$(BIN)/molt-hpc rm train configs/tiny_rm.toml
 	$(BIN)/molt-hpc run configs/tiny_rlhf.toml
+
+# On-policy distillation vs RL alone on the CPU (~6 min): the SFT stage's 4-layer model teaches a fresh 2-layer
+# student (configs/tiny_distill_cpu.toml); RL alone (configs/tiny_cpu.toml) gets the same wall-clock budget. One
+# PNG of both reward curves; the final rewards with their standard errors. The teacher is reused from
+# runs/distill-demo/tiny-sft when it exists.
+distill-demo: $(STAMP)
+	$(BIN)/python bench/distill.py
 
 test: $(STAMP)
 	$(BIN)/pytest -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)

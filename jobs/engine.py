@@ -1,9 +1,10 @@
 """Entry point of the engine pool's processes: `python jobs/engine.py RUN_DIR --role engine --index I`.
 
-Roles: `engine` (one inference engine), `scorer` (a reward-model scorer), `sandbox` (the server that runs
-untrusted code for envs), `router` (the session-affine router), `pool` (a node's engines, plus the router,
-the rollout orchestrator, the scorers and the sandbox on the pool's first node, supervised), `sandboxes`
-(a Slurm job's het group 2: the sandbox server alone, supervised). Reads the
+Roles: `engine` (one inference engine), `scorer` (a reward-model scorer), `teacher` (a distillation
+teacher), `sandbox` (the server that runs untrusted code for envs), `router` (the session-affine router),
+`pool` (a node's engines, plus the router, the rollout orchestrator, the scorers, the teachers and the
+sandbox on the pool's first node, supervised), `sandboxes` (a Slurm job's het group 2: the sandbox server
+alone, supervised). Reads the
 resolved config from `RUN_DIR/config.toml`; heavy modules are imported after the arguments are parsed.
 """
 
@@ -25,6 +26,12 @@ def run_engine(cfg, run_dir: Path, args: argparse.Namespace) -> int:
 
 def run_scorer(cfg, run_dir: Path, args: argparse.Namespace) -> int:
     from molt_hpc.scorer import main
+
+    return main(cfg, run_dir, args.index)
+
+
+def run_teacher(cfg, run_dir: Path, args: argparse.Namespace) -> int:
+    from molt_hpc.scorer.teacher import main
 
     return main(cfg, run_dir, args.index)
 
@@ -55,16 +62,21 @@ def run_pool(cfg, run_dir: Path, args: argparse.Namespace) -> int:
 
 
 ROLES = {
-    "engine": run_engine, "router": run_router, "pool": run_pool, "scorer": run_scorer, "sandbox": run_sandbox,
+    "engine": run_engine,
+    "router": run_router,
+    "pool": run_pool,
+    "scorer": run_scorer,
+    "teacher": run_teacher,
+    "sandbox": run_sandbox,
     "sandboxes": run_pool,
-}  # fmt: skip
+}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="the run directory (holds config.toml and rendezvous/)")
     parser.add_argument("--role", choices=sorted(ROLES), required=True)
-    parser.add_argument("--index", type=int, default=0, help="engine or scorer index (roles engine, scorer)")
+    parser.add_argument("--index", type=int, default=0, help="engine, scorer or teacher index (those roles)")
     parser.add_argument(
         "--engine-node", type=int, default=0,
         help="this node's rank in its engine (role engine; 0 serves it, others join it: engines.nodes_per_engine)",

@@ -42,6 +42,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         (kl[1], [(kl[0], None)]),
         ("trainer tokens/s", [("tokens_per_s", None)]),
     ]
+    if any("distill/reverse_kl" in r for r in records):  # [distill]: how far the student is from its teacher
+        panels.append(("sampled reverse KL to the teacher (nats per action token)", [("distill/reverse_kl", None)]))
     if any("mismatch_abs_mean" in r for r in records):  # the observatory: same-version tokens only
         panels.append(("train-inference mismatch, same weights (|trainer - engine| log-prob)",
                        [("mismatch_abs_mean", "mean"), ("mismatch_k3", "k3 KL")]))  # fmt: skip
@@ -101,6 +103,14 @@ def reward_summary(records: list[dict]) -> str:
     if trained is not None:
         line += f"; trained groups {trained[0]:.3f} -> {trained[1]:.3f}"
     return line
+
+
+def distill_summary(records: list[dict]) -> str | None:
+    """With `[distill]`: the sampled reverse KL to the teacher, first quarter -> last quarter of the steps."""
+    quarters = _quarters(records, "distill/reverse_kl")
+    if quarters is None:
+        return None
+    return f"reverse KL to the teacher: first quarter {quarters[0]:.3f} -> last quarter {quarters[1]:.3f} nats/token"
 
 
 def reward_model_summary(run_dir) -> list[str]:

@@ -82,6 +82,9 @@ class Trajectory:
     """Offsets in `tokens` where a new independent sequence starts (chat mode, after a prefix break),
     ascending; empty for one sequence. No action starts at or spans a segment start: every segment
     opens with a prompt of its own, and attention never crosses into an earlier segment."""
+    teacher_logprobs: list[float] | None = None
+    """On-policy distillation (`[distill]`): the teacher's log-prob of every action token, in order (len ==
+    total action tokens), at the rollout's temperature; None until a teacher scored the sample."""
 
     def __post_init__(self) -> None:
         if self.routed_experts is not None:
@@ -91,6 +94,8 @@ class Trajectory:
         n_action = sum(end - start for start, end in self.action_ranges)
         assert len(self.action_logprobs) == n_action, "one log-prob per action token"
         assert len(self.versions) == n_action, "one policy version per action token"
+        taught = self.teacher_logprobs
+        assert taught is None or len(taught) == n_action, "one teacher log-prob per action token"
         last = self.prompt_len
         for start, end in self.action_ranges:
             assert last <= start < end <= len(self.tokens), f"bad action range {(start, end)}"

@@ -38,6 +38,7 @@ from molt_hpc.algorithm import (
     policy_loss,
     value_loss,
 )
+from molt_hpc.algorithm.distill import distill_advantages, reverse_kl, teacher_rate
 from molt_hpc.algorithm.kl import adaptive_kl_coef
 from molt_hpc.algorithm.loss import global_loss_scale, policy_mask
 from molt_hpc.config import MoltConfig
@@ -150,7 +151,23 @@ def build_experience(groups: list[Group], cfg: MoltConfig, models: Models, world
         exp.values = rows_forward(lambda mb: critic_values(critic, mb), exp, rows, *shape, world)
     if cfg.algorithm.recompute_old(act.ppo_epochs):
         exp.old_log_probs = rows_forward(lambda mb: _old_logprobs(mb, cfg, models), exp, rows, *shape, world)
-    return compute_advantages(exp, cfg.algorithm)
+    return distilled(compute_advantages(exp, cfg.algorithm), cfg)
+
+
+def distilled(exp: Experience, cfg: MoltConfig) -> Experience:
+    """With `[distill]`, the advantages become the teacher's per-token signal (alone, or added to the env's);
+    a batch without the teacher's log-probs is refused, never trained on a made-up signal."""
+    dist = cfg.distill
+    if dist is None:
+        return exp
+    if exp.teacher_log_probs is None:
+        raise ValueError(
+            "[distill] is set but the step's groups carry no teacher log-probs (put into the buffer by a run "
+            "without [distill]?): resume with the config that produced them, or start a new run"
+        )
+    exp.advantages = distill_advantages(exp.advantages, exp.teacher_log_probs, exp.action_log_probs, exp.action_mask,
+                                        dist.combine, dist.weight, dist.whiten, cfg.algorithm.adv_eps)  # fmt: skip
+    return exp
 
 
 def _old_logprobs(mb: Experience, cfg: MoltConfig, models: Models) -> torch.Tensor:
@@ -284,6 +301,9 @@ def train_step(
             out["lr" if part is models.policy else "critic_lr"] = part.optimizer.param_groups[0]["lr"]
             part.scheduler.step()
     out.update(batch_metrics(exp))
+    if exp.teacher_log_probs is not None:
+        out["distill/reverse_kl"] = reverse_kl(exp.teacher_log_probs, exp.action_log_probs, exp.action_mask)
+        out["distill/teacher_tokens_per_s"] = teacher_rate(groups)
     if models.moe:
         out.update(models.moe.step_metrics(exp))
     if "kl" not in out and exp.base_log_probs is not None:  # the KL went into the reward: report the rollout's

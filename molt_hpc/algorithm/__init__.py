@@ -10,7 +10,9 @@
 - `kl`: k1/k2/k3/abs/mse estimators and the adaptive KL coefficient; `moe`: load balancing and router
   z-loss; `filters`: dynamic sampling and the over-long penalty; `segments`: token <-> sample layout
   helpers; `vision`: which samples keep which images, the drops (`vlm_truncation`, `media_token`) and
-  multimodal positions of a batch.
+  multimodal positions of a batch; `distill`: on-policy distillation's per-token advantages (teacher -
+  student log-prob, alone or added to the env's) and its metrics; `reward_model`: a reward model's score
+  combined with the env's reward.
 """
 
 from molt_hpc.algorithm.advantage import ADVANTAGES, compute_advantages

@@ -55,6 +55,7 @@ TOKEN_FIELDS = (
     "returns",
     "routed_experts",
     "rope_position_ids",
+    "teacher_log_probs",
 )
 
 
@@ -101,6 +102,8 @@ class Experience:
     per sample like `position_ids`, which they equal on every axis outside images."""
     images: list[list[TraceImage]] | None = None
     """`[N]` (vision-language models): each sample's images, in the order of their tokens."""
+    teacher_log_probs: Tensor | None = None
+    """`[B, T]` float32 (`[distill]`): the teacher's log-prob of each action token at its own index, 0 elsewhere."""
     stats: dict[str, int] = field(default_factory=dict)
     """Assembly counts: samples, rows, truncated_samples, dropped_action_tokens, empty_samples, and
     unrouted_samples (samples without routing in a batch that has some); with images also vlm_truncation
@@ -145,6 +148,7 @@ class _Kept:
     versions: list[int]
     routed: np.ndarray | None
     dropped: int
+    teacher: list[float] | None = None
     images: list[TraceImage] = field(default_factory=list)
     segments: list[int] = field(default_factory=list)
     why_dropped: str | None = None
@@ -159,7 +163,8 @@ def _truncate(traj: Trajectory, max_len: int, vision: VisionSpec | None = None, 
             break
     if vision is not None and (why := drop_reason(traj, cut, vision)) is not None:
         routed = None if traj.routed_experts is None else traj.routed_experts[:1]
-        return _Kept([pad_id], [], [], [], routed, traj.num_action_tokens, why_dropped=why)
+        teacher = None if traj.teacher_logprobs is None else []
+        return _Kept([pad_id], [], [], [], routed, traj.num_action_tokens, teacher, why_dropped=why)
     ranges, n_kept = [], 0
     for start, end in traj.action_ranges:
         if end <= cut:
@@ -173,6 +178,7 @@ def _truncate(traj: Trajectory, max_len: int, vision: VisionSpec | None = None, 
         versions=traj.versions[:n_kept],
         routed=routed,
         dropped=traj.num_action_tokens - n_kept,
+        teacher=None if traj.teacher_logprobs is None else traj.teacher_logprobs[:n_kept],
         images=kept_images(traj, cut) if vision is not None else [],
         segments=[s for s in traj.segments if s < cut],
     )
@@ -207,6 +213,12 @@ def _check_inputs(trajectories: Sequence[Trajectory], max_len: int, group_index:
                 f"trajectory {n} ({t.rollout_id!r}) starts with an action at token 0: nothing predicts it; "
                 "every trajectory needs a prompt of at least one token"
             )
+    taught = sum(t.teacher_logprobs is not None for t in trajectories)
+    if 0 < taught < len(trajectories):
+        raise ValueError(
+            f"{len(trajectories) - taught} of {len(trajectories)} trajectories lack the teacher's log-probs: a "
+            "batch is distilled whole (every group scored by a teacher) or not at all"
+        )
     shapes = {t.routed_experts.shape[1:] for t in trajectories if t.routed_experts is not None}
     if len(shapes) > 1:
         raise ValueError(
@@ -223,7 +235,7 @@ def _group_indices(trajectories: Sequence[Trajectory]) -> list[int]:
 def _fill_rows(kept: list, layout: list[list[int]], lengths: list[int], pad_id: int) -> "_Rows":
     """The rows of `layout` (sample indices per row) filled with the kept samples, back to back."""
     t = max(sum(lengths[i] for i in row) for row in layout)
-    buf = _Rows.empty(len(layout), t, pad_id, _routed_shape(kept))
+    buf = _Rows.empty(len(layout), t, pad_id, _routed_shape(kept), taught=bool(kept) and kept[0].teacher is not None)
     for r, row in enumerate(layout):
         off = 0
         for i in row:
@@ -275,6 +287,7 @@ def make_experience(
         group_index=torch.tensor(groups, dtype=torch.long),
         truncated=truncated,
         routed_experts=buf.routed_experts,
+        teacher_log_probs=buf.teacher_log_probs,
         rope_position_ids=None if images is None else rope_rows(buf.position_ids, buf.seq_index, images, vision.merge),
         images=images,
         stats={
@@ -306,9 +319,10 @@ class _Rows:
     action_log_probs: Tensor
     versions: Tensor
     routed_experts: Tensor | None
+    teacher_log_probs: Tensor | None = None
 
     @classmethod
-    def empty(cls, b: int, t: int, pad_id: int, routed: tuple[int, int] | None) -> "_Rows":
+    def empty(cls, b: int, t: int, pad_id: int, routed: tuple[int, int] | None, taught: bool = False) -> "_Rows":
         return cls(
             sequences=torch.full((b, t), pad_id, dtype=torch.long),
             position_ids=torch.zeros((b, t), dtype=torch.long),
@@ -317,6 +331,7 @@ class _Rows:
             action_log_probs=torch.zeros((b, t), dtype=torch.float32),
             versions=torch.full((b, t), -1, dtype=torch.long),
             routed_experts=None if routed is None else torch.full((b, t, *routed), -1, dtype=torch.int16),
+            teacher_log_probs=torch.zeros((b, t), dtype=torch.float32) if taught else None,
         )
 
     def place(self, r: int, off: int, i: int, k: _Kept) -> None:
@@ -333,6 +348,8 @@ class _Rows:
             self.action_mask[r, span] = True
             self.action_log_probs[r, span] = _floats(k.logprobs[a : a + end - start])
             self.versions[r, span] = _longs(k.versions[a : a + end - start])
+            if self.teacher_log_probs is not None:
+                self.teacher_log_probs[r, span] = _floats(k.teacher[a : a + end - start])
             a += end - start
 
 

@@ -11,9 +11,10 @@ Images (vision-language models) are stored once per group: each distinct image's
 sample its placements, rows of (image, offset, length, t, h, w) in `image_refs` cut by `image_offsets`.
 A group without images has none of these tensors.
 
-Precision: token ids and policy versions are stored as int32 (every vocabulary fits), log-probs
-as float32 (what engines compute in), routed experts as int16 (their in-memory dtype: the raw
-bytes, -1 for unknown), rewards and scores exactly (JSON floats).
+Precision: token ids and policy versions are stored as int32 (every vocabulary fits), log-probs (the
+engine's, and a teacher's under `[distill]`, laid out alike) as float32 (what engines and teachers compute
+in), routed experts as int16 (their in-memory dtype: the raw bytes, -1 for unknown), rewards and scores
+exactly (JSON floats).
 Numpy only: producers and consumers never need torch to move groups.
 """
 
@@ -102,6 +103,17 @@ def _decode_images(t: dict[str, np.ndarray], n: int) -> list[list[TraceImage]]:
     ]
 
 
+def _teacher(group: Group) -> dict[str, np.ndarray]:
+    """The teacher's log-prob of every action token (`[distill]`), laid out like `action_logprobs`: a group is
+    scored whole, so all its samples have them or none does."""
+    have = [s.teacher_logprobs is not None for s in group.samples]
+    if not any(have):
+        return {}
+    if not all(have):
+        raise ValueError(f"group {group.group_id}: {have.count(False)} sample(s) lack the teacher's log-probs")
+    return {"teacher_logprobs": _flat([s.teacher_logprobs for s in group.samples], np.float32)}
+
+
 def encode_group(group: Group) -> bytes:
     """The safetensors bytes of `group` (tensors + `__metadata__`)."""
     samples = group.samples
@@ -116,6 +128,7 @@ def encode_group(group: Group) -> bytes:
         "versions": versions,
         **_experts(samples),
         **_images(samples),
+        **_teacher(group),
     }
     meta = {
         "format": FORMAT,
@@ -177,6 +190,9 @@ def decode_group(data: bytes) -> Group:
         raise ValueError("offsets do not cover the flat tensors")
     if len(t["action_logprobs"]) != len(t["versions"]):
         raise ValueError("one log-prob and one version per action token are required")
+    teacher = t.get("teacher_logprobs")
+    if teacher is not None and len(teacher) != len(t["versions"]):
+        raise ValueError("one teacher log-prob per action token is required")
     if meta["min_version"] != (int(t["versions"].min()) if t["versions"].size else 0):
         raise ValueError(f"metadata says min_version {meta['min_version']}, the versions tensor disagrees")
     samples, action_at = [], 0
@@ -203,6 +219,7 @@ def decode_group(data: bytes) -> Group:
                 routed_experts=experts,
                 images=images[i],
                 segments=[int(x) for x in sm.get("segments", [])],
+                teacher_logprobs=None if teacher is None else teacher[action_at : action_at + n_action].tolist(),
             )
         )
         action_at += n_action

@@ -6,6 +6,7 @@ Derived values are properties; validators only check, they never rewrite fields.
 from pydantic import Field, model_validator
 
 from molt_hpc.config.base import Section
+from molt_hpc.config.distill import DistillConfig
 from molt_hpc.config.evaluation import EvalConfig
 from molt_hpc.config.generator import overlapping_seeds
 from molt_hpc.config.infra import (
@@ -63,6 +64,8 @@ class MoltConfig(Section):
     """Reward-model training (`molt-hpc rm train`; `[rm]` with at least `data`)."""
     reward_model: RewardModelConfig | None = None
     """A trained reward model scoring the rollouts of `molt-hpc run` (`[reward_model]` with at least `path`)."""
+    distill: DistillConfig | None = None
+    """On-policy distillation from a frozen teacher in `molt-hpc run` (`[distill]` with at least `teacher`)."""
     sandbox: SandboxConfig | None = None
     """The service that runs untrusted code for envs (`state.sandbox.run(code)`; `[sandbox]`, all fields optional)."""
     plan: PlanConfig = Field(default_factory=PlanConfig)
@@ -71,7 +74,8 @@ class MoltConfig(Section):
     @model_validator(mode="after")
     def _cross_section_rules(self) -> "MoltConfig":
         alg, ro, act = self.algorithm, self.rollout, self.actor
-        if alg.advantage in GROUP_ADVANTAGES and ro.n_samples < 2:
+        distilled = self.distill is not None and self.distill.combine == "replace"  # the env's advantage is unused
+        if alg.advantage in GROUP_ADVANTAGES and ro.n_samples < 2 and not distilled:
             raise ValueError(
                 f"rollout.n_samples = {ro.n_samples} but algorithm.advantage = {alg.advantage!r} "
                 "compares samples within a group: set rollout.n_samples >= 2"

@@ -92,7 +92,8 @@ class AlgorithmConfig(Section):
     adv_eps: PositiveFloat = 1e-6
     """Added to the std before dividing (GRPO's group std, the batch std of `whiten_advantages`)."""
     dynamic_sampling: bool = True
-    """Drop groups whose rewards are all equal (they carry no GRPO signal)."""
+    """Drop groups whose rewards are all equal (they carry no GRPO signal). With `[distill]` no group is
+    dropped: every one carries the teacher's per-token signal."""
     dynamic_sampling_budget: PositiveFloat = 4.0
     """With `dynamic_sampling`: groups dropped per group trained, at most, over the run. Past it an
     equal-reward group is trained (zero advantage: no gradient) instead of dropped, so a policy that

@@ -72,8 +72,8 @@ def split_gpus(cfg: MoltConfig, gpus: list[str]) -> tuple[list[str], list[str]]:
     """(actor pool GPUs, engine pool GPUs): disjoint when there are enough, else both share them all."""
     actor_n = 0 if cfg.actor.device == "cpu" else cfg.actor.ranks
     engine_n = 0 if cfg.engines.device == "cpu" else cfg.engines.count * cfg.engines.gpus_per_engine
-    rm = cfg.reward_model
-    engine_n += 0 if rm is None or rm.device == "cpu" else rm.count  # scorers come after the engines
+    for sec in (cfg.reward_model, cfg.distill):  # scorers, then teachers, come after the engines
+        engine_n += 0 if sec is None or sec.device == "cpu" else sec.count
     if not gpus or actor_n + engine_n == 0:
         return [], []
     if len(gpus) >= actor_n + engine_n:

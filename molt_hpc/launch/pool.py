@@ -1,13 +1,13 @@
 """The engine pool of one node: its engines and, on the pool's first node, the router and orchestrator.
 
 Run as `jobs/engine.py RUN_DIR --role pool` by both launchers (a local subprocess, or one
-`srun --het-group=1` task per node), with a `[reward_model]`'s scorers and the `[sandbox]` server on the
-first node. A dead engine (or scorer, or sandbox) is restarted in place (the router takes it out of the
-ring meanwhile, the trainer re-forms the refit group when it re-registers), and so is a dead router (it
-holds no state; the orchestrator retries the requests it lost at the new address); one that keeps dying past
-`engines.max_restarts` ends the pool with the cause recorded for the run, and an orchestrator that
-fails ends the pool with an error, which ends the run. The pool itself ends only when its launcher
-stops it (SIGTERM), so engines still answer after training is done.
+`srun --het-group=1` task per node), with a `[reward_model]`'s scorers, a `[distill]`'s teachers and the
+`[sandbox]` server on the first node. A dead engine (or scorer, teacher, or sandbox) is restarted in place
+(the router takes it out of the ring meanwhile, the trainer re-forms the refit group when it re-registers),
+and so is a dead router (it holds no state; the orchestrator retries the requests it lost at the new
+address); one that keeps dying past `engines.max_restarts` ends the pool with the cause recorded for the
+run, and an orchestrator that fails ends the pool with an error, which ends the run. The pool itself ends
+only when its launcher stops it (SIGTERM), so engines still answer after training is done.
 
 An engine over several nodes (`engines.nodes_per_engine > 1`) is one engine process per node: node
 `n` hosts part `n mod nodes_per_engine` of engine `n // nodes_per_engine` (its nodes are consecutive
@@ -51,17 +51,20 @@ def engine_env(cfg: MoltConfig, local_index: int) -> dict[str, str]:
     return env
 
 
-def scorer_env(cfg: MoltConfig, index: int) -> dict[str, str]:
-    """A reward-model scorer's threads and GPU: the node's first GPU after the engines', else the last one."""
-    rm = cfg.reward_model
-    assert rm is not None
+def scorer_env(cfg: MoltConfig, index: int, role: str = "scorer") -> dict[str, str]:
+    """A scoring process's threads and GPU: the node's first GPU after the engines' (a teacher's after the
+    reward-model scorers' too), else the last one."""
+    sec = cfg.reward_model if role == "scorer" else cfg.distill
+    assert sec is not None
     env = {"OMP_NUM_THREADS": "1"}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if rm.device == "cpu":
+    if sec.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif visible:
         gpus = visible.split(",")
         after = len(node_engines(cfg, 0)) * cfg.engines.gpus_per_engine_node + index
+        rm = cfg.reward_model
+        after += 0 if role == "scorer" or rm is None or rm.device == "cpu" else rm.count
         env["CUDA_VISIBLE_DEVICES"] = gpus[after] if after < len(gpus) else gpus[-1]
     return env
 
@@ -75,9 +78,9 @@ def sandbox_child(run: RunDir) -> Child:
 def pool_children(
     cfg: MoltConfig, run: RunDir, node_rank: int, with_sandbox: bool = True
 ) -> tuple[list[Child], list[Child]]:
-    """(engines, services) this node runs: engines (and on node 0 the reward-model scorers and, unless a
-    Slurm het group of its own runs it, the sandbox) are restarted when they die; services are the router
-    and orchestrator on node 0."""
+    """(engines, services) this node runs: engines (and on node 0 the reward-model scorers, the distillation
+    teachers and, unless a Slurm het group of its own runs it, the sandbox) are restarted when they die;
+    services are the router and orchestrator on node 0."""
     engines = []
     for local, (index, part) in enumerate(node_engines(cfg, node_rank)):
         cmd = job_command("engine.py", str(run.path), "--role", "engine", "--index", str(index))
@@ -86,10 +89,11 @@ def pool_children(
             cmd += ["--engine-node", str(part)]
             name, log = f"engine {index} node {part}", run.logs / f"engine-{index}-node{part}.log"
         engines.append(Child(name, cmd, log, engine_env(cfg, local)))
-    if node_rank == 0 and cfg.reward_model is not None:
-        for index in range(cfg.reward_model.count):
-            cmd = job_command("engine.py", str(run.path), "--role", "scorer", "--index", str(index))
-            engines.append(Child(f"scorer {index}", cmd, run.logs / f"scorer-{index}.log", scorer_env(cfg, index)))
+    for role, sec in (("scorer", cfg.reward_model), ("teacher", cfg.distill)):
+        for index in range(sec.count if sec is not None and node_rank == 0 else 0):
+            cmd = job_command("engine.py", str(run.path), "--role", role, "--index", str(index))
+            log = run.logs / f"{role}-{index}.log"
+            engines.append(Child(f"{role} {index}", cmd, log, scorer_env(cfg, index, role)))
     if node_rank == 0 and cfg.sandbox is not None and with_sandbox:
         engines.append(sandbox_child(run))
     services = []

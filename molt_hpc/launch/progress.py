@@ -116,9 +116,12 @@ class Progress:
 
     def summary(self) -> None:
         from molt_hpc.log import read_metrics, training_steps
-        from molt_hpc.plot import plot_run, reward_model_summary, reward_summary
+        from molt_hpc.plot import distill_summary, plot_run, reward_model_summary, reward_summary
 
-        print(reward_summary(training_steps(read_metrics(self.run.metrics, source="actor"))), flush=True)
+        steps = training_steps(read_metrics(self.run.metrics, source="actor"))
+        print(reward_summary(steps), flush=True)
+        if (line := distill_summary(steps)) is not None:
+            print(line, flush=True)
         for line in reward_model_summary(self.run):
             print(line, flush=True)
         from molt_hpc.records import eval_summary
@@ -144,6 +147,7 @@ def _postfix(rec: dict) -> str:
         ("eval_accuracy", "eval accuracy", ".3f"),
         ("kl", "kl", ".4f"),
         ("kl_rollout", "kl(rollout)", ".4f"),
+        ("distill/reverse_kl", "reverse kl", ".4f"),
         ("tokens_per_s", "tok/s", ".0f"),
         ("buffer_pending", "buffer", "d"),
         ("env_errors", "env errors", "d"),

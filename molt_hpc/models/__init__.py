@@ -12,6 +12,8 @@
 - `blocks`: the repeated decoder blocks of a model (the language model's alone for a VLM).
 - `router_replay`: the fp32 replay forward a MoE router gets in the trainer (`swap_routers`).
 - `reward`: reward models (a one-label sequence-classification head, its score read at the last token).
+- `teacher`: a distillation teacher (`distill.teacher`) resolved like `model.path`, and whether it reads the
+  policy's token ids (the same tokenizer).
 """
 
 from molt_hpc.hf_logging import quiet_transformers

@@ -69,7 +69,7 @@ def report(plan: Plan, suggestions: list[Suggestion]) -> str:
     lines.append(f"  peak {peak.name}: {gib(peak.total)} allocated → {gib(gpu_need(peak.total))} with the CUDA "
                  "context and allocator slack")  # fmt: skip
     lines += ["", *(_engine_lines(plan) if rl else []), *([""] if rl else []), *_refit_host_lines(plan), "",
-              *_scorer_lines(plan), *(_speed_block(plan) if rl else []), "verdict:"]  # fmt: skip
+              *_scorer_lines(plan), *_teacher_lines(plan), *(_speed_block(plan) if rl else []), "verdict:"]  # fmt: skip
     for c in plan.checks:
         lines.append(f"  {'ok  ' if c.ok else 'FAIL'} {c.what:<30} {gib(c.need):>14} of {gib(c.limit)}")
     for b in plan.blockers:
@@ -136,3 +136,13 @@ def _scorer_lines(plan: Plan) -> list[str]:
         f"reward_model.max_batch = {rm.max_batch} sequences")  # fmt: skip
     return [f"reward-model scorers: {rm.count} {rm.kind} on {rm.device}, not counted in this plan (each takes the "
             f"engine pool's first GPU after the engines', or shares the last one{gpu})", ""]  # fmt: skip
+
+
+def _teacher_lines(plan: Plan) -> list[str]:
+    dist = plan.cfg.distill
+    if dist is None or plan.cfg.run.stage != "rl":
+        return []
+    gpu = "" if dist.device == "cpu" else f"; each holds the teacher and one forward of {dist.max_batch} sequences"
+    where = "the engine pool's first GPU after the engines' and the scorers', or shares the last one"
+    return [f"distillation teachers: {dist.count} {dist.kind} on {dist.device}, not counted in this plan (each "
+            f"takes {where}{gpu})", ""]  # fmt: skip

@@ -10,4 +10,5 @@ evaluation.py    held-out evaluation: n samples per prompt, pass@k, mean reward
 state.py         the durable state (cursor, in-flight groups) that makes a restart exact
 metrics.py       the rollout records of metrics.jsonl
 scoring.py       a reward model's scores combined with the env's rewards, once per finished group
+teacher.py       a distillation teacher's log-probs of every action token, once per finished group
 """

@@ -125,6 +125,7 @@ async def run_loop(cfg: MoltConfig, run: RunDir, inputs: Inputs, link, buffer, s
     from molt_hpc.agents.step_runner import StepEnvRunner
     from molt_hpc.rollout.chat_server import ChatServer
     from molt_hpc.rollout.orchestrator import Orchestrator
+    from molt_hpc.rollout.teacher import group_teacher
     from molt_hpc.rundir import atomic_write
 
     agent_cls, tokenizer, token = inputs.agent_cls, inputs.tokenizer, link.token
@@ -147,8 +148,11 @@ async def run_loop(cfg: MoltConfig, run: RunDir, inputs: Inputs, link, buffer, s
             vision=inputs.vision,
         )
     scorer = reward_scorer(cfg, run, link.session, token, tokenizer)
+    teacher = group_teacher(cfg, run, link.session, token, tokenizer, agent_cls)
     try:
-        orchestrator = Orchestrator(cfg, run, inputs.dataset, runner, link, buffer, inputs.eval_prompts, stop, scorer)
+        orchestrator = Orchestrator(
+            cfg, run, inputs.dataset, runner, link, buffer, inputs.eval_prompts, stop, scorer, teacher
+        )
         await orchestrator.run_loop()
     finally:
         if server is not None:

@@ -58,7 +58,8 @@ def shape_group(outcome: GroupOutcome, cfg: MoltConfig, over_budget: bool = Fals
     if alg.overlong_buffer > 0:
         cap = ro.max_new_tokens if ro.max_turns == 1 else None  # one turn: the response cap is per turn
         group = apply_overlong_penalty(group, ro.max_total_tokens, alg.overlong_buffer, alg.overlong_penalty, cap)
-    if alg.dynamic_sampling and not over_budget and not has_signal(group):
+    # with a teacher every group carries a per-token signal (molt_hpc.algorithm.distill): none is dropped
+    if alg.dynamic_sampling and cfg.distill is None and not over_budget and not has_signal(group):
         return None, "equal_rewards"
     return group, None
 
@@ -93,6 +94,7 @@ class Orchestrator:
         eval_prompts: list | None = None,
         stop: asyncio.Event | None = None,
         scorer: Any = None,
+        teacher: Any = None,
     ):
         self.cfg, self.run, self.runner, self.link, self.buffer = cfg, run, runner, link, buffer
         self.state_path = run.path / "rollout" / "state.json"
@@ -113,6 +115,8 @@ class Orchestrator:
         self.stop = stop or asyncio.Event()
         self.scorer = scorer
         """A `molt_hpc.rollout.scoring.GroupScorer` when a reward model scores the groups."""
+        self.teacher = teacher
+        """A `molt_hpc.rollout.teacher.GroupTeacher` under `[distill]`: every group waits for its log-probs."""
         self.log = get_logger()
         self.failed_in_a_row = 0
         self.first_failure: str | None = None
@@ -215,10 +219,13 @@ class Orchestrator:
         self.state.save(self.state_path)
 
     async def rollout(self, prompt, pos: Position) -> GroupOutcome:
-        """One group's samples, then (with a reward model) its scores: it waits for a scorer, the others go on."""
+        """One group's samples, then its scores (a reward model) and its teacher's log-probs (`[distill]`): it
+        waits for a scorer and a teacher, the others go on."""
         outcome = await run_group(self.runner, prompt, pos, self.cfg.rollout)
         if self.scorer is not None and outcome.group is not None:
             await self.scorer.score_group(outcome.group)
+        if self.teacher is not None and outcome.group is not None:
+            await self.teacher.teach(outcome.group)
         return outcome
 
     async def complete(self, task: asyncio.Task, pos: Position) -> None:

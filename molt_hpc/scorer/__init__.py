@@ -1,16 +1,22 @@
-"""Reward-model scorers: processes of the engine pool that score finished rollouts (`[reward_model]`).
+"""Scoring processes of the engine pool, called once per finished group, never in the router's ring or the
+refit group (their weights are frozen), restarted by the pool like an engine when they die. Two roles:
 
-A scorer serves one batched route, vLLM's classify API: `POST /classify` with
-`{"input": [[token ids], ...], "use_activation": false}` answers `{"data": [{"index": i, "probs":
-[score], ...}]}`; `GET /health` answers `{"status": "ok", ...}`. Every route needs the run's token.
-It registers `RUN_DIR/rendezvous/scorer-<index>.json` (`url`, `index`, `pid`, `kind`) once it
-listens and removes it on a clean stop; scorers are never in the router's ring or the refit group
-(their weights are frozen). The pool restarts a dead one like an engine.
+- reward-model scorers (`[reward_model]`): vLLM's classify API, `POST /classify` with `{"input": [[token
+  ids], ...], "use_activation": false}` answers `{"data": [{"index": i, "probs": [score], ...}]}`;
+  registered as `RUN_DIR/rendezvous/scorer-<index>.json`;
+- distillation teachers (`[distill]`): `POST /logprobs` with token ids and the spans to score answers the
+  teacher's log-prob of each token in them; registered as `RUN_DIR/rendezvous/teacher-<index>.json`.
 
-builtin.py  the transformers scorer (`reward_model.kind = "builtin"`), CPU or GPU: `main(cfg, run_dir, index)`
+`GET /health` answers `{"status": "ok", ...}`; every route needs the run's token. A process registers
+(`url`, `index`, `pid`, `kind`) once it listens and removes its file on a clean stop.
+
+builtin.py  the transformers scorer (`reward_model.kind = "builtin"`), CPU or GPU: `main(cfg, run_dir, index)`;
+            `listen`, the serving and registration every built-in process of this package shares
 vllm.py     `vllm serve` as a pooling (classify) model behind a token-checking front (`kind = "vllm"`)
-registry.py where a scorer registers its URL in the run directory, and who reads it
-client.py   the orchestrator's side: score a group's sequences, waiting (and retrying) while no scorer answers
+teacher.py  the distillation teacher (`distill.kind = "builtin"`): a causal LM's log-probs of given tokens
+request.py  the typed bodies of both routes
+registry.py where a process registers its URL in the run directory, by role, and who reads it
+client.py   the orchestrator's side: a group's sequences scored, waiting (and retrying) while none of the role answers
 """
 
 from pathlib import Path

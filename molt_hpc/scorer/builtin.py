@@ -19,7 +19,7 @@ from molt_hpc.log import get_logger, setup_logging
 from molt_hpc.net import serve_until_signal
 from molt_hpc.protocol.edge import parse
 from molt_hpc.rundir import RunDir
-from molt_hpc.scorer.registry import register_scorer, scorer_file
+from molt_hpc.scorer.registry import Role, register_scorer, scorer_file
 from molt_hpc.scorer.request import ClassifyRequest
 
 
@@ -67,31 +67,40 @@ def build_app(model, token: str, index: int, max_batch: int, max_len: int, name:
     return app
 
 
-async def serve(cfg: MoltConfig, run: RunDir, index: int) -> None:
+async def listen(cfg: MoltConfig, run: RunDir, index: int, app, role: Role = "scorer") -> str:
+    """Serve `app` on `engines.host` (a free port) and register it as `role` `index` of the run until SIGTERM;
+    what the built-in scorer and the teacher share. Returns once the server stopped."""
     from aiohttp import web
 
-    from molt_hpc.engine.main import pick_device, public_url
-    from molt_hpc.models.reward import load_reward_model, resolve_reward_model
+    from molt_hpc.engine.main import public_url
 
-    rm = cfg.reward_model
-    assert rm is not None
-    log = get_logger()
-    path = resolve_reward_model(rm)
-    device = pick_device(rm.device)
-    model = load_reward_model(path, dtype=rm.dtype, device=device, attn=cfg.model.attn_implementation).eval()
-    app = build_app(model, run.token(), index, rm.max_batch, cfg.scorer_max_len, rm.path)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     sock = socket.create_server((cfg.engines.host, 0))  # port 0: the kernel picks a free one
     await web.SockSite(runner, sock).start()
     url = public_url(cfg.engines.host, sock.getsockname()[1])
-    register_scorer(run, index, url, "builtin")
-    log.info("scoring with %s on %s at %s", path, device, url)
-    await serve_until_signal(runner, scorer_file(run, index), log)
+    register_scorer(run, index, url, "builtin", role)
+    get_logger().info("%s %d listens at %s", role, index, url)
+    await serve_until_signal(runner, scorer_file(run, index, role), get_logger())
+    return url
 
 
-def main(cfg: MoltConfig, run_dir: str | Path, index: int) -> int:
-    setup_logging(f"scorer {index}", cfg.logging.level)
+async def serve(cfg: MoltConfig, run: RunDir, index: int) -> None:
+    from molt_hpc.engine.main import pick_device
+    from molt_hpc.models.reward import load_reward_model, resolve_reward_model
+
+    rm = cfg.reward_model
+    assert rm is not None
+    path = resolve_reward_model(rm)
+    device = pick_device(rm.device)
+    model = load_reward_model(path, dtype=rm.dtype, device=device, attn=cfg.model.attn_implementation).eval()
+    get_logger().info("scoring with %s on %s", path, device)
+    await listen(cfg, run, index, build_app(model, run.token(), index, rm.max_batch, cfg.scorer_max_len, rm.path))
+
+
+def main(cfg: MoltConfig, run_dir: str | Path, index: int, role: Role = "scorer", serve=serve) -> int:
+    """Run `serve(cfg, run, index)` (the built-in scorer's, or the teacher's) in a process of its own."""
+    setup_logging(f"{role} {index}", cfg.logging.level)
     import torch
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))

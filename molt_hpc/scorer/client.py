@@ -1,49 +1,85 @@
-"""The orchestrator's side of the scorers: one batched classify request per group, in turn over the
-registered scorers, waiting while none answers.
+"""The orchestrator's side of the scoring processes: one batched request per group (a reward model's
+`/classify`, a teacher's `/logprobs`), in turn over the registered processes of that role, waiting while
+none answers.
 
-A score is never made up: a scorer that is down (refused connection, reset, timeout, a 5xx) is
-skipped for the next one; when none answers the request waits (the pool restarts dead scorers) and
-tries again, for as long as it takes, so a group waits for its scores and is never lost or trained on
-a guess. A 4xx answer means the request itself is wrong (a sequence over `reward_model.max_model_len`),
-which no retry fixes: it raises and stops the orchestrator with the scorer's message.
+A score is never made up: a process that is down (refused connection, reset, timeout, a 5xx) is skipped
+for the next one; when none answers the request waits (the pool restarts dead ones) and tries again, for
+as long as it takes, so a group waits for its scores and is never lost or trained on a guess. A 4xx
+answer means the request itself is wrong (a sequence over `reward_model.max_model_len`), which no retry
+fixes: it raises and stops the orchestrator with the process's message.
 """
 
 import asyncio
 import itertools
 import time
+from typing import Any
 
 import aiohttp
 
+from molt_hpc.config.distill import DistillConfig
 from molt_hpc.config.stages import RewardModelConfig
 from molt_hpc.engine.client import EngineHTTPError, request_json
 from molt_hpc.log import get_logger
 from molt_hpc.rundir import RunDir
-from molt_hpc.scorer.registry import scorer_urls
+from molt_hpc.scorer.registry import Role, scorer_urls
 
 RETRY_MAX_S = 5.0
 REPORT_S = 30.0
+WHAT = {"scorer": "reward model", "teacher": "distillation teacher"}
 
 
 class ScorerClient:
-    """Scores token sequences with the run's scorers."""
+    """Asks the run's scorers (or, `role="teacher"`, its teachers) about token sequences."""
 
-    def __init__(self, session: aiohttp.ClientSession, run: RunDir, token: str, cfg: RewardModelConfig):
-        self.session, self.run, self.token, self.cfg = session, run, token, cfg
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        run: RunDir,
+        token: str,
+        cfg: RewardModelConfig | DistillConfig,
+        role: Role = "scorer",
+    ):
+        self.session, self.run, self.token, self.timeout_s, self.role = session, run, token, cfg.timeout_s, role
         self._turn = itertools.count()
         self.requests = 0
         self.failures = 0
-        """Scoring calls that failed (and were tried again)."""
+        """Calls that failed (and were tried again)."""
 
     async def score(self, sequences: list[list[int]]) -> list[float]:
         """The raw score of each sequence (one request to one scorer), once some scorer answers."""
+        body = {"input": sequences, "use_activation": False}
+        data, url = await self.ask("/classify", body)
+        items = sorted(data["data"], key=lambda d: d["index"])
+        if len(items) != len(sequences):
+            raise EngineHTTPError(502, f"{len(items)} scores for {len(sequences)} sequences", url)
+        return [float(d["probs"][0]) for d in items]
+
+    async def logprobs(
+        self, sequences: list[list[int]], ranges: list[list[tuple[int, int]]], temperature: float
+    ) -> tuple[list[list[float]], float]:
+        """(the teacher's log-prob of every token in `ranges` of each sequence, in order; the seconds its
+        forwards took), from one request to one teacher, once some teacher answers."""
+        body = {"input": sequences, "ranges": [[list(r) for r in rs] for rs in ranges], "temperature": temperature}
+        data, url = await self.ask("/logprobs", body)
+        items = sorted(data["data"], key=lambda d: d["index"])
+        want = [sum(b - a for a, b in rs) for rs in ranges]
+        got = [len(d["logprobs"]) for d in items]
+        if got != want:
+            raise EngineHTTPError(502, f"log-probs for {got} tokens, {want} asked", url)
+        return [[float(x) for x in d["logprobs"]] for d in items], float(data.get("seconds", 0.0))
+
+    async def ask(self, route: str, body: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        """(the answer, the URL that gave it) of `route` from the first process of the role that answers."""
         pause, waiting_since, reported = 0.2, None, 0.0
         while True:
-            urls = scorer_urls(self.run)
+            urls = scorer_urls(self.run, self.role)
             start = next(self._turn)
             for k in range(len(urls)):
                 url = urls[(start + k) % len(urls)]
                 try:
-                    scores = await self._classify(url, sequences)
+                    self.requests += 1
+                    data = await request_json(self.session, "POST", url.rstrip("/") + route, token=self.token,
+                                              json=body, timeout=self.timeout_s)  # fmt: skip
                 except EngineHTTPError as err:
                     if err.status < 500:
                         raise
@@ -52,27 +88,18 @@ class ScorerClient:
                     self._failed(url, err)
                 else:
                     if waiting_since is not None:
-                        get_logger().info("reward model answers again after %.1f s", time.monotonic() - waiting_since)
-                    return scores
+                        get_logger().info("%s answers again after %.1f s", WHAT[self.role],
+                                          time.monotonic() - waiting_since)  # fmt: skip
+                    return data, url
             now = time.monotonic()
             waiting_since = now if waiting_since is None else waiting_since
             if now - reported >= REPORT_S:
-                get_logger().warning("reward model: no scorer answers (%d registered); groups wait for one", len(urls))
+                get_logger().warning("%s: no %s answers (%d registered); groups wait for one", WHAT[self.role],
+                                     self.role, len(urls))  # fmt: skip
                 reported = now
             await asyncio.sleep(pause)
             pause = min(RETRY_MAX_S, pause * 2)
 
     def _failed(self, url: str, err: Exception) -> None:
         self.failures += 1
-        get_logger().info("scorer %s failed (%s: %s); trying another", url, type(err).__name__, err)
-
-    async def _classify(self, url: str, sequences: list[list[int]]) -> list[float]:
-        self.requests += 1
-        body = {"input": sequences, "use_activation": False}
-        data = await request_json(
-            self.session, "POST", url.rstrip("/") + "/classify", token=self.token, json=body, timeout=self.cfg.timeout_s
-        )
-        items = sorted(data["data"], key=lambda d: d["index"])
-        if len(items) != len(sequences):
-            raise EngineHTTPError(502, f"{len(items)} scores for {len(sequences)} sequences", url)
-        return [float(d["probs"][0]) for d in items]
+        get_logger().info("%s %s failed (%s: %s); trying another", self.role, url, type(err).__name__, err)

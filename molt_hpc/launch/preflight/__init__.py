@@ -4,6 +4,8 @@ checks.py  `preflight(cfg)`: paths made absolute, then the files, agent, model a
            `check_resume` before a run directory is resumed
 data.py    a prompt file's first rows: keys, chat template, images, `data.max_prompt_tokens`
 stages.py  a supervised stage's own files and rows; a `[reward_model]` against the policy
+distill.py a `[distill]` teacher against the policy (a causal LM, the same tokenizer), an env-mode agent
+model.py   a model directory the run loads (`model.path`, `distill.teacher`)
 files.py   `PreflightError` (the one failure: the key, what is wrong, the fix) and the configured-file check
 """
 

@@ -33,7 +33,7 @@ def stage_files(cfg: MoltConfig) -> list[tuple[str, str]]:
 
 
 def absolute_stage_paths(data: dict[str, Any], cfg: MoltConfig, absolute) -> None:
-    """Make the stage sections' files and `reward_model.path` absolute in the dumped config `data`."""
+    """Make the stage sections' files, `reward_model.path` and `distill.teacher` absolute in the dumped `data`."""
     for name in ("sft", "rm"):
         sec = getattr(cfg, name)
         if sec is None:
@@ -43,6 +43,8 @@ def absolute_stage_paths(data: dict[str, Any], cfg: MoltConfig, absolute) -> Non
             data[name]["eval_data"] = absolute(sec.eval_data)
     if cfg.reward_model is not None:
         data["reward_model"]["path"] = absolute(cfg.reward_model.path)
+    if cfg.distill is not None and not cfg.distill.teacher.startswith("builtin:"):
+        data["distill"]["teacher"] = absolute(cfg.distill.teacher)
 
 
 def check_stage_files(resolved: MoltConfig, original: MoltConfig, cwd: Path) -> None:
