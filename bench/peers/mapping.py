@@ -5,6 +5,7 @@ TRL keeps every default except the settings that must equal the molt-hpc run's (
 TRL here: the mapping is a dict of keyword arguments, so the driver prints it without building anything.
 """
 
+import dataclasses
 import math
 from typing import Any
 
@@ -82,8 +83,8 @@ def grpo_changes(cfg: MoltConfig, *, output_dir: str, seed: int, use_vllm: bool)
         "entropy_coef": alg.entropy_coef,
         "bf16": cfg.model.dtype == "bfloat16",  # TRL's default is bf16; an fp32 config computes in fp32
         "fp16": cfg.model.dtype == "float16",
-        # TRL's default recomputes activations (gradient_checkpointing = True); both sides make the same trade
-        "activation_checkpointing": act.activation_checkpointing,
+        # TRL's default recomputes activations; both sides make the same trade
+        checkpointing_field(): act.activation_checkpointing,
         "use_vllm": use_vllm,  # trl-vllm: TRL's default vLLM mode (colocate) on the trainer's GPU
     }
     if act.lr_schedule != "constant":
@@ -91,6 +92,17 @@ def grpo_changes(cfg: MoltConfig, *, output_dir: str, seed: int, use_vllm: bool)
     if cfg.model.attn_implementation != "sdpa":
         out["model_init_kwargs"] = {"attn_implementation": cfg.model.attn_implementation}
     return out
+
+
+def checkpointing_field() -> str:
+    """The name of the activation-recompute flag in the installed TrainingArguments: transformers renamed
+    `gradient_checkpointing` to `activation_checkpointing` (5.17 has the old name, 5.24 the new)."""
+    try:
+        from trl import GRPOConfig
+    except ImportError:  # the settings are only printed where TRL is missing
+        return "activation_checkpointing"
+    names = {field.name for field in dataclasses.fields(GRPOConfig)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
 
 def differences(cfg: MoltConfig, system: str) -> list[str]:
@@ -159,9 +171,13 @@ def _optional_differences(cfg: MoltConfig) -> list[str]:
     return notes
 
 
-def molt_command(config: str, overrides: list[str], *, system: str, root: str, name: str, seed: int, cfg: MoltConfig):
-    """(the `molt-hpc run` arguments, the overrides the bench adds to the user's)."""
+def molt_command(
+    config: str, overrides: list[str], *, system: str, root: str, name: str, seed: int, cfg: MoltConfig, model: str
+):
+    """(the `molt-hpc run` arguments, the overrides the bench adds to the user's). `model` is the directory the
+    driver built before any clock started, which TRL loads too: neither side pays for a conversion."""
     added = [
+        f"model.path={model}",
         f"run.root={root}",
         f"run.name={name}",
         f"run.seed={seed}",

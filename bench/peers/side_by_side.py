@@ -76,7 +76,7 @@ def command(system: str, args, overrides: list[str], name: str, seed: int, cfg, 
     seeded = [*overrides, f"run.seed={seed}"]
     if system.startswith("molt"):
         molt_args, _ = molt_command(args.config, overrides, system=system, root=str(args.out), name=name,
-                                    seed=seed, cfg=cfg)  # fmt: skip
+                                    seed=seed, cfg=cfg, model=str(args.model))  # fmt: skip
         return [str(Path(sys.executable).parent / "molt-hpc"), *molt_args]
     cmd = [sys.executable, str(Path(__file__).parent / "trl_run.py"), "--config", args.config,
            "--out", str(args.out / name), "--models", str(args.out / "models"), "--t0", repr(t0),
@@ -141,7 +141,8 @@ def print_settings(args, cfg, overrides: list[str]) -> dict:
         except ValueError as err:  # e.g. bf16 asked on a machine without a GPU
             settings["grpo_config"] = f"cannot be built on this machine: {err}"
     molt_args, added = molt_command(args.config, overrides, system="molt-builtin", root=str(args.out),
-                                    name="molt-builtin-sN", seed=cfg.run.seed, cfg=cfg)  # fmt: skip
+                                    name="molt-builtin-sN", seed=cfg.run.seed, cfg=cfg,
+                                    model=str(args.model))  # fmt: skip
     settings.update({"molt_command": ["molt-hpc", *molt_args], "molt_bench_overrides": added})
     print("TRL GRPOConfig, changed from its defaults:", json.dumps(changes, indent=1))
     print("TRL GRPOConfig, in full:", json.dumps(settings.get("grpo_config"), default=str, sort_keys=True))
@@ -168,6 +169,8 @@ def summarise(runs: list[dict], args, cfg, notes: list[str]) -> str:
         notes.append(f"initial weights DIFFER: TRL's sha256 {shared}, molt-hpc's {sorted(theirs)}")
     elif theirs:
         notes.append(f"initial weights: sha256 {shared} on both sides (molt-hpc's runs built their own copy)")
+    elif not args.report:
+        notes.append(f"initial weights: both sides read the driver's model directory (sha256 {shared})")
     text = table(runs, key, ref_system, ref, mem)
     text += "\n\nNotes:\n" + "\n".join(f"- {n}" for n in notes)
     plot(runs, key, args.budget_s, args.out / "pass_at_1.png")
@@ -189,6 +192,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=default)
     parser.add_argument("--out", type=Path, default=Path("runs/peers"), help="logs, records, results, plot")
     parser.add_argument("--trl-eval-every-s", type=float, default=None, help="default: budget / 10")
+    parser.add_argument("--report", action="store_true",
+                        help="run nothing: summarise every run in OUT/runs.jsonl (made by several calls)")  # fmt: skip
     args = parser.parse_args()
     args.out = args.out.resolve()
     if Path(args.config).is_file():  # the runs start in the repository root
@@ -202,11 +207,23 @@ def main() -> None:
     os.chdir(ROOT)
     cfg, overrides = bench_config(args.config, args.overrides)
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"model directory (both sides): {model_dir(cfg, args.out / 'models')}")
-    settings = print_settings(args, cfg, overrides)
-    (args.out / "settings.json").write_text(json.dumps(settings, indent=1, default=str))
-    notes = differences(cfg, "trl-vllm" if "trl-vllm" in args.systems else "trl")
-    runs = [run_one(system, seed, args, cfg, overrides) for seed in args.seeds for system in args.systems]
+    args.model = model_dir(cfg, args.out / "models")
+    print(f"model directory (both sides): {args.model}")
+    ledger = args.out / "runs.jsonl"
+    if args.report:
+        runs = [json.loads(line) for line in ledger.read_text().splitlines() if line.strip()]
+        args.budget_s = runs[0]["budget_s"]
+    else:
+        settings = print_settings(args, cfg, overrides)
+        (args.out / "settings.json").write_text(json.dumps(settings, indent=1, default=str))
+        runs = []
+        for seed in args.seeds:
+            for system in args.systems:
+                runs.append({**run_one(system, seed, args, cfg, overrides), "budget_s": args.budget_s})
+                with ledger.open("a") as out:  # every run this --out has seen, for --report
+                    out.write(json.dumps(runs[-1]) + "\n")
+    systems = {r["system"] for r in runs}
+    notes = differences(cfg, "trl-vllm" if "trl-vllm" in systems else "trl")
     print(summarise(runs, args, cfg, notes))
     print(f"results: {args.out / 'results.json'}, plot: {args.out / 'pass_at_1.png'}")
 
