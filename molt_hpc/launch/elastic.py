@@ -75,9 +75,9 @@ def pool_config(cfg: MoltConfig, count: int | None, kind: str | None, overrides:
     sets = [*overrides, f"engines.count={count or cfg.engines.count}", f'engines.kind="{kind or cfg.engines.kind}"']
     pool = load_config(run.config, sets)
     if pool.model != cfg.model:
+        differ = sorted(k for k in type(cfg.model).model_fields if getattr(pool.model, k) != getattr(cfg.model, k))
         raise ValueError(
-            f"the pool's model ({pool.model.path}) differs from the run's ({cfg.model.path}) in "
-            f"{sorted(k for k in type(cfg.model).model_fields if getattr(pool.model, k) != getattr(cfg.model, k))}: a pool "
+            f"the pool's model ({pool.model.path}) differs from the run's ({cfg.model.path}) in {differ}: a pool "
             "serves the run's model and tokenizer; drop the model.* overrides"
         )
     if pool.engines.kind != cfg.engines.kind:
@@ -107,6 +107,29 @@ def add_local(run_dir: str, count: int | None, kind: str | None, overrides: tupl
     pools.save(run, record)
     wait_registered(run, record, proc, pool_cfg.engines.startup_timeout_s)
     record.state = "serving"
+    pools.save(run, record)
+    return record
+
+
+def add_slurm(run_dir: str, count: int | None, kind: str | None, overrides: tuple[str, ...], spec, dry_run: bool):
+    """Submit an extra pool as its own Slurm job (`spec`: a `slurm.extra.SlurmPoolSpec`); its record, or the
+    batch script with `dry_run` (nothing created)."""
+    from molt_hpc.launch.slurm import extra
+
+    run, cfg = open_run(run_dir)
+    pool_cfg = pool_config(cfg, count, kind, overrides, run)
+    if spec.nodes > 1 and pool_cfg.engines.kind == "builtin":
+        raise ValueError("--nodes-per-engine > 1: the builtin engine runs on one node; use --nodes-per-engine 1")
+    name, first = pools.next_pool(run)
+    if dry_run:
+        return extra.dry_run(pool_cfg, run.path, name, spec)
+    check_live(run)
+    indices = list(range(first, first + pool_cfg.engines.count * spec.nodes))
+    record = pools.PoolRecord(name, "slurm", pool_cfg.engines.kind, indices)
+    pools.pools_dir(run).mkdir(mode=0o700, exist_ok=True)
+    pools.config_path(run, name).write_text(to_toml(pool_cfg))
+    pools.save(run, record)
+    record.job_id = extra.submit_pool(pool_cfg, run.path, name, pools.config_path(run, name), spec)
     pools.save(run, record)
     return record
 

@@ -47,6 +47,9 @@ def run_extra_pool(cfg: MoltConfig, run: RunDir, name: str) -> int:
     for child in children:
         child.start()
         log.info("started %s (pid %d, log %s)", child.name, child.pid, child.log)
+    if record.state in ("starting", "ended"):  # (ended: a requeued Slurm pool starting again)
+        record.state = "serving"
+        pools.save(run, record)
     given_up: set[str] = set()
     try:
         while not stopping and len(given_up) < len(children):
