@@ -127,6 +127,9 @@ def test_a_local_pool_joins_serves_and_leaves_without_losing_a_token(pool, tiny_
 
     listed = cli("engines", "list", str(pool.run.path))
     assert listed.returncode == 0 and "pool-1" in listed.stdout and "serving" in listed.stdout, listed.stdout
+    status = cli("status", str(pool.run.path))
+    line = next(x for x in status.stdout.splitlines() if x.startswith("pool pool-1"))
+    assert line.startswith(f"pool pool-1 (local, pid {record.pid}): 1 engine(s), ") and line.endswith("serving")
     out, kept, removed, counts = with_link(pool, go)
     assert removed.returncode == 0 and "pool-1: removed" in removed.stdout, removed.stderr
     assert len(out.token_ids) == 200 and out.token_ids[: len(kept)] == kept and len(kept) >= 12

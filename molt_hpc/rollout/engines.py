@@ -93,26 +93,28 @@ class EngineLink:
         self, token_ids: list[int], sampling_params: dict[str, Any], session_id: str, images: list | None = None
     ) -> Any:
         """One turn's answer; a call that fails (the engine died, the request was aborted, a 5xx) is continued
-        from the tokens it had streamed, on whichever engine the router picks, up to `self.resumes` times with
-        a growing pause. Past them an `EngineError` (the sample then starts again from its prompt)."""
+        from the tokens it had streamed, on whichever engine the router picks, up to `self.resumes` times (at
+        once after a call that brought tokens, else after a growing pause). Past them an `EngineError` (the
+        sample then starts again from its prompt)."""
         segments = Segments(token_ids, sampling_params)
         try:
+            progressed = False
             for failures in range(self.resumes + 1):
-                if failures:
+                if failures and not progressed:  # a call that brought tokens failed with its engine: go on at once
                     await asyncio.sleep(min(5.0, 0.05 * 2**failures))
                 ids, params = segments.request()
                 partial = self.streaming[session_id] = Partial()
                 try:
                     out = await self._call(ids, params, session_id, images, partial)
                 except EngineError as err:
-                    segments.keep(partial)
+                    progressed = segments.keep(partial) > 0
                     get_logger().info("session %s: %s; continuing after %d tokens", session_id, err,
                                       len(segments.tokens))  # fmt: skip
                     last_error = err
                 else:
                     if out.finish_reason != "abort":
                         return self._done(segments, segments.merged(out))
-                    segments.keep(out)
+                    progressed = segments.keep(out) > 0
                     last_error = EngineError("the engine aborted the request")
                 if (reason := segments.finished()) is not None:  # the kept tokens already end the turn
                     return self._done(segments, segments.merged(None, reason))
