@@ -4,7 +4,7 @@ Roles: `engine` (one inference engine), `scorer` (a reward-model scorer), `teach
 teacher), `sandbox` (the server that runs untrusted code for envs), `router` (the session-affine router),
 `pool` (a node's engines, plus the router, the rollout orchestrator, the scorers, the teachers and the
 sandbox on the pool's first node, supervised), `sandboxes` (a Slurm job's het group 2: the sandbox server
-alone, supervised). Reads the
+alone, supervised), `extra-pool` (the engines of an extra pool a live run took on, `molt-hpc engines add`). Reads the
 resolved config from `RUN_DIR/config.toml`; heavy modules are imported after the arguments are parsed.
 """
 
@@ -48,6 +48,17 @@ def run_router(cfg, run_dir: Path, args: argparse.Namespace) -> int:
     return main(cfg, run_dir)
 
 
+def run_extra_pool(cfg, run_dir: Path, args: argparse.Namespace) -> int:
+    from molt_hpc.launch.extra_pool import run_extra_pool as extra
+    from molt_hpc.log import setup_logging
+    from molt_hpc.rundir import RunDir
+
+    if not args.pool:
+        raise ValueError("--role extra-pool needs --pool NAME")
+    setup_logging(args.pool, cfg.logging.level)
+    return extra(cfg, RunDir(run_dir), args.pool)
+
+
 def run_pool(cfg, run_dir: Path, args: argparse.Namespace) -> int:
     from molt_hpc.launch.pool import run_pool as pool
     from molt_hpc.log import setup_logging
@@ -69,6 +80,7 @@ ROLES = {
     "teacher": run_teacher,
     "sandbox": run_sandbox,
     "sandboxes": run_pool,
+    "extra-pool": run_extra_pool,
 }
 
 
@@ -84,6 +96,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--no-sandbox", action="store_true",
         help="role pool: leave the [sandbox] server to the Slurm job's sandbox het group (role sandboxes)",
+    )  # fmt: skip
+    parser.add_argument("--pool", default=None, help="role extra-pool: the pool's name (RUN_DIR/pools/NAME.json)")
+    parser.add_argument(
+        "--config", type=Path, default=None,
+        help="the resolved config to read instead of RUN_DIR/config.toml (an extra pool's, RUN_DIR/pools/NAME.toml)",
     )  # fmt: skip
     parser.add_argument(
         "--node-rank",
@@ -104,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     run = RunDir(args.run_dir.absolute())
     if not run.config.is_file():
         raise SystemExit(f"error: {run.config} not found; RUN_DIR must be a run directory with config.toml")
-    cfg = load_config(run.config)
+    cfg = load_config(args.config or run.config)
     try:
         return ROLES[args.role](cfg, run.path, args)
     except ValueError as err:  # a user error (config, model, GPU memory): one line with the fix, exit 2

@@ -11,6 +11,8 @@ import sys
 
 import click
 
+from molt_hpc.cli_engines import engines_group
+
 SET_HELP = "Override a config key, e.g. --set algorithm.kl_coef=0.01 (repeatable)."
 DEFAULT_CONFIG = "configs/tiny_cpu.toml"
 
@@ -391,3 +393,6 @@ def cancel_cmd(run_dir: str, now: bool, timeout_s: float | None) -> None:
     from molt_hpc.launch import slurm
 
     click.echo(slurm.cancel(run_dir, now=now, timeout_s=timeout_s))
+
+
+main.add_command(engines_group)

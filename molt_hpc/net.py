@@ -43,9 +43,10 @@ def free_port(host: str = "") -> int:
         return sock.getsockname()[1]
 
 
-async def serve_until_signal(runner, registration: Path, log) -> None:
-    """Serve until SIGTERM or SIGINT, then unregister (remove `registration`) and stop `runner` (an aiohttp
-    `AppRunner`): a client that reads the rendezvous no longer finds a server that is going away."""
+async def serve_until_signal(runner, registration: Path, log, before_stop=None) -> None:
+    """Serve until SIGTERM or SIGINT, then unregister (remove `registration`), await `before_stop()` (if
+    given) and stop `runner` (an aiohttp `AppRunner`): a client that reads the rendezvous no longer finds a
+    server that is going away."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -54,4 +55,6 @@ async def serve_until_signal(runner, registration: Path, log) -> None:
     log.info("stopping")
     with contextlib.suppress(FileNotFoundError):  # already removed: nothing to unregister
         os.unlink(registration)
+    if before_stop is not None:
+        await before_stop()
     await runner.cleanup()

@@ -55,11 +55,30 @@ def status_lines(run_dir: str | Path) -> list[str]:
     if cfg.run.stage == "rl":
         lines.append(_buffer_line(run_dir))
     lines.append(_checkpoint_line(run_dir))
+    lines.extend(_pool_lines(run_dir, rollout))
     slurm = _slurm_lines(run_dir)
     lines.extend(slurm or _process_lines(run_dir))  # a Slurm run's processes are its job steps
     failure = _failure_line(run_dir)
     if failure:
         lines.append(failure)
+    return lines
+
+
+def _pool_lines(run_dir: Path, rollout: list[dict]) -> list[str]:
+    """One line per extra engine pool (`molt-hpc engines add`), and the tokens requests carried across engines."""
+    from molt_hpc.launch.elastic import pool_rows
+    from molt_hpc.launch.slurm.extra import slurm_state
+    from molt_hpc.rundir import RunDir
+
+    lines = []
+    for r in pool_rows(RunDir(run_dir.absolute()), slurm_state):
+        versions = ",".join(map(str, r["versions"])) or "-"
+        lines.append(f"pool {r['pool']} ({r['mode']}, {r['job']}): {r['engines']} engine(s), {r['in_ring']} in the "
+                     f"ring, version {versions}, {r['requests']} requests, {r['state']}")  # fmt: skip
+    moved = sum(int(x.get("tokens_migrated", 0)) for x in rollout)
+    lost = sum(int(x.get("tokens_discarded", 0)) for x in rollout)
+    if moved or lost:
+        lines.append(f"migration: {moved} tokens continued on another engine, {lost} discarded")
     return lines
 
 

@@ -4,11 +4,14 @@ injected."""
 
 import asyncio
 import contextlib
+import copy
 import itertools
 import json
 import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import torch
@@ -17,6 +20,7 @@ from molt_hpc.agents.loader import load_agent
 from molt_hpc.agents.step_runner import StepEnvRunner
 from molt_hpc.data import Position
 from molt_hpc.engine import client
+from molt_hpc.engine.stream import Partial
 from molt_hpc.rollout.engines import EngineLink
 from molt_hpc.rollout.group import run_group
 from tests.conftest import ROOT
@@ -78,28 +82,56 @@ async def requests_held(link, urls: list[str]) -> int:
     return total
 
 
-def long_group(pool, tok, dataset, during):
+@dataclass
+class Held:
+    """What `long_group` saw: the group's outcome, the tokens each session had streamed when the fault came,
+    and the link's migration counts."""
+
+    outcome: Any
+    streamed: dict[str, Partial]
+    counts: dict[str, int]
+
+
+def long_group(pool, tok, dataset, during, streamed: int = 0) -> Held:
     """A group of long samples (200 tokens each, EOS ignored); `during(link)` runs while every one of its
-    requests is held by a paused engine, so the fault it injects always finds them in flight."""
+    requests is held by a paused engine, so the fault it injects always finds them in flight. With
+    `streamed`, the requests first run until each has streamed that many tokens, then are frozen again."""
     cfg = pool.cfg.rollout.model_copy(update={"n_samples": 4, "max_new_tokens": 200, "max_total_tokens": 256})
     env_cls = load_agent(str(ROOT / "envs" / "reverse.py"))
 
     async def go(link):
         urls = [pool.engine_url(i) for i in range(len(pool.engines)) if pool.engines[i].proc.poll() is None]
-        for url in urls:
-            await client.pause(link.session, url, token=link.token, mode="keep")
+        await _pause_all(link, urls)
         runner = StepEnvRunner(env_cls, tok, cfg, _ignore_eos(link.generate))
         task = asyncio.create_task(run_group(runner, dataset[2], Position(0, 2), cfg))
         try:
             await wait_until(lambda: _all_held(link, urls, cfg.n_samples))
+            if streamed:
+                await _resume_all(link, urls)
+                await wait_until(lambda: _all_streamed(link, cfg.n_samples, streamed))
+                await _pause_all(link, urls)
+            seen = {s: copy.deepcopy(p) for s, p in link.streaming.items()}
             await during(link)
         finally:
-            for url in urls:  # a killed engine does not answer: the others go on
-                with contextlib.suppress(aiohttp.ClientError, OSError, RuntimeError):
-                    await client.resume(link.session, url, token=link.token, timeout=5)
-        return await task
+            await _resume_all(link, urls)
+        return Held(await task, seen, link.take_counts())
 
     return with_link(pool, go)
+
+
+async def _pause_all(link, urls: list[str]) -> None:
+    for url in urls:
+        await client.pause(link.session, url, token=link.token, mode="keep")
+
+
+async def _resume_all(link, urls: list[str]) -> None:
+    for url in urls:  # a killed engine does not answer: the others go on
+        with contextlib.suppress(aiohttp.ClientError, OSError, RuntimeError):
+            await client.resume(link.session, url, token=link.token, timeout=5)
+
+
+async def _all_streamed(link, n: int, tokens: int) -> bool:
+    return len(link.streaming) == n and all(len(p.token_ids) >= tokens for p in link.streaming.values())
 
 
 async def _all_held(link, urls: list[str], n: int) -> bool:

@@ -290,7 +290,26 @@ def test_engine_killed_mid_run_fails_over_rejoins_and_refits(pool, tiny_model_di
     assert all(engines == {0} for engines in during.values()), "engine 0 takes every session meanwhile"
 
     engines[1] = wait_registered(run, spawn(run, "engine", 1), "engine-1")  # restarted on a new port
-    wait_healthy(run, router.url, 2)
+    ring_version = metrics["engines"][0]["version"]
+
+    async def left_waiting():
+        while True:  # it answers, but on older weights than the ring's: kept out until a refit
+            seen = (await get_json(router.url + "/metrics", run))["engines"][1]
+            if seen["waiting"]:
+                return seen
+            await asyncio.sleep(0.05)
+
+    seen = arun(left_waiting())
+    assert not seen["healthy"] and seen["version"] == 0 < ring_version
+
+    newer = perturbed(tiny_model_dir, seed=2)
+    sender = RefitSender(run.path, REFIT, token)
+    sender.connect([p.url for p in engines])
+    sender.push(newer.named_parameters(), version=ring_version + 1)
+    want = sender_logprobs(newer)
+    assert all(max_diff(lp, want) == 0 and v == ring_version + 1 for lp, v in arun(_all_logprobs(engines, token)))
+    sender.close()
+    wait_healthy(run, router.url, 2)  # refitted to the ring's version: it joins
 
     async def back():
         async with aiohttp.ClientSession() as s:
@@ -299,11 +318,3 @@ def test_engine_killed_mid_run_fails_over_rejoins_and_refits(pool, tiny_model_di
     after = arun(back())
     # only the dead engine's sessions moved, and they return to it: ring nodes are engine indices
     assert {sid: e.pop() for sid, e in after.items()} == {sid: ring_owner(sid) for sid in SESSIONS}
-
-    newer = perturbed(tiny_model_dir, seed=2)
-    sender = RefitSender(run.path, REFIT, token)
-    sender.connect([p.url for p in engines])
-    sender.push(newer.named_parameters(), version=7)
-    want = sender_logprobs(newer)
-    assert all(max_diff(lp, want) == 0 and v == 7 for lp, v in arun(_all_logprobs(engines, token)))
-    sender.close()

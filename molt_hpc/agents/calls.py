@@ -2,8 +2,8 @@
 
 `EnvError`: the user's environment raised, hung past `rollout.env_timeout_s`, or broke the API;
 the orchestrator drops or retries the sample per `rollout.on_env_error`. `EngineError`: the
-engines could not produce the turn (connection lost, 5xx, an `abort` finish); the sample is
-retried from its start. `EpisodeLost`: the env worker holding the episode was lost (killed for
+engines could not produce the turn even by continuing it on other engines (`molt_hpc.rollout.resume`);
+the sample is retried from its start. `EpisodeLost`: the env worker holding the episode was lost (killed for
 another episode's timeout, or crashed) and the episode could not be rebuilt exactly elsewhere;
 the sample is retried from its start. Synchronous user code runs in its own daemon thread so a
 hung call fails its sample without blocking the event loop or keeping the process alive at exit.
@@ -28,7 +28,12 @@ class EnvError(RuntimeError):
 
 
 class EngineError(RuntimeError):
-    """The engine pool failed one turn in a way that a retry from the start can fix."""
+    """The engine pool failed one turn in a way that a retry from the start can fix; `discarded` counts the
+    tokens the sample had generated that such a retry throws away."""
+
+    def __init__(self, message: str = "", discarded: int = 0):
+        super().__init__(message)
+        self.discarded = discarded
 
 
 class EpisodeLost(RuntimeError):

@@ -183,7 +183,11 @@ class StepEnvRunner:
         sp.setdefault("seed", turn_seed(rollout_id, turn, self.seed))
         asked = sp if routing is None else {**sp, "routed_experts_prompt_start": routing.have}
         images = {"images": list(trace.images)} if trace.images else {}
-        out = await self.generate(trace.tokens, asked, session_id, **images)
+        try:
+            out = await self.generate(trace.tokens, asked, session_id, **images)
+        except EngineError as err:  # the sample starts again: its earlier turns' tokens go with it
+            err.discarded += len(trace.logprobs)
+            raise
         if out.finish_reason == "abort":
             raise EngineError("the engine aborted the request")
         if routing is not None:

@@ -36,6 +36,8 @@ class Row:
     """Added to a decode step's position: multimodal positions run behind the token count after an image."""
     routing: Any = None
     """The experts of every forwarded position (an `engine.routing.RowRouting`) when routing is captured."""
+    notify: Any = None
+    """Called on the scheduler thread after each step that gave the row a token (a streamed answer)."""
 
     @property
     def context(self) -> list[int]:

@@ -2,7 +2,8 @@
 
 Registration is `RUN_DIR/rendezvous/engine-<index>.json` = `{"url", "index", "pid", "version", "kind"}`,
 written atomically once the server listens (the port comes from the kernel) and again after each
-weight update. A clean stop (SIGTERM/SIGINT) removes it, so the router drops the engine at once;
+weight update. A clean stop (SIGTERM/SIGINT) removes it, so the router drops the engine at once, and ends the requests
+in flight as `abort` with their tokens (their clients continue them elsewhere);
 after a crash the router's health checks take it out of the ring.
 """
 
@@ -135,8 +136,18 @@ async def serve(cfg: MoltConfig, run: RunDir, index: int, model=None) -> None:
     sync.on_version = functools.partial(register_engine, run, index, url, kind="builtin")
     sync.on_version(sched.version)
     log.info("serving %s at %s (max_batch %d)", cfg.model.path, url, cfg.engines.max_batch)
-    await serve_until_signal(runner, engine_file(run, index), log)
+    await serve_until_signal(runner, engine_file(run, index), log, functools.partial(abort_all, sched))
     sched.stop()
+
+
+async def abort_all(sched) -> None:
+    """A stopping engine ends every request it holds as `abort`, with the tokens it sampled: their clients
+    continue them on other engines at once instead of waiting out the server's shutdown."""
+    from concurrent.futures import Future
+
+    done: Future = Future()
+    await asyncio.wrap_future(sched.call(lambda: sched.pause("abort", done)))
+    await asyncio.wrap_future(done)
 
 
 def main(cfg: MoltConfig, run_dir: str | Path, index: int) -> int:

@@ -205,6 +205,9 @@ class Scheduler:
                     row.versions.append(self.version)
             self._retire()
         self.steps += 1
+        for row in self.rows:  # a streamed answer sends what the step added (finished rows end by their future)
+            if row.notify is not None:
+                row.notify()
         if self.pause_mode == "wait" and not (self.rows or self.waiting):
             self.pause_mode = "paused"
             self._resolve_drained()

@@ -2,11 +2,14 @@
 
 Handlers never run the model: they validate, hand work to the scheduler thread and await its
 future, so a slow step never blocks `/health` and a bad request never reaches the model. A client
-that disconnects cancels its request (the row leaves the batch at the next step boundary).
+that disconnects cancels its request (the row leaves the batch at the next step boundary). With
+`stream: true` the answer is server-sent events: the tokens of every step as it ends, then the whole
+answer, so nothing an engine sampled is lost with it.
 """
 
 import asyncio
 import itertools
+import json
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,12 +88,20 @@ async def generate(request: web.Request) -> web.Response:
         row.rope_delta = row.images.rope_delta
     elif state.vision is not None:
         check_no_pads(row.prompt, state.vision)
+    rid = req.request_id or f"gen-{state.index}-{next(request.app[IDS])}"
+    if req.stream:
+        return await stream_answer(request, state, row, rid)
     await run_on_scheduler(state, lambda: sched.submit(row))
     try:
         reason, version = await asyncio.wrap_future(row.future)
     except asyncio.CancelledError:  # the client left: free the row's slot, then let aiohttp finish
         sched.call(lambda: sched.cancel(row))
         raise
+    return web.json_response(answer(row, reason, version, rid))
+
+
+def answer(row: Row, reason: str, version: int, rid: str) -> dict[str, Any]:
+    """The generate answer of a finished row (vLLM's shape plus per-token weight versions)."""
     choice = {
         "index": 0,
         "token_ids": row.tokens,
@@ -99,9 +110,48 @@ async def generate(request: web.Request) -> web.Response:
         "weight_versions": row.versions,
     }
     if row.routing is not None:  # vLLM's --enable-return-routed-experts field
-        choice["routed_experts"] = row.routing.encode(sp.routed_experts_prompt_start) if row.tokens else None
-    rid = req.request_id or f"gen-{state.index}-{next(request.app[IDS])}"
-    return web.json_response({"id": rid, "choices": [choice], "weight_version": version})
+        start = row.params.routed_experts_prompt_start
+        choice["routed_experts"] = row.routing.encode(start) if row.tokens else None
+    return {"id": rid, "choices": [choice], "weight_version": version}
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+
+async def stream_answer(request: web.Request, state: EngineState, row: Row, rid: str) -> web.StreamResponse:
+    """`stream: true`: server-sent events, one per step with the tokens it added (`token_ids`, `logprobs`,
+    `weight_versions`), then the whole answer; an engine that dies mid-request has handed out every token it
+    sampled, so the client continues the request elsewhere from them (`molt_hpc.rollout.resume`)."""
+    sched, loop, moved = state.scheduler, asyncio.get_running_loop(), asyncio.Event()
+    row.notify = lambda: loop.call_soon_threadsafe(moved.set)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    await run_on_scheduler(state, lambda: sched.submit(row))
+    done, sent = asyncio.wrap_future(row.future), 0
+    try:
+        while not done.done():
+            waiter = asyncio.ensure_future(moved.wait())
+            await asyncio.wait({done, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            moved.clear()
+            # The scheduler thread appends tokens, log-probs, then versions: the shortest list is whole.
+            n = min(len(row.tokens), len(row.logprobs), len(row.versions))
+            if n > sent and not done.done():
+                delta = {"token_ids": row.tokens[sent:n], "logprobs": row.logprobs[sent:n],
+                         "weight_versions": row.versions[sent:n]}  # fmt: skip
+                await resp.write(sse(delta))
+                sent = n
+        try:
+            final = answer(row, *done.result(), rid)
+        except RuntimeError as err:  # a failed engine step: the status line is gone, so an error event
+            final = {"error": str(err)}
+        await resp.write(sse(final))
+        await resp.write_eof()
+    except (asyncio.CancelledError, ConnectionResetError):  # the client left: free the row's slot
+        sched.call(lambda: sched.cancel(row))
+        raise
+    return resp
 
 
 async def health(request: web.Request) -> web.Response:

@@ -24,6 +24,7 @@ from pathlib import Path
 from molt_hpc import fault, net
 from molt_hpc.buffer.cleanup import release_finished
 from molt_hpc.config import MoltConfig, to_toml
+from molt_hpc.launch import pools
 from molt_hpc.launch.procs import REPO, Child, StopSignals, exit_report, job_command, stop_all
 from molt_hpc.launch.progress import Progress
 from molt_hpc.launch.watchdog import Watchdog
@@ -43,6 +44,8 @@ def prepare_run(cfg: MoltConfig) -> RunDir:
     for stale in ("done", "stop", "checkpoint", "evaluated"):  # leftovers of an earlier, finished or stopped launch
         (run.path / "control" / stale).unlink(missing_ok=True)
     fault.clear(run.path)
+    for kept in pools.reconcile(run):  # extra pools that ended with the last launch are forgotten
+        get_logger().info("extra pool %s still runs (engines %s): it serves this launch too", kept.name, kept.indices)
     base = resolve_model(cfg.model, run.models)
     check_ep(cfg.actor.ep, cfg.actor.ranks, cfg.actor.ranks, model_experts(base))  # one node: all ranks
     return run

@@ -131,7 +131,9 @@ class GenerateRequest(BaseModel):
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     request_id: str | None = None
     model: str | None = None
-    stream: Literal[False] = False
+    stream: bool = False
+    """Answer as server-sent events: each step's new tokens, then the whole answer (the builtin engine; the
+    vLLM front refuses it)."""
     output_mode: Literal["tokens"] = "tokens"
     mm: dict | None = None
     """Images of a vision-language prompt: `{"images": [data URIs], "spans": [[offset, length], ...]}`,

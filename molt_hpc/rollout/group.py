@@ -3,7 +3,9 @@
 Each sample has its own rollout id (`<group id>.s<j>`) and, per attempt, its own router session
 (`<rollout id>.a<attempt>`), so a retried sample starts afresh on whichever engine is healthy (ids
 hold no `/`: chat mode puts the session in URL paths).
-An engine failure (`EngineError`) retries the sample from its start with a growing pause; an
+A failed engine call is continued on another engine from its tokens (`molt_hpc.rollout.resume`);
+only a turn that could not be continued (`EngineError`) retries the sample from its start, up to
+`ENGINE_RESTARTS` times, and the tokens that throws away are counted (`tokens_discarded`); an
 environment failure (`EnvError`) drops the whole group (`on_env_error = "drop_group"`) or retries
 the sample up to `rollout.max_retries` times. An episode lost with its env worker that could not be
 rebuilt elsewhere (`EpisodeLost`: a non-deterministic env) starts again at once, up to `ENGINE_RETRIES`
@@ -23,7 +25,9 @@ from molt_hpc.log import get_logger
 from molt_hpc.trajectory import Group, Trajectory
 
 ENGINE_RETRIES = 20
-"""Engine failures one sample survives (about a minute and a half of pauses) before its group is dropped."""
+"""Lost env workers one sample survives before its group is dropped."""
+ENGINE_RESTARTS = 2
+"""Turns that failed past their continuations (`rollout.engines.RESUMES`) one sample survives."""
 
 
 class Runner(Protocol):
@@ -51,6 +55,8 @@ class GroupOutcome:
     env_retries: int = 0
     env_restarts: int = 0
     """Samples started again because their env worker was lost (`EpisodeLost`)."""
+    tokens_discarded: int = 0
+    """Generated tokens thrown away by samples that started again after an engine failure."""
     seconds: float = 0.0
     first_error: str = ""
     """Why the group failed, as the failing sample's error says it (for the circuit breaker)."""
@@ -81,8 +87,9 @@ async def run_sample(
             get_logger().info("sample %s: %s", rollout_id, err)
             restarts += 1
             out.env_restarts += 1
-        except EngineError as err:  # the router fails over; the sample starts again from its prompt
-            if engine_failures >= ENGINE_RETRIES:
+        except EngineError as err:  # its turn could not be continued anywhere: the sample starts again
+            out.tokens_discarded += err.discarded
+            if engine_failures >= ENGINE_RESTARTS:
                 out.first_error = out.first_error or f"engine {err}"
                 raise SampleFailed("engine") from err
             get_logger().info("sample %s: engine failed (%s); retrying from its start", rollout_id, err)

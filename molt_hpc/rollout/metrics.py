@@ -5,7 +5,9 @@ shutdown: `reward`, the mean env reward over every finished sample (kept, or dro
 sampling: what other frameworks report), `reward_trained` and scores of the accepted samples,
 response lengths and turns, groups the
 filters dropped (`groups_filtered_<why>`) and groups that failed (`groups_failed_<why>`: env
-errors drop theirs, engine failures are issued again), retries, and throughput; with a reward model,
+errors drop theirs, engine failures are issued again), retries, `tokens_migrated` (generated on an
+engine that failed, kept and continued on another) and `tokens_discarded` (thrown away by a sample
+that started again), and throughput; with a reward model,
 `env_reward_mean` and `rm_score_mean` (its raw score) over every finished sample it scored, beside
 the reward (which is then the combination the samples train on).
 """
@@ -47,6 +49,7 @@ class RolloutStats:
         self.counts["samples_engine_retries"] += outcome.engine_retries
         self.counts["samples_env_retries"] += outcome.env_retries
         self.counts["samples_env_restarts"] += outcome.env_restarts
+        self.counts["tokens_discarded"] += outcome.tokens_discarded
         for reason, n in outcome.env_errors.items():
             self.counts[f"env_errors_{reason}"] += n
         if outcome.failure is not None:

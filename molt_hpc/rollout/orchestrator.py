@@ -342,7 +342,8 @@ class Orchestrator:
     def write_record(self) -> None:
         envs = getattr(self.runner, "envs", None)  # env mode: where the env runs, and what its workers went through
         env_stats = envs.stats() if envs is not None else {}
-        extra = {"version": self.link.version, "in_flight": len(self.tasks), **self.buffer.stats(), **env_stats}
+        extra = {"version": self.link.version, "in_flight": len(self.tasks), **self.buffer.stats(), **env_stats,
+                 **self.link.take_counts()}  # fmt: skip
         if self.first_failure is not None:
             extra["first_failure"] = self.first_failure
         record = self.stats.record(**extra, groups_accepted_total=self.state.groups_accepted)

@@ -3,7 +3,9 @@
 Requests are checked at the edge (`checked_body`); bodies and answers then pass through unchanged
 (server-sent events are streamed chunk by chunk); the answer carries `X-Molt-Engine: <index>`. A request
 whose connection to an engine fails before any answer byte was sent is retried on the next engine (up to
-`router.connect_retries` engines) and the failed engine leaves the ring. `/pause`, `/resume` and the weight
+`router.connect_retries` engines) and the failed engine leaves the ring; a streamed answer that breaks
+midway is cut for the client too (who continues it elsewhere from the tokens it got) and its engine
+leaves the ring. `/pause`, `/resume` and the weight
 routes are not routed: the refit talks to the engines directly. Registers as `rendezvous/router.json`.
 """
 
@@ -57,10 +59,26 @@ async def forward(
         resp = web.StreamResponse(status=up.status, headers=out_headers)
         started[0] = True
         await resp.prepare(request)
-        async for chunk in up.content.iter_any():
-            await resp.write(chunk)
+        chunks = up.content.iter_any()
+        while True:
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as err:  # the engine, not the client
+                raise CutAnswer(resp, err) from err
+            await resp.write(chunk)  # a client that left raises here: nothing is wrong with the engine
         await resp.write_eof()
         return resp
+
+
+class CutAnswer(Exception):
+    """The engine's streamed answer broke after the client got part of it."""
+
+    def __init__(self, response: web.StreamResponse, cause: BaseException):
+        super().__init__(str(cause))
+        self.response = response
+        self.cause = cause
 
 
 async def checked_body(request: web.Request) -> bytes:
@@ -131,9 +149,13 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         started = [False]
         try:
             return await forward(request, engine, body, app[CLIENT], started)
+        except CutAnswer as cut:
+            pool.mark_failed(engine, f"failed mid-answer: {cut.cause}")
+            if request.transport is not None:  # cut the client's answer too, at once (no closing chunk): it
+                request.transport.close()  # continues the request elsewhere from the tokens it was streamed
+            return cut.response
         except aiohttp.ClientConnectionError as err:
-            if started[0]:
-                pool.mark_failed(engine, f"failed mid-answer: {err}")
+            if started[0]:  # the client left mid-answer
                 raise
             # nothing reached the client yet: take the engine out and try the next one
             last = f"engine {engine.index}: {type(err).__name__}: {err}"

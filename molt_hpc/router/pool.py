@@ -1,8 +1,11 @@
 """The engines behind the router: who they are, whether they are healthy, how busy they are.
 
 Engines are discovered from `rendezvous/engine-*.json` and re-scanned every health interval
-(engines restart on new ports). Only engines that answered their last health check are on the
-ring; a failed connection takes an engine out at once, a passing check brings it back.
+(engines restart on new ports, extra pools join and leave). Only engines that answered their last
+health check are on the ring; a failed connection takes an engine out at once, a passing check
+brings it back. An engine joins the ring only once it serves the ring's newest weight version: one
+that comes up on older weights (a restart, an extra pool) waits for the trainer's refit, which a
+change of registrations triggers at once, so no request is answered by stale weights.
 """
 
 import asyncio
@@ -31,6 +34,10 @@ class Engine:
     in_flight: int = 0
     total: int = 0
     failures: int = 0
+    version: int | None = None
+    """The weight version its last health check reported (None: it does not say)."""
+    waiting: bool = False
+    """Healthy but not on the ring: it serves older weights than the ring until the trainer refits it."""
 
     @property
     def node(self) -> str:
@@ -104,6 +111,8 @@ class EnginePool:
                 "in_flight": e.in_flight,
                 "total": e.total,
                 "failures": e.failures,
+                "version": e.version,
+                "waiting": e.waiting,
             }
             for e in sorted(self.engines.values(), key=lambda e: e.index)
         ]
@@ -116,16 +125,38 @@ class EnginePool:
 
     async def _check(self, session: aiohttp.ClientSession, engine: Engine) -> None:
         timeout = aiohttp.ClientTimeout(total=min(5.0, self.cfg.health_interval_s * 2))
+        version = None
         try:
             async with session.get(engine.url + "/health", headers=auth_headers(self.token), timeout=timeout) as r:
                 ok = r.status == 200
-        except (aiohttp.ClientError, TimeoutError):  # an unreachable engine is simply unhealthy
+                if ok:
+                    version = (await r.json(content_type=None)).get("weight_version")
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):  # unreachable or no JSON: unhealthy
             ok = False
+        engine.version = version if isinstance(version, int) else engine.version
         if ok and not engine.healthy:
+            serving = self.serving_version()
+            if not admits(engine.version, serving):  # it joins once the trainer refitted it
+                if not engine.waiting:
+                    get_logger().info("engine %d (%s) serves weight version %s, the ring %s: it waits for the "
+                                      "refit", engine.index, engine.url, engine.version, serving)  # fmt: skip
+                engine.waiting = True
+                return
             get_logger().info("engine %d (%s) joined the ring", engine.index, engine.url)
+        engine.waiting = False
         if not ok:
             self.mark_failed(engine, "health check failed")
         engine.healthy = ok
 
+    def serving_version(self) -> int | None:
+        """The newest weight version an engine on the ring serves (None: the ring is empty)."""
+        versions = [e.version for e in self.engines.values() if e.healthy and e.version is not None]
+        return max(versions) if versions else None
+
     def _rebuild(self) -> None:
         self.ring.set_nodes({e.node for e in self.engines.values() if e.healthy})
+
+
+def admits(version: int | None, serving: int | None) -> bool:
+    """Whether an engine serving `version` may join a ring whose newest version is `serving`."""
+    return serving is None or version is None or version >= serving

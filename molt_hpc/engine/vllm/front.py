@@ -89,7 +89,7 @@ def normalise_generate(body: object) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object with 'token_ids' and 'sampling_params'")
     if body.get("stream"):
-        raise ValueError("stream = true is not supported: the engine protocol answers whole completions")
+        raise ValueError("stream = true is not supported by the vLLM front: it answers whole completions")
     sp = body.get("sampling_params")
     if sp is None:
         sp = {}
