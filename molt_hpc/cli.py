@@ -12,6 +12,7 @@ import sys
 import click
 
 from molt_hpc.cli_engines import engines_group
+from molt_hpc.cli_plan import plan_cmd
 
 SET_HELP = "Override a config key, e.g. --set algorithm.kl_coef=0.01 (repeatable)."
 DEFAULT_CONFIG = "configs/tiny_cpu.toml"
@@ -145,41 +146,6 @@ def _plan_first(cfg, *, local: bool, refuse: bool) -> None:
     if refuse:
         click.echo("error: the plan refuses this config; change it, or pass --no-plan to start anyway", err=True)
         sys.exit(2)
-
-
-@main.command("plan")
-@click.argument("config", required=False)
-@click.option("--set", "overrides", multiple=True, help=SET_HELP)
-@click.option("--local/--slurm", "local", default=None,
-              help="Plan this machine's placement (molt-hpc run) or the Slurm job's (molt-hpc submit); "
-              "default: Slurm when the slurm section asks for GPUs.")  # fmt: skip
-@click.option("--balance", is_flag=True, help="Search the engine:trainer GPU split and rollout.groups_in_flight "
-              "for the most trained tokens/s; print the best three.")  # fmt: skip
-@click.option("--calibrate", is_flag=True, help="Measure this machine's speed profile (a GPU if there is one, "
-              "else the CPU) on the config's model; print it as a [plan.cuda] or [plan.cpu] section.")  # fmt: skip
-def plan_cmd(
-    config: str | None, overrides: tuple[str, ...], local: bool | None, balance: bool, calibrate: bool
-) -> None:
-    """Does CONFIG fit, and how fast will it run? Per-GPU memory of each pool by category and phase, KV
-    cache, refit, host memory, the predicted step time and what bounds it, a verdict and the changes that
-    would make it fit. Exit 0: it fits and can run; 1: not."""
-    from molt_hpc.plan import default_local, plan_config, report
-
-    if balance and calibrate:
-        raise click.UsageError("--balance plans with a speed profile and --calibrate measures one: pass one of them")
-    cfg = _load(config, overrides)
-    if calibrate:
-        from molt_hpc.plan.calibrate import calibrate_here
-
-        return click.echo(calibrate_here(cfg))
-    local = default_local(cfg) if local is None else local
-    if balance:
-        from molt_hpc.plan.balance import balance_report
-
-        return click.echo(balance_report(cfg, local=local))
-    plan, suggestions = plan_config(cfg, local=local)
-    click.echo(report(plan, suggestions))
-    sys.exit(0 if plan.runnable else 1)
 
 
 @main.command("run")
@@ -396,3 +362,4 @@ def cancel_cmd(run_dir: str, now: bool, timeout_s: float | None) -> None:
 
 
 main.add_command(engines_group)
+main.add_command(plan_cmd)
