@@ -8,6 +8,7 @@ driver.py     the driver: the batch shell on the actor pool's first node, starti
 steps.py      the two job steps (srun commands) and their rendezvous
 lifecycle.py  while the job runs: watch both steps; end, requeue or fail the job
 state.py      a run directory's job: its id on file, its state as Slurm reports it, the control files
+extra.py      an extra engine pool as a Slurm job of its own (`molt-hpc engines add`): submit, state, cancel
 """
 
 from molt_hpc.launch.slurm.job import cancel, dry_run_script, standalone_script, submit
