@@ -92,3 +92,36 @@ def tiny_moe_dir(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("tiny-moe")
     return build_tiny_moe(out, MoltConfig().model.tiny_moe)
+
+
+# The rollout test modules' fixtures (test_rollout, test_rollout_migration, test_chat_openai): module-scoped,
+# so each module has its own engine pool (a module may kill or restart its engines).
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory, tiny_model_dir):
+    from tests.test_rollout_procs import shared_pool
+
+    return shared_pool(tmp_path_factory.mktemp("pool"), tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from molt_hpc.models import load_tokenizer
+
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    import torch
+
+    from molt_hpc.models import load_causal_lm
+
+    torch.set_num_threads(1)
+    return load_causal_lm(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def dataset(pool, tok):
+    from molt_hpc.data import PromptDataset
+
+    return PromptDataset.load(pool.cfg.data, tok, limit=16)

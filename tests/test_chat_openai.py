@@ -14,11 +14,10 @@ from molt_hpc.agents.chat_runner import ChatAgentRunner
 from molt_hpc.agents.grading import reverse_reward
 from molt_hpc.agents.loader import load_agent
 from molt_hpc.data import Position, PromptDataset
-from molt_hpc.models import load_causal_lm, load_tokenizer
 from molt_hpc.rollout.chat_server import ChatServer
 from molt_hpc.rollout.group import run_group
 from tests.rollout_support import check_logprobs, with_link
-from tests.test_rollout_procs import ROOT, shared_pool
+from tests.test_rollout_procs import ROOT
 
 openai = pytest.importorskip("openai")  # the `chat` extra; `make test` installs it (dev extra)
 pytestmark = pytest.mark.timeout(300)
@@ -45,21 +44,6 @@ class TwoTurns(ChatAgent):
         reward = float(len(two.choices[0].message.content))
         return Result(reward=reward, info={"replies": [one, second], "refused": refused})
 """
-
-
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory, tiny_model_dir):
-    return shared_pool(tmp_path_factory.mktemp("pool"), tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return load_tokenizer(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    return load_causal_lm(tiny_model_dir)
 
 
 def run_agent(pool, tok, agent_file: Path, prompt_index: int):

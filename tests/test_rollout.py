@@ -5,43 +5,20 @@ this process against it, exactly as the orchestrator drives them.
 """
 
 import pytest
-import torch
 
 from molt_hpc.agents.chat_runner import ChatAgentRunner, ChatClient
 from molt_hpc.agents.loader import load_agent
 from molt_hpc.agents.observation import ObservationFormatter
 from molt_hpc.agents.step_runner import StepEnvRunner
 from molt_hpc.config.evaluation import EvalConfig
-from molt_hpc.data import Position, Prompt, PromptDataset, render_prompt
-from molt_hpc.models import load_causal_lm, load_tokenizer
+from molt_hpc.data import Position, Prompt, render_prompt
 from molt_hpc.rollout.chat_server import ChatServer
 from molt_hpc.rollout.evaluation import evaluate
 from molt_hpc.rollout.group import run_group
 from tests.rollout_support import NO_STOP, check_logprobs, env_file, with_link
-from tests.test_rollout_procs import ROOT, shared_pool
+from tests.test_rollout_procs import ROOT
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory, tiny_model_dir):
-    return shared_pool(tmp_path_factory.mktemp("pool"), tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return load_tokenizer(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    torch.set_num_threads(1)
-    return load_causal_lm(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def dataset(pool, tok):
-    return PromptDataset.load(pool.cfg.data, tok, limit=16)
 
 
 def test_single_turn_group_is_exact(pool, tok, model, dataset) -> None:

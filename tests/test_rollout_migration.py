@@ -11,45 +11,22 @@ import socket
 
 import numpy as np
 import pytest
-import torch
 
 from molt_hpc.agents.loader import load_agent
 from molt_hpc.agents.step_runner import StepEnvRunner
-from molt_hpc.data import Position, PromptDataset
+from molt_hpc.data import Position
 from molt_hpc.engine import client
 from molt_hpc.engine.client import GenerateResult
 from molt_hpc.engine.stream import Partial
-from molt_hpc.models import load_causal_lm, load_tokenizer
 from molt_hpc.rollout.engines import EngineLink
 from molt_hpc.rollout.group import run_group
 from molt_hpc.rollout.resume import Segments, continuation_seed
 from molt_hpc.rundir import RunDir
 from tests.rollout_support import check_logprobs, env_file, long_group, with_link
-from tests.test_rollout_procs import router_metrics, shared_pool
+from tests.test_rollout_procs import router_metrics
 
 pytestmark = pytest.mark.timeout(300)
 STREAMED = 12
-
-
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory, tiny_model_dir):
-    return shared_pool(tmp_path_factory.mktemp("pool"), tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return load_tokenizer(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    torch.set_num_threads(1)
-    return load_causal_lm(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def dataset(pool, tok):
-    return PromptDataset.load(pool.cfg.data, tok, limit=16)
 
 
 def check_kept(held, model) -> None:
