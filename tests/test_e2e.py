@@ -83,15 +83,30 @@ def ledger(run_dir: Path) -> tuple[set[str], list[str], dict]:
     return put, acked_ids(root), spool_counts(root)
 
 
-def test_tiny_run_learns(tmp_path: Path) -> None:
-    steps = 120  # the demo's 400 steps at half this learning rate reach 0.57; this is the lean version
+STEPS = 120  # the demo's 400 steps at half this learning rate reach 0.57; this is the lean version
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> tuple[Path, str]:
+    """One run of the tiny config that two tests read: its env hangs now and then (FREEZING_ENV), which the
+    run must survive and still learn through, and everything else about a finished run is checked on it."""
+    root = tmp_path_factory.mktemp("tiny")
+    env = root / "sometimes_freezes.py"
+    env.write_text(FREEZING_ENV)
     proc = launch(
-        tmp_path, "configs/tiny_cpu.toml",
-        "--set", f"run.steps={steps}", "--set", "checkpoint.interval=50", "--set", "actor.lr=1e-3",
+        root, "configs/tiny_cpu.toml",
+        "--set", f"run.steps={STEPS}", "--set", "checkpoint.interval=50", "--set", "actor.lr=1e-3",
+        "--set", f"rollout.agent={json.dumps(str(env))}", "--set", "rollout.env_timeout_s=2",
+        "--set", "rollout.stall_report_s=5",
     )  # fmt: skip
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
-    run_dir = tmp_path / "tiny-cpu"
+    return root / "tiny-cpu", out
+
+
+def test_tiny_run_learns(tiny_run: tuple[Path, str]) -> None:
+    run_dir, out = tiny_run
+    steps = STEPS
     actor = steps_and_rising_reward(run_dir, steps)
     # Every step refits; the engines must serve exactly the trainer's last version.
     finished = read_metrics(run_dir / "metrics.jsonl", source="launcher")[-1]
@@ -135,30 +150,20 @@ class SometimesFreezes(Env):
 """
 
 
-def test_an_env_that_freezes_cannot_stop_the_run(tmp_path: Path) -> None:
+def test_an_env_that_freezes_cannot_stop_the_run(tiny_run: tuple[Path, str]) -> None:
     """With the default env workers, steps that hold the GIL forever cost their own samples: the
     orchestrator goes on, every hung step is killed after env_timeout_s, and the policy still learns."""
-    env = tmp_path / "sometimes_freezes.py"
-    env.write_text(FREEZING_ENV)
-    steps = 80
-    proc = launch(
-        tmp_path, "configs/tiny_cpu.toml",
-        "--set", f"run.steps={steps}", "--set", "checkpoint.interval=0", "--set", "actor.lr=1e-3",
-        "--set", f"rollout.agent={json.dumps(str(env))}", "--set", "rollout.env_timeout_s=2",
-        "--set", "rollout.stall_report_s=5",
-    )  # fmt: skip
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out
-    run_dir = tmp_path / "tiny-cpu"
+    run_dir, _ = tiny_run
+    steps = STEPS
     actor = read_metrics(run_dir / "metrics.jsonl", source="actor")
     assert [r["step"] for r in actor] == list(range(1, steps + 1))
-    # Hung steps cost samples and timing decides which, so how far 80 steps get varies from run to run
-    # (0.023 -> 0.113 in one, a rise of 16 standard errors); "still learns" is a rise far outside the noise.
+    # Hung steps cost samples and timing decides which, so how far a run gets varies from run to run (80
+    # steps: 0.023 -> 0.113 in one, a rise of 16 standard errors); "still learns" is a rise far outside the noise.
     first, last, se = quarters([r["reward"] for r in actor])
     assert last - first > 5 * se, f"reward did not rise: first quarter {first:.3f}, last {last:.3f} (se {se:.3f})"
     records = read_metrics(run_dir / "metrics.jsonl", source="rollout")
     timeouts = sum(r.get("env_errors_timeout", 0) for r in records)
-    # Each worker hangs on its 500th step and its replacement counts afresh: of the 80 × 64 trained
+    # Each worker hangs on its 500th step and its replacement counts afresh: of the 120 × 64 trained
     # samples' steps (and more), at most 2 × 499 fall to the last two workers, so at least 8 hang.
     assert timeouts >= 8
     assert records[-1]["env_workers"] == worker_count("auto") and records[-1]["env_workers_replaced_total"] >= timeouts
