@@ -11,7 +11,10 @@ vLLM's router answers its own admin routes (`/add_worker`, `/list_workers`) with
 supervisor compares its workers with this run's engines every health interval and stops if a
 foreign one appears, since requests (and the token they carry) would go there. An engine that
 restarts on a new port restarts the child on the same port with the new worker list; the
-registration in `rendezvous/router.json` names this supervisor's pid and the child's address.
+registration in `rendezvous/router.json` names this supervisor's pid and the child's address. A new
+engine (a restart, an extra pool) becomes a worker only once it serves the newest weight version any
+engine serves, as in the built-in router: no request meets stale weights. Engines already routed to stay
+through a refit, which updates them one after another.
 """
 
 import json
@@ -28,7 +31,7 @@ from pathlib import Path
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import get_logger, setup_logging
 from molt_hpc.net import ALL_INTERFACES, free_port
-from molt_hpc.router.pool import ENGINE_FILE
+from molt_hpc.router.pool import ENGINE_FILE, admits
 from molt_hpc.rundir import RunDir, atomic_write
 
 INSTALL = "pip install 'molt-hpc[vllm-router]'"
@@ -56,6 +59,28 @@ def engine_urls(run: RunDir) -> list[str]:
         if match and url:
             urls[int(match.group(1))] = url
     return [urls[i] for i in sorted(urls)]
+
+
+def served_versions(urls: list[str], token: str) -> dict[str, int | None]:
+    """The weight version of each engine that answers its `/health` (asked with the run's token, which gets
+    the whole answer): None for one that answers without saying; one that does not answer is left out."""
+    out: dict[str, int | None] = {}
+    for url in urls:
+        req = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {token}"})
+        try:
+            with urllib.request.urlopen(req, timeout=2) as resp:
+                version = json.loads(resp.read()).get("weight_version")
+        except (OSError, ValueError, AttributeError):  # not answering (or refusing the token): not yet
+            continue
+        out[url] = version if isinstance(version, int) else None
+    return out
+
+
+def admitted(urls: list[str], current: list[str], versions: dict[str, int | None]) -> list[str]:
+    """The workers vLLM's router gets: the engines it routes to now, and each new one that answered and
+    serves the newest version any engine serves."""
+    newest = max((v for v in versions.values() if v is not None), default=None)
+    return [u for u in urls if u in current or (u in versions and admits(versions[u], newest))]
 
 
 def command(cfg: MoltConfig, port: int, urls: list[str]) -> list[str]:
@@ -99,6 +124,10 @@ class Supervisor:
             time.sleep(0.2)
         get_logger().info("vllm-router at %s routes to %s", self.url, ", ".join(urls))
 
+    def admit(self, urls: list[str]) -> list[str]:
+        """Of the registered engines, the ones to route to (`admitted`)."""
+        return admitted(urls, self.urls, served_versions(urls, self.token)) if urls else []
+
     def foreign_workers(self) -> list[str]:
         """Workers the router has that are not this run's engines (someone used its admin routes)."""
         try:
@@ -139,7 +168,7 @@ def main(cfg: MoltConfig, run_dir: str | Path) -> int:
     sup = Supervisor(cfg, run)
     record = run.rendezvous / "router.json"
     try:
-        while not (urls := engine_urls(run)) and not stopping:
+        while not (urls := sup.admit(engine_urls(run))) and not stopping:
             time.sleep(0.2)
         if stopping:
             return 0
@@ -153,7 +182,7 @@ def main(cfg: MoltConfig, run_dir: str | Path) -> int:
             if foreign := sup.foreign_workers():
                 log.error("vllm-router has workers that are not engines of this run (%s): stopping", foreign)
                 return 1
-            if (urls := engine_urls(run)) and urls != sup.urls:
+            if (urls := engine_urls(run)) != sup.urls and (urls := sup.admit(urls)) and urls != sup.urls:
                 log.info("engines changed: restarting vllm-router with %s", ", ".join(urls))
                 sup.start(urls)
         return 0
