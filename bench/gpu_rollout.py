@@ -1,0 +1,204 @@
+"""The built-in engine under the SmolLM2 recipe's rollout load, on one GPU: where its time goes.
+
+The recipe (`configs/smollm2_gym_gpu.toml`) keeps 32 groups x 8 samples in flight against one engine of
+128 rows; prompts are ~40-100 tokens and answers stop on their own after a few to 64 tokens, so rows join
+and leave at almost every step. This bench replays that load with the SmolLM2-135M shape (random
+weights, built from `configs/models/smollm2-135m`; answer lengths drawn from the same range, since random
+weights never stop on their own) and reports tokens/s for:
+
+- the scheduler in this process (no HTTP), with the time of each part of its steps: prefill, joining the
+  slot cache, the decode step (graph replay and read-back), rows leaving, and the rest (Python);
+- the engine process over HTTP on loopback, whole answers and streamed answers (what the rollout sends).
+
+The baseline of every row is HF `generate` on the same model: one left-padded batch of 128 prompts,
+64 new tokens each, sampled.
+
+    python bench/gpu_rollout.py [--out rows.jsonl] [--requests 256] [--dry-run]
+"""
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import pstats
+import random
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from concurrent.futures import Future
+from pathlib import Path
+
+import aiohttp
+import torch
+from gpu_common import gpu_env, sync, write_row
+from gpu_engine import engine_url, hf_generate, start_engine
+
+from molt_hpc.config import load_config, to_toml
+from molt_hpc.engine.client import generate
+from molt_hpc.engine.sampling import SamplingParams
+from molt_hpc.engine.stream import Partial, generate_streamed
+from molt_hpc.rundir import create_run_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def smollm2(device, dtype, dry: bool):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(REPO / "configs" / "models" / "smollm2-135m")
+    if dry:
+        config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=1000))  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def load(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt, answer length) of `n` requests: the recipe's prompt and answer length ranges."""
+    rng = random.Random(seed)
+    return [([rng.randrange(1, vocab) for _ in range(rng.randint(40, 100))], rng.randint(8, 64)) for _ in range(n)]
+
+
+class PartTimer:
+    """Wraps the runner's and slot cache's methods to add up the seconds each takes (synchronised)."""
+
+    def __init__(self, runner, device):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        for obj, name, part in ((runner, "prefill", "prefill"), (runner, "join", "join"),
+                                (runner, "decode_sampled", "decode"), (runner, "decode", "decode"),
+                                (runner.slots, "keep", "leave")):  # fmt: skip
+            setattr(obj, name, self._wrap(getattr(obj, name), part, device))
+
+    def _wrap(self, fn, part, device):
+        def timed(*args, **kwargs):
+            sync(device)
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync(device)
+            self.seconds[part] += time.perf_counter() - t0
+            self.calls[part] += 1
+            return out
+
+        return timed
+
+
+def core_round(runner, requests, max_batch: int, profile: bool = False):
+    """All requests through the scheduler in this process, `max_batch` rows at most: (seconds, tokens, steps,
+    cProfile text or None)."""
+    from molt_hpc.engine.batch import Row
+    from molt_hpc.engine.scheduler import Scheduler
+
+    sched = Scheduler(runner, eos_ids=set(), max_batch=max_batch, max_model_len=runner.slots.capacity, seed=0)
+    rows = [Row(p, SamplingParams(max_tokens=m, ignore_eos=True, top_k=0), Future()) for p, m in requests]
+    prof = cProfile.Profile() if profile else None
+    t0 = time.perf_counter()
+    for row in rows:
+        sched.submit(row)
+    if prof:
+        prof.enable()
+    while sched.rows or sched.waiting:
+        sched._step()
+    if prof:
+        prof.disable()
+    dt = time.perf_counter() - t0
+    assert all(len(r.tokens) == m for r, (_, m) in zip(rows, requests, strict=True))
+    text = None
+    if prof:
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+        text = buf.getvalue()
+    return dt, sum(m for _, m in requests), sched.steps, text
+
+
+async def http_round(url: str, token: str, requests, streamed: bool) -> tuple[float, int]:
+    async def one(s, prompt, m):
+        sp = {"max_tokens": m, "ignore_eos": True, "temperature": 1.0, "top_k": 0}
+        if streamed:
+            return await generate_streamed(s, url, prompt, sp, Partial(), token=token)
+        return await generate(s, url, prompt, sp, token=token)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*[one(s, p, m) for p, m in requests])
+        dt = time.perf_counter() - t0
+    assert [len(o.token_ids) for o in out] == [m for _, m in requests]
+    return dt, sum(m for _, m in requests)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--requests", type=int, default=256, help="requests in flight (the recipe: 32 groups x 8)")
+    ap.add_argument("--max-batch", type=int, default=128, help="engines.max_batch (the recipe's)")
+    ap.add_argument("--profile", type=Path, help="write the in-process round's cProfile here")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU: checks the script")
+    args = ap.parse_args()
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        print("gpu_rollout: needs a CUDA GPU; --dry-run on a CPU")
+        return 0
+    device = torch.device("cpu" if dry else "cuda:0")
+    dtype = torch.float32 if dry else torch.bfloat16
+    model = smollm2(device, dtype, dry)
+    requests = load(args.requests, model.config.vocab_size)
+    tokens = sum(m for _, m in requests)
+    print(f"gpu_rollout: {args.requests} requests, {tokens} tokens, max_batch {args.max_batch}", flush=True)
+
+    prompts = [p for p, _ in requests[: args.max_batch]]
+    hf_s = hf_generate(model, prompts, 64, device)
+    hf_tps = len(prompts) * 64 / hf_s
+    write_row(args.out, bench="rollout", case=f"HF generate, {len(prompts)} x 64 new tokens (baseline)",
+              value=hf_tps, unit="tok/s", note=f"{hf_s:.2f} s")  # fmt: skip
+
+    from molt_hpc.engine.slots import SlotRunner
+
+    flags = {} if dry else {"graphs": True, "sampling": True, "fuse": True}
+    runner = SlotRunner(model, device, max_batch=args.max_batch, max_model_len=256, **flags)
+    t0 = time.perf_counter()
+    core_round(runner, requests, args.max_batch)  # warm-up: records the decode graphs
+    warm = time.perf_counter() - t0
+    timer = PartTimer(runner, device)
+    dt, _, steps, _ = core_round(runner, requests, args.max_batch)
+    parts = ", ".join(f"{k} {1000 * v / steps:.2f} ms ({timer.calls[k]} calls)" for k, v in timer.seconds.items())
+    rest = dt - sum(timer.seconds.values())
+    write_row(args.out, bench="rollout", case="scheduler in-process, parts timed", value=tokens / dt, unit="tok/s",
+              baseline=hf_tps, ratio=tokens / dt / hf_tps,
+              note=f"{steps} steps, {1000 * dt / steps:.2f} ms/step: {parts}, rest {1000 * rest / steps:.2f} ms; "
+              f"first round (graph capture) {warm:.1f} s")  # fmt: skip
+    runner = SlotRunner(model, device, max_batch=args.max_batch, max_model_len=256, **flags)
+    core_round(runner, requests, args.max_batch)
+    dt, _, steps, prof = core_round(runner, requests, args.max_batch, profile=args.profile is not None)
+    write_row(args.out, bench="rollout", case="scheduler in-process", value=tokens / dt, unit="tok/s",
+              baseline=hf_tps, ratio=tokens / dt / hf_tps, note=f"{steps} steps, {1000 * dt / steps:.2f} ms/step")  # fmt: skip
+    if prof and args.profile:
+        args.profile.write_text(prof)
+    del runner
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-gpu-rollout-"))
+    model.save_pretrained(tmp / "model", safe_serialization=True)
+    sets = [f"model.path={json.dumps(str(tmp / 'model'))}", f"model.dtype='{str(dtype)[6:]}'",
+            f"engines.max_batch={args.max_batch}", "engines.max_model_len=256", f"engines.device='{device.type}'",
+            "engines.gpu_memory_utilization=0.3"]  # fmt: skip
+    run = create_run_dir(tmp, "run", to_toml(load_config(None, sets)))
+    proc = start_engine(run, gpu_env())
+    try:
+        url = engine_url(run, proc)
+        for streamed in (False, True, False, True):  # the first of each warms up
+            dt, _ = asyncio.run(http_round(url, run.token(), requests, streamed))
+        for streamed in (False, True):
+            dt, _ = asyncio.run(http_round(url, run.token(), requests, streamed))
+            write_row(args.out, bench="rollout", case=f"engine process, HTTP, {'streamed' if streamed else 'whole'}",
+                      value=tokens / dt, unit="tok/s", baseline=hf_tps, ratio=tokens / dt / hf_tps)  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
