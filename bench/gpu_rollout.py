@@ -87,13 +87,14 @@ class PartTimer:
         return timed
 
 
-def core_round(runner, requests, max_batch: int, profile: bool = False):
+def core_round(runner, requests, max_batch: int, profile: bool = False, interval: int = 1):
     """All requests through the scheduler in this process, `max_batch` rows at most: (seconds, tokens, steps,
     cProfile text or None)."""
     from molt_hpc.engine.batch import Row
     from molt_hpc.engine.scheduler import Scheduler
 
-    sched = Scheduler(runner, eos_ids=set(), max_batch=max_batch, max_model_len=runner.slots.capacity, seed=0)
+    sched = Scheduler(runner, eos_ids=set(), max_batch=max_batch, max_model_len=runner.slots.capacity, seed=0,
+                      prefill_interval=interval)  # fmt: skip
     rows = [Row(p, SamplingParams(max_tokens=m, ignore_eos=True, top_k=0), Future()) for p, m in requests]
     prof = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
@@ -135,6 +136,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--requests", type=int, default=256, help="requests in flight (the recipe: 32 groups x 8)")
     ap.add_argument("--max-batch", type=int, default=128, help="engines.max_batch (the recipe's)")
+    ap.add_argument("--interval", type=int, default=8, help="engines.prefill_interval of the engine process")
     ap.add_argument("--profile", type=Path, help="write the in-process round's cProfile here")
     ap.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU: checks the script")
     args = ap.parse_args()
@@ -163,27 +165,33 @@ def main() -> int:
     core_round(runner, requests, args.max_batch)  # warm-up: records the decode graphs
     warm = time.perf_counter() - t0
     timer = PartTimer(runner, device)
-    dt, _, steps, _ = core_round(runner, requests, args.max_batch)
-    parts = ", ".join(f"{k} {1000 * v / steps:.2f} ms ({timer.calls[k]} calls)" for k, v in timer.seconds.items())
-    rest = dt - sum(timer.seconds.values())
-    write_row(args.out, bench="rollout", case="scheduler in-process, parts timed", value=tokens / dt, unit="tok/s",
-              baseline=hf_tps, ratio=tokens / dt / hf_tps,
-              note=f"{steps} steps, {1000 * dt / steps:.2f} ms/step: {parts}, rest {1000 * rest / steps:.2f} ms; "
-              f"first round (graph capture) {warm:.1f} s")  # fmt: skip
+    for interval in (1, 4, 8, 16):
+        timer.seconds.clear()
+        timer.calls.clear()
+        dt, _, steps, _ = core_round(runner, requests, args.max_batch, interval=interval)
+        parts = ", ".join(f"{k} {1000 * v / steps:.2f} ms ({timer.calls[k]} calls)" for k, v in timer.seconds.items())
+        rest = dt - sum(timer.seconds.values())
+        write_row(args.out, bench="rollout", case=f"scheduler in-process, prefill_interval {interval}, parts timed",
+                  value=tokens / dt, unit="tok/s", baseline=hf_tps, ratio=tokens / dt / hf_tps,
+                  note=f"{steps} steps, {1000 * dt / steps:.2f} ms/step: {parts}, rest {1000 * rest / steps:.2f} ms; "
+                  f"first round (graph capture) {warm:.1f} s")  # fmt: skip
     runner = SlotRunner(model, device, max_batch=args.max_batch, max_model_len=256, **flags)
     core_round(runner, requests, args.max_batch)
-    dt, _, steps, prof = core_round(runner, requests, args.max_batch, profile=args.profile is not None)
-    write_row(args.out, bench="rollout", case="scheduler in-process", value=tokens / dt, unit="tok/s",
-              baseline=hf_tps, ratio=tokens / dt / hf_tps, note=f"{steps} steps, {1000 * dt / steps:.2f} ms/step")  # fmt: skip
-    if prof and args.profile:
-        args.profile.write_text(prof)
+    for interval in (1, 4, 8, 16):
+        profile = args.profile is not None and interval == args.interval
+        dt, _, steps, prof = core_round(runner, requests, args.max_batch, profile=profile, interval=interval)
+        if prof and args.profile:
+            args.profile.write_text(prof)
+        write_row(args.out, bench="rollout", case=f"scheduler in-process, prefill_interval {interval}",
+                  value=tokens / dt, unit="tok/s", baseline=hf_tps, ratio=tokens / dt / hf_tps,
+                  note=f"{steps} steps, {1000 * dt / steps:.2f} ms/step")  # fmt: skip
     del runner
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-gpu-rollout-"))
     model.save_pretrained(tmp / "model", safe_serialization=True)
     sets = [f"model.path={json.dumps(str(tmp / 'model'))}", f"model.dtype='{str(dtype)[6:]}'",
             f"engines.max_batch={args.max_batch}", "engines.max_model_len=256", f"engines.device='{device.type}'",
-            "engines.gpu_memory_utilization=0.3"]  # fmt: skip
+            "engines.gpu_memory_utilization=0.3", f"engines.prefill_interval={args.interval}"]  # fmt: skip
     run = create_run_dir(tmp, "run", to_toml(load_config(None, sets)))
     proc = start_engine(run, gpu_env())
     try:

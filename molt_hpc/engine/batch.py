@@ -37,7 +37,7 @@ class Row:
     routing: Any = None
     """The experts of every forwarded position (an `engine.routing.RowRouting`) when routing is captured."""
     notify: Any = None
-    """Called on the scheduler thread after each step that gave the row a token (a streamed answer)."""
+    """Called on the server's event loop after each step that gave the row a token (a streamed answer)."""
 
     @property
     def context(self) -> list[int]:

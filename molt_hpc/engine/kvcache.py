@@ -54,8 +54,9 @@ class BatchCache:
             mine.values = torch.cat([mine.values, theirs.values], dim=0)
         self.mask = torch.cat([self.mask, other.mask], dim=0)
 
-    def keep(self, rows: list[int]) -> None:
-        """Keep only `rows` (in that order), then cut the columns that are padding in all of them."""
+    def keep(self, rows: list[int], width: int | None = None) -> None:
+        """Keep only `rows` (in that order), then cut the columns that are padding in all of them (which
+        also covers `width`, the slot cache's bound on the columns in use)."""
         assert rows, "an empty batch has no cache; drop the BatchCache instead"
         idx = torch.tensor(rows, device=self.mask.device)
         mask = self.mask.index_select(0, idx)

@@ -111,6 +111,7 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
         max_model_len=eng.max_model_len,
         seed=cfg.run.seed * 1000 + index,
         routing=routing,
+        prefill_interval=eng.prefill_interval,
     )
     vocab = model.config.get_text_config().vocab_size
     state = EngineState(sched, vocab, eng.max_model_len, str(cfg.model.path), index, place=place(dev), vision=vision)

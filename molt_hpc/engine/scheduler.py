@@ -27,6 +27,15 @@ from molt_hpc.engine.slots import SlotCache
 from molt_hpc.log import get_logger
 
 
+def fill_holes(keep: list[int]) -> list[int]:
+    """The old index of each new position when the rows `keep` (ascending) stay: rows already in the first
+    `len(keep)` places stay put, the rest fill the holes in order."""
+    m = len(keep)
+    movers = iter(i for i in keep if i >= m)
+    kept = set(keep)
+    return [i if i in kept else next(movers) for i in range(m)]
+
+
 class Scheduler:
     """Continuous batching over one model: rows join and leave between decode steps."""
 
@@ -39,6 +48,7 @@ class Scheduler:
         max_model_len: int,
         seed: int,
         routing: RoutingRecorder | None = None,
+        prefill_interval: int = 1,
     ):
         self.runner = runner
         self.routing = routing
@@ -46,6 +56,9 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.max_batch = max_batch
         self.max_model_len = max_model_len
+        self.prefill_interval = prefill_interval
+        """Decode steps between two prefills while more than half the batch decodes (`engines.prefill_interval`)."""
+        self._since_prefill = 0
         self.version = 0
         self.rows: list[Row] = []
         self.waiting: list[Row] = []  # admissible, not yet prefilled
@@ -53,6 +66,9 @@ class Scheduler:
         self.pause_mode: str | None = None  # None, "wait" (draining), "paused"
         self.refitting = False
         self.steps = 0
+        self.on_tokens: Callable[[list[Row]], None] | None = None
+        """Called on this thread once per step with the streamed rows (`Row.notify` set) still running: the
+        server wakes their answers with one hand-over to its event loop, not one per row."""
         self._batch: BatchCache | SlotCache | None = None  # the runner's running batch
         self._drained: list[Future] = []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -172,7 +188,11 @@ class Scheduler:
     @torch.inference_mode()
     def _step(self) -> None:
         room = self.max_batch - len(self.rows)
-        if room > 0 and self.waiting:
+        self._since_prefill += 1
+        # Prefill when the interval is up, or at once when half the batch or more stands empty.
+        due = self._since_prefill >= self.prefill_interval or 2 * room >= self.max_batch
+        if room > 0 and self.waiting and due:
+            self._since_prefill = 0
             newcomers, self.waiting = self.waiting[:room], self.waiting[room:]
             logits, cache = self.runner.prefill([r.context for r in newcomers], [r.images for r in newcomers])
             self._route_prefill(newcomers)
@@ -205,9 +225,9 @@ class Scheduler:
                     row.versions.append(self.version)
             self._retire()
         self.steps += 1
-        for row in self.rows:  # a streamed answer sends what the step added (finished rows end by their future)
-            if row.notify is not None:
-                row.notify()
+        streamed = [row for row in self.rows if row.notify is not None]  # finished rows end by their future
+        if streamed and self.on_tokens is not None:
+            self.on_tokens(streamed)
         if self.pause_mode == "wait" and not (self.rows or self.waiting):
             self.pause_mode = "paused"
             self._resolve_drained()
@@ -246,11 +266,14 @@ class Scheduler:
         return None
 
     def _drop(self, keep: list[int]) -> None:
-        self.rows = [self.rows[i] for i in keep]
-        if not keep:
+        """Keep the rows at the (ascending) indices `keep`; the last rows move into the holes the others
+        left, so a step in which a few rows finish moves a few rows' K/V, not every row after them."""
+        order = fill_holes(keep)
+        self.rows = [self.rows[i] for i in order]
+        if not order:
             self._batch = None
         elif self._batch is not None:
-            self._batch.keep(keep)
+            self._batch.keep(order, max(r.length for r in self.rows))
 
     def _finish(self, row: Row, reason: str) -> None:
         if not row.future.done():

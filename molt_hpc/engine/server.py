@@ -63,6 +63,7 @@ def build_app(state: EngineState, token: str, open_health: bool = False) -> web.
     middlewares = [token_middleware(token, open_health), errors_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=1 << 30)
     app[STATE], app[IDS] = state, itertools.count()
+    app.on_startup.append(bind_loop)
     app.add_routes(
         [
             web.post("/inference/v1/generate", generate),
@@ -74,6 +75,17 @@ def build_app(state: EngineState, token: str, open_health: bool = False) -> web.
         ]
     )
     return app
+
+
+async def bind_loop(app: web.Application) -> None:
+    """Streamed rows are woken on this app's event loop: one thread-safe hand-over per engine step."""
+    loop = asyncio.get_running_loop()
+    app[STATE].scheduler.on_tokens = lambda rows: loop.call_soon_threadsafe(notify_rows, rows)
+
+
+def notify_rows(rows: list[Row]) -> None:
+    for row in rows:
+        row.notify()
 
 
 async def generate(request: web.Request) -> web.Response:
@@ -123,17 +135,16 @@ async def stream_answer(request: web.Request, state: EngineState, row: Row, rid:
     """`stream: true`: server-sent events, one per step with the tokens it added (`token_ids`, `logprobs`,
     `weight_versions`), then the whole answer; an engine that dies mid-request has handed out every token it
     sampled, so the client continues the request elsewhere from them (`molt_hpc.rollout.resume`)."""
-    sched, loop, moved = state.scheduler, asyncio.get_running_loop(), asyncio.Event()
-    row.notify = lambda: loop.call_soon_threadsafe(moved.set)
+    sched, moved = state.scheduler, asyncio.Event()
+    row.notify = moved.set  # on this loop, after each step (`bind_loop`)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     await run_on_scheduler(state, lambda: sched.submit(row))
     done, sent = asyncio.wrap_future(row.future), 0
+    done.add_done_callback(lambda _: moved.set())
     try:
         while not done.done():
-            waiter = asyncio.ensure_future(moved.wait())
-            await asyncio.wait({done, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
+            await moved.wait()
             moved.clear()
             # The scheduler thread appends tokens, log-probs, then versions: the shortest list is whole.
             n = min(len(row.tokens), len(row.logprobs), len(row.versions))

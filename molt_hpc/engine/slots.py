@@ -26,6 +26,8 @@ from molt_hpc.engine.kvcache import BatchCache
 ATTENTION = ("sdpa", "eager")
 """Attention kernels that take a 4-D additive mask (flash-attention 2 takes none)."""
 DECODE_ATTENTION = "molt_slot_decode"
+JOIN_BYTES = 256 << 20
+"""Most bytes of a prefill's K/V copied into the slots at once (layers are stacked up to this)."""
 
 
 def decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -83,9 +85,13 @@ class SlotCache:
     """K/V of every running row in fixed slots, plus the write indices of the step in flight."""
 
     def __init__(self, config, slots: int, capacity: int, dtype: torch.dtype, device: torch.device):
-        shape = kv_shape(config, slots, capacity)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        rows, kv_heads, head_dim = kv_shape(config, slots, capacity)
+        layers = config.num_hidden_layers
+        # One tensor for every layer's K and V: rows joining or leaving move all layers in one copy
+        # (a copy per layer is 2 x layers launches, which cost more than the bytes at a small model).
+        self.kv = torch.zeros(2 * layers, rows, kv_heads, head_dim, dtype=dtype, device=device)
+        self.keys = list(self.kv[:layers].unbind(0))
+        self.values = list(self.kv[layers:].unbind(0))
         self.slots, self.capacity, self.dtype = slots, capacity, dtype
         self.rows = 0
         """Running rows: slots [0, rows)."""
@@ -97,7 +103,7 @@ class SlotCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return self.kv.numel() * self.kv.element_size()
 
     def _view(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(self.slots, self.capacity, *t.shape[1:])
@@ -118,22 +124,27 @@ class SlotCache:
         slot = torch.arange(self.rows, self.rows + k, device=column.device)[:, None]
         dst = (slot * self.capacity + column)[valid].to(self._dst.device)
         src = src.to(self._dst.device)
-        for mine, theirs in zip(self.keys + self.values, _layer_tensors(part.cache), strict=True):
-            flat = theirs.transpose(1, 2).reshape(k * length, *mine.shape[1:])
-            mine.index_copy_(0, dst, flat.index_select(0, src).to(mine.dtype))
+        theirs = _layer_tensors(part.cache)
+        # Layers go in groups of bounded size: one stacked copy per group instead of one per layer
+        # (launches cost more than bytes at a small model), without doubling a big prefill's memory.
+        group = max(1, JOIN_BYTES // max(1, theirs[0].numel() * theirs[0].element_size()))
+        for start in range(0, len(theirs), group):
+            part_kv = torch.stack(theirs[start : start + group]).transpose(2, 3)  # [g, k, length, kv_heads, d]
+            flat = part_kv.reshape(part_kv.shape[0], k * length, *self.kv.shape[2:])
+            self.kv[start : start + group].index_copy_(1, dst, flat.index_select(1, src).to(self.kv.dtype))
         self.rows += k
 
-    def keep(self, rows: list[int]) -> None:
-        """Keep only `rows` (ascending), moving each kept row down into slot `new` from slot `old`."""
-        moves = [(new, old) for new, old in enumerate(rows) if new != old]
+    def keep(self, order: list[int], width: int) -> None:
+        """Keep the rows `order` lists (old slot per new slot), moving those whose slot changes; only their first
+        `width` columns hold anything (the longest running row's length)."""
+        moves = [(new, old) for new, old in enumerate(order) if new != old]
         if moves:
             dev = self._dst.device
             new = torch.tensor([n for n, _ in moves], device=dev)
             old = torch.tensor([o for _, o in moves], device=dev)
-            for t in self.keys + self.values:
-                view = self._view(t)
-                view.index_copy_(0, new, view.index_select(0, old))
-        self.rows = len(rows)
+            view = self.kv.view(len(self.kv), self.slots, self.capacity, *self.kv.shape[2:])[:, :, :width]
+            view.index_copy_(1, new, view.index_select(1, old))  # the copy is taken before any slot is written
+        self.rows = len(order)
 
     # -- one decode step ------------------------------------------------------------------------
 

@@ -1,0 +1,63 @@
+"""The slot cache's batch bookkeeping on the CPU: rows that leave are replaced by the last rows (holes filled),
+prefills wait for `prefill_interval` steps while rows decode, and through all of it every sampled token's
+log-prob equals a teacher-forced forward over the row's whole sequence (the K/V each row attends to are its own).
+"""
+
+import itertools
+from concurrent.futures import Future
+
+import torch
+
+from molt_hpc.engine.batch import Row
+from molt_hpc.engine.sampling import SamplingParams
+from molt_hpc.engine.scheduler import Scheduler, fill_holes
+from molt_hpc.engine.slots import SlotRunner
+from molt_hpc.models import load_causal_lm
+from tests.test_engine import teacher_forced
+
+
+def test_fill_holes_moves_only_the_rows_past_the_kept_count() -> None:
+    assert fill_holes([0, 1, 2]) == [0, 1, 2]
+    assert fill_holes([]) == []
+    assert fill_holes([0, 2, 3, 5]) == [0, 5, 2, 3]  # slot 1 is a hole: row 5 fills it; 4 left
+    assert fill_holes([4, 5]) == [4, 5]
+    for keep in ([1, 3, 4, 6, 7], [0, 1, 5, 6], [2]):
+        order = fill_holes(keep)
+        assert sorted(order) == keep, "every kept row once"
+        moved = [new for new, old in enumerate(order) if new != old]
+        assert len(moved) == sum(i >= len(keep) for i in keep), "only rows past the kept count move"
+
+
+def test_rows_that_join_and_leave_a_slot_batch_keep_exact_logprobs(tiny_model_dir) -> None:
+    model = load_causal_lm(tiny_model_dir)
+    runner = SlotRunner(model, torch.device("cpu"), max_batch=6, max_model_len=128)
+    interval = 3
+    sched = Scheduler(runner, eos_ids=set(), max_batch=6, max_model_len=128, seed=0, prefill_interval=interval)
+    gen = torch.Generator().manual_seed(0)
+    lengths = [5, 9, 3, 17, 11, 7, 4, 13, 6, 8, 12, 5, 9, 14, 3, 6]
+    answers = [6, 2, 9, 4, 3, 8, 5, 2, 7, 9, 3, 11, 4, 6, 2, 5]
+    rows = [Row(torch.randint(4, 100, (n,), generator=gen).tolist(), SamplingParams(max_tokens=m, ignore_eos=True),
+                Future()) for n, m in zip(lengths, answers, strict=True)]  # fmt: skip
+    for row in rows:
+        sched.submit(row)
+    admitted_at, moved = {}, 0
+    while sched.rows or sched.waiting:
+        before = [id(r) for r in sched.rows]
+        waiting = len(sched.waiting)
+        sched._step()
+        if len(sched.waiting) < waiting:
+            admitted_at[sched.steps] = len(before)  # rows decoding when the prefill came
+        kept = [i for i in before if i in {id(r) for r in sched.rows}]
+        moved += sum(a != b for a, b in zip(kept, [id(r) for r in sched.rows], strict=False))
+    steps = sorted(admitted_at)
+    assert steps[0] == 1 and len(steps) > 2, admitted_at
+    # while more than half the slots decode, a prefill waits `interval` steps after the last one
+    gaps = [b - a for a, b in itertools.pairwise(steps) if 2 * admitted_at[b] > 6]
+    assert gaps and min(gaps) >= interval, admitted_at
+    early = [b - a for a, b in itertools.pairwise(steps) if 2 * admitted_at[b] <= 6]
+    assert early and min(early) < interval, f"a half-empty batch never prefilled early: {admitted_at}"
+    assert moved > 0, "no row ever moved into a hole: the test misses the slot moves"
+    for row, m in zip(rows, answers, strict=True):
+        assert row.future.result()[0] == "length" and len(row.tokens) == m
+        want = teacher_forced(model, row.prompt, row.tokens, {})
+        assert torch.allclose(torch.tensor(row.logprobs), want, atol=1e-4), (row.logprobs, want.tolist())
