@@ -61,3 +61,20 @@ def test_rows_that_join_and_leave_a_slot_batch_keep_exact_logprobs(tiny_model_di
         assert row.future.result()[0] == "length" and len(row.tokens) == m
         want = teacher_forced(model, row.prompt, row.tokens, {})
         assert torch.allclose(torch.tensor(row.logprobs), want, atol=1e-4), (row.logprobs, want.tolist())
+
+
+def test_the_load_meter_reports_each_window_once() -> None:
+    from molt_hpc.engine.load import LoadMeter, load_line
+
+    meter = LoadMeter(window_s=10.0, start=100.0)
+    meter.add(0.004, prefilled=6, decoded=0)
+    for _ in range(3):
+        meter.add(0.002, prefilled=0, decoded=40)
+    assert meter.take(now=109.9) is None, "the window is still open"
+    figures = meter.take(now=110.0)
+    assert figures is not None
+    assert figures["tokens_per_s"] == (120 + 6) / 10.0
+    assert abs(figures["busy"] - 0.010 / 10.0) < 1e-12
+    assert figures["rows_per_step"] == 120 / 4 and figures["prefills_per_s"] == 1 / 10.0
+    assert "13 tok/s" in load_line(figures)
+    assert meter.take(now=115.0) is None and meter.decoded == 0, "a new window starts empty"

@@ -14,6 +14,7 @@ every token after the update is exactly what the new policy gives for its contex
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 
 from molt_hpc.engine.batch import ModelRunner, Row, append_samples, sample_rows
 from molt_hpc.engine.kvcache import BatchCache
+from molt_hpc.engine.load import LoadMeter, load_line
 from molt_hpc.engine.routing import RoutingRecorder
 from molt_hpc.engine.slots import SlotCache
 from molt_hpc.log import get_logger
@@ -70,6 +72,8 @@ class Scheduler:
         """Called on this thread once per step with the streamed rows (`Row.notify` set) still running: the
         server wakes their answers with one hand-over to its event loop, not one per row."""
         self._batch: BatchCache | SlotCache | None = None  # the runner's running batch
+        self.load = LoadMeter()
+        """This window's busy time and tokens, logged once per window."""
         self._drained: list[Future] = []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._generator = torch.Generator(device=runner.device).manual_seed(seed)
@@ -168,7 +172,11 @@ class Scheduler:
                 self._run_command(fn, fut)
                 continue  # drain every pending command before the next step
             try:
-                self._step()
+                start = time.perf_counter()
+                prefilled, decoded = self._step()
+                self.load.add(time.perf_counter() - start, prefilled, decoded)
+                if (figures := self.load.take()) is not None:
+                    get_logger().info(load_line(figures))
             except Exception as err:  # a failed step fails its requests, the engine keeps serving
                 get_logger().exception("engine step failed")
                 for row in self.rows + self.waiting:
@@ -186,44 +194,12 @@ class Scheduler:
             fut.set_result(result)
 
     @torch.inference_mode()
-    def _step(self) -> None:
-        room = self.max_batch - len(self.rows)
-        self._since_prefill += 1
-        # Prefill when the interval is up, or at once when half the batch or more stands empty.
-        due = self._since_prefill >= self.prefill_interval or 2 * room >= self.max_batch
-        if room > 0 and self.waiting and due:
-            self._since_prefill = 0
-            newcomers, self.waiting = self.waiting[:room], self.waiting[room:]
-            logits, cache = self.runner.prefill([r.context for r in newcomers], [r.images for r in newcomers])
-            self._route_prefill(newcomers)
-            self._append(newcomers, logits)
-            self._batch = self.runner.join(self._batch, cache)
-            self.rows.extend(newcomers)
-            self._retire()
+    def _step(self) -> tuple[int, int]:
+        """One step; returns (rows prefilled, tokens the decode step sampled)."""
+        prefilled = self._admit()
+        decoded = len(self.rows)
         if self.rows:
-            assert self._batch is not None and self._batch.rows == len(self.rows)
-            last = [r.tokens[-1] for r in self.rows]  # every running row has sampled at least once
-            positions = [r.length - 1 for r in self.rows]
-            rope = [p + r.rope_delta for p, r in zip(positions, self.rows, strict=True)]  # multimodal positions lag
-            # Sampled inside the decode graph where it can be (no routing to record from Python hooks).
-            sampled = (
-                None
-                if self.routing is not None
-                else self.runner.decode_sampled(self._batch, self.rows, last, rope, self._generator)
-            )
-            if sampled is None:
-                logits = self.runner.decode(self._batch, last, rope)
-                if self.routing is not None:
-                    for row, pos, experts in zip(
-                        self.rows, positions, self.routing.take(len(self.rows), 1), strict=True
-                    ):
-                        row.routing.write(pos, experts)
-                self._append(self.rows, logits)
-            else:
-                append_samples(self.rows, *sampled)
-                for row in self.rows:
-                    row.versions.append(self.version)
-            self._retire()
+            self._decode()
         self.steps += 1
         streamed = [row for row in self.rows if row.notify is not None]  # finished rows end by their future
         if streamed and self.on_tokens is not None:
@@ -231,6 +207,49 @@ class Scheduler:
         if self.pause_mode == "wait" and not (self.rows or self.waiting):
             self.pause_mode = "paused"
             self._resolve_drained()
+        return prefilled, decoded
+
+    def _admit(self) -> int:
+        """Prefill the newcomers that fit when a prefill is due; returns how many joined."""
+        room = self.max_batch - len(self.rows)
+        self._since_prefill += 1
+        # Prefill when the interval is up, or at once when half the batch or more stands empty.
+        due = self._since_prefill >= self.prefill_interval or 2 * room >= self.max_batch
+        if room <= 0 or not self.waiting or not due:
+            return 0
+        self._since_prefill = 0
+        newcomers, self.waiting = self.waiting[:room], self.waiting[room:]
+        logits, cache = self.runner.prefill([r.context for r in newcomers], [r.images for r in newcomers])
+        self._route_prefill(newcomers)
+        self._append(newcomers, logits)
+        self._batch = self.runner.join(self._batch, cache)
+        self.rows.extend(newcomers)
+        self._retire()
+        return len(newcomers)
+
+    def _decode(self) -> None:
+        """One decode step of every running row."""
+        assert self._batch is not None and self._batch.rows == len(self.rows)
+        last = [r.tokens[-1] for r in self.rows]  # every running row has sampled at least once
+        positions = [r.length - 1 for r in self.rows]
+        rope = [p + r.rope_delta for p, r in zip(positions, self.rows, strict=True)]  # multimodal positions lag
+        # Sampled inside the decode graph where it can be (no routing to record from Python hooks).
+        sampled = (
+            None
+            if self.routing is not None
+            else self.runner.decode_sampled(self._batch, self.rows, last, rope, self._generator)
+        )
+        if sampled is None:
+            logits = self.runner.decode(self._batch, last, rope)
+            if self.routing is not None:
+                for row, pos, experts in zip(self.rows, positions, self.routing.take(len(self.rows), 1), strict=True):
+                    row.routing.write(pos, experts)
+            self._append(self.rows, logits)
+        else:
+            append_samples(self.rows, *sampled)
+            for row in self.rows:
+                row.versions.append(self.version)
+        self._retire()
 
     def _route_prefill(self, rows: list[Row]) -> None:
         """Hand each prefilled row the routing of its context (left-padded to the longest)."""
