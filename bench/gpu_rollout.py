@@ -116,6 +116,38 @@ def core_round(runner, requests, max_batch: int, profile: bool = False, interval
     return dt, sum(m for _, m in requests), sched.steps, text
 
 
+def closed_loop(runner, vocab: int, max_batch: int, interval: int, groups: int = 400, in_flight: int = 16):
+    """The recipe's supply: `in_flight` groups of 8 samples of one prompt; a group is replaced only when all 8
+    are done (the rollout scores whole groups), answers of 4-20 tokens (the recipe's mean is 11). Returns
+    (seconds, tokens, steps)."""
+    from molt_hpc.engine.batch import Row
+    from molt_hpc.engine.scheduler import Scheduler
+
+    rng = random.Random(1)
+    sched = Scheduler(runner, eos_ids=set(), max_batch=max_batch, max_model_len=runner.slots.capacity, seed=0,
+                      prefill_interval=interval)  # fmt: skip
+
+    def group() -> list[Row]:
+        prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(40, 100))]
+        rows = [Row(list(prompt), SamplingParams(max_tokens=rng.randint(4, 20), ignore_eos=True, top_k=0), Future())
+                for _ in range(8)]  # fmt: skip
+        for row in rows:
+            sched.submit(row)
+        return rows
+
+    live, started, tokens = [group() for _ in range(in_flight)], in_flight, 0
+    t0 = time.perf_counter()
+    while live:
+        sched._step()
+        for rows in [g for g in live if all(r.future.done() for r in g)]:
+            live.remove(rows)
+            tokens += sum(len(r.tokens) for r in rows)
+            if started < groups:
+                live.append(group())
+                started += 1
+    return time.perf_counter() - t0, tokens, sched.steps
+
+
 async def http_round(url: str, token: str, requests, streamed: bool) -> tuple[float, int]:
     async def one(s, prompt, m):
         sp = {"max_tokens": m, "ignore_eos": True, "temperature": 1.0, "top_k": 0}
@@ -138,6 +170,7 @@ def main() -> int:
     ap.add_argument("--max-batch", type=int, default=128, help="engines.max_batch (the recipe's)")
     ap.add_argument("--interval", type=int, default=8, help="engines.prefill_interval of the engine process")
     ap.add_argument("--profile", type=Path, help="write the in-process round's cProfile here")
+    ap.add_argument("--no-http", action="store_true", help="leave out the engine process rows")
     ap.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU: checks the script")
     args = ap.parse_args()
     dry = args.dry_run
@@ -185,7 +218,15 @@ def main() -> int:
         write_row(args.out, bench="rollout", case=f"scheduler in-process, prefill_interval {interval}",
                   value=tokens / dt, unit="tok/s", baseline=hf_tps, ratio=tokens / dt / hf_tps,
                   note=f"{steps} steps, {1000 * dt / steps:.2f} ms/step")  # fmt: skip
+    for interval in (1, 8):
+        dt, done, steps = closed_loop(runner, model.config.vocab_size, args.max_batch, interval)
+        case = f"closed loop (16 groups of 8, 4-20 tokens), prefill_interval {interval}"
+        write_row(args.out, bench="rollout", case=case, value=done / dt, unit="tok/s", baseline=hf_tps,
+                  ratio=done / dt / hf_tps,
+                  note=f"{steps} steps, {1000 * dt / steps:.2f} ms/step, {400 * 8 / dt:.0f} requests/s")  # fmt: skip
     del runner
+    if args.no_http:
+        return 0
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-gpu-rollout-"))
     model.save_pretrained(tmp / "model", safe_serialization=True)

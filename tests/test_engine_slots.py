@@ -40,22 +40,22 @@ def test_rows_that_join_and_leave_a_slot_batch_keep_exact_logprobs(tiny_model_di
                 Future()) for n, m in zip(lengths, answers, strict=True)]  # fmt: skip
     for row in rows:
         sched.submit(row)
-    admitted_at, moved = {}, 0
+    admitted_at, moved = {}, 0  # step -> (rows decoding before it, rows it prefilled)
     while sched.rows or sched.waiting:
         before = [id(r) for r in sched.rows]
         waiting = len(sched.waiting)
         sched._step()
         if len(sched.waiting) < waiting:
-            admitted_at[sched.steps] = len(before)  # rows decoding when the prefill came
+            admitted_at[sched.steps] = (len(before), waiting - len(sched.waiting))
         kept = [i for i in before if i in {id(r) for r in sched.rows}]
         moved += sum(a != b for a, b in zip(kept, [id(r) for r in sched.rows], strict=False))
     steps = sorted(admitted_at)
     assert steps[0] == 1 and len(steps) > 2, admitted_at
-    # while more than half the slots decode, a prefill waits `interval` steps after the last one
-    gaps = [b - a for a, b in itertools.pairwise(steps) if 2 * admitted_at[b] > 6]
-    assert gaps and min(gaps) >= interval, admitted_at
-    early = [b - a for a, b in itertools.pairwise(steps) if 2 * admitted_at[b] <= 6]
-    assert early and min(early) < interval, f"a half-empty batch never prefilled early: {admitted_at}"
+    # while rows decode, a prefill of fewer than half a batch waits `interval` steps after the last one
+    small = [b - a for a, b in itertools.pairwise(steps) if admitted_at[b][0] and 2 * admitted_at[b][1] < 6]
+    assert small and min(small) >= interval, admitted_at
+    big = [b - a for a, b in itertools.pairwise(steps) if admitted_at[b][0] and 2 * admitted_at[b][1] >= 6]
+    assert big and min(big) < interval, f"a prefill of half a batch never came early: {admitted_at}"
     assert moved > 0, "no row ever moved into a hole: the test misses the slot moves"
     for row, m in zip(rows, answers, strict=True):
         assert row.future.result()[0] == "length" and len(row.tokens) == m

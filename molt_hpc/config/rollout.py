@@ -133,9 +133,10 @@ class EnginesConfig(Section):
     """Builtin engine on a GPU: one matmul per layer for q/k/v and one for gate/up (same parameters and
     names; refits write the fused weights)."""
     prefill_interval: PositiveInt = 8
-    """Builtin engine: decode steps between two prefills while at least half of `max_batch` rows decode
-    (with fewer, newcomers are prefilled at once). A prefill of a few rows costs about the host time of one
-    of many, so newcomers that wait up to this many steps are prefilled together; 1 prefills at every step."""
+    """Builtin engine: decode steps between two prefills while rows decode, unless the newcomers would fill
+    half of `max_batch` (then at once; with nothing decoding, at once too). A prefill of a few rows costs
+    about the host time of one of many, so newcomers that wait up to this many steps are prefilled
+    together; 1 prefills at every step."""
     prefix_caching: bool = True
     """Reuse the KV cache of shared prefixes (vLLM)."""
     max_num_batched_tokens: PositiveInt | None = None

@@ -213,8 +213,9 @@ class Scheduler:
         """Prefill the newcomers that fit when a prefill is due; returns how many joined."""
         room = self.max_batch - len(self.rows)
         self._since_prefill += 1
-        # Prefill when the interval is up, or at once when half the batch or more stands empty.
-        due = self._since_prefill >= self.prefill_interval or 2 * room >= self.max_batch
+        # Prefill when the interval is up, when nothing decodes, or at once when it would fill half the batch.
+        big = 2 * min(room, len(self.waiting)) >= self.max_batch
+        due = self._since_prefill >= self.prefill_interval or not self.rows or big
         if room <= 0 or not self.waiting or not due:
             return 0
         self._since_prefill = 0
