@@ -87,8 +87,14 @@ async def generate_streamed(
 
 
 async def events(content: aiohttp.StreamReader):
-    """The JSON of each `data:` event of a server-sent event stream (events of any size: the answer's
-    routing can run to megabytes, past a line reader's limit)."""
+    """The JSON of each `data:` event of a server-sent event stream."""
+    async for data in frames(content):
+        yield json.loads(data)
+
+
+async def frames(content: aiohttp.StreamReader):
+    """The payload of each `data:` event of a server-sent event stream, as bytes (events of any size: the
+    answer's routing can run to megabytes, past a line reader's limit)."""
     buf = b""
     async for chunk in content.iter_any():
         start = max(0, len(buf) - 1)  # a separator can straddle two chunks; earlier bytes were searched
@@ -96,4 +102,4 @@ async def events(content: aiohttp.StreamReader):
         while (end := buf.find(b"\n\n", start)) >= 0:
             frame, buf, start = buf[:end], buf[end + 2 :], 0
             if frame.startswith(b"data: "):
-                yield json.loads(frame[6:])
+                yield frame[6:]

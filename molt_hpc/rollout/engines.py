@@ -63,7 +63,6 @@ class EngineLink:
         token: str,
         run: RunDir,
         timeout_s: float,
-        stream: bool = True,
         resumes: int = RESUMES,
     ):
         self.session = session
@@ -74,8 +73,6 @@ class EngineLink:
         self.version = 0
         """Newest weight version any engine answered with."""
         self.generated_tokens = 0
-        self.stream = stream
-        """Ask for streamed answers (the builtin engine streams; the vLLM front answers whole completions)."""
         self.resumes = resumes
         """Failed calls one turn survives before it is an `EngineError`."""
         self.counts: Counter = Counter()
@@ -138,11 +135,12 @@ class EngineLink:
     async def _call(
         self, token_ids: list[int], params: dict[str, Any], session_id: str, images: list | None, partial: Partial
     ) -> Any:
-        """One call through the router (streamed when the engines stream), its failures as `EngineError`."""
-        call = stream.generate_streamed if self.stream else _unstreamed
+        """One streamed call through the router (builtin engines and vLLM fronts both stream), its failures as
+        `EngineError`."""
         try:
-            return await call(self.session, self.router_url, token_ids, params, partial, token=self.token,
-                              session_id=session_id, timeout=self.timeout_s, images=images)  # fmt: skip
+            return await stream.generate_streamed(self.session, self.router_url, token_ids, params, partial,
+                                                  token=self.token, session_id=session_id, timeout=self.timeout_s,
+                                                  images=images)  # fmt: skip
         except client.EngineHTTPError as err:
             if err.status < 500:
                 raise
@@ -186,8 +184,3 @@ class EngineLink:
                 continue
             self.version = max(self.version, int(answer.get("weight_version", 0)))
         return self.version
-
-
-async def _unstreamed(session, url, token_ids, params, partial, **kwargs) -> Any:
-    """A whole-completion call (`partial` stays empty: a broken call loses its segment's tokens)."""
-    return await client.generate(session, url, token_ids, params, **kwargs)
