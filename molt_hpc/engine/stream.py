@@ -8,6 +8,7 @@ holding every token the engine sent; `molt_hpc.rollout.resume` continues the req
 """
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,8 @@ class Partial:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
+    listener: Callable[["Partial"], None] | None = field(default=None, repr=False, compare=False)
+    """Called after every event taken (a streamed chat reply passes the tokens on as they come)."""
 
     def add(self, delta: dict[str, Any]) -> bool:
         """Take one event's tokens; False (nothing taken) when its lists do not line up."""
@@ -40,6 +43,8 @@ class Partial:
         self.token_ids += [int(t) for t in ids]
         self.logprobs += [float(x) for x in lps]
         self.weight_versions += [int(v) for v in versions]
+        if self.listener is not None:
+            self.listener(self)
         return True
 
 

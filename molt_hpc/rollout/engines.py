@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,12 +88,18 @@ class EngineLink:
             self.router_url = url
 
     async def generate(
-        self, token_ids: list[int], sampling_params: dict[str, Any], session_id: str, images: list | None = None
+        self,
+        token_ids: list[int],
+        sampling_params: dict[str, Any],
+        session_id: str,
+        images: list | None = None,
+        on_tokens: Callable[[list[int], list[float]], None] | None = None,
     ) -> Any:
         """One turn's answer; a call that fails (the engine died, the request was aborted, a 5xx) is continued
         from the tokens it had streamed, on whichever engine the router picks, up to `self.resumes` times (at
         once after a call that brought tokens, else after a growing pause). Past them an `EngineError` (the
-        sample then starts again from its prompt)."""
+        sample then starts again from its prompt). `on_tokens` gets the turn's tokens so far (kept and
+        streamed, with their log-probs) each time more arrive: what it saw is always the start of the answer."""
         segments = Segments(token_ids, sampling_params)
         try:
             progressed = False
@@ -101,6 +108,10 @@ class EngineLink:
                     await asyncio.sleep(min(5.0, 0.05 * 2**failures))
                 ids, params = segments.request()
                 partial = self.streaming[session_id] = Partial()
+                if on_tokens is not None:
+                    partial.listener = lambda p: on_tokens(
+                        segments.tokens + p.token_ids, segments.logprobs + p.logprobs
+                    )
                 try:
                     out = await self._call(ids, params, session_id, images, partial)
                 except EngineError as err:
