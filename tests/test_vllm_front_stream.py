@@ -18,10 +18,12 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 import torch
+from aiohttp import web
 
 from molt_hpc.config import load_config
 from molt_hpc.engine import client
 from molt_hpc.engine.stream import Partial, events, generate_streamed
+from molt_hpc.engine.vllm.front import Front, build_front
 from molt_hpc.net import free_port
 from molt_hpc.rollout.engines import EngineLink
 from tests.conftest import ROOT
@@ -165,6 +167,42 @@ def test_a_refit_mid_stream_stamps_the_start_version(stack) -> None:
     before, res, partial = arun(go())
     assert len(res.token_ids) == 200 and res.weight_version == before + 4
     assert res.weight_versions == [before] * 200 and partial.weight_versions == [before] * 200
+
+
+def test_under_router_replay_a_streamed_request_is_answered_whole(stack) -> None:
+    """vLLM joins a request's routing when it finishes: with router replay the front asks vLLM for a whole
+    answer (its routing kept) and the streamed call takes it as its answer, with no events before it."""
+    run, upstream, _ = stack
+    token = run.token()
+    sp = {"max_tokens": 6, "seed": 9, "ignore_eos": True}
+
+    async def go():
+        runner = web.AppRunner(build_front(Front(upstream.url, token, 5, routed=True)), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                partial = Partial()
+                streamed = await generate_streamed(s, url, PROMPT, sp, partial, token=token)
+                status, answers = await raw_events(
+                    s, url, {"token_ids": PROMPT, "sampling_params": sp, "stream": True}, token
+                )
+                return (
+                    streamed,
+                    partial,
+                    status,
+                    answers,
+                    await client.generate(s, upstream.url, PROMPT, sp, token=token),
+                )
+        finally:
+            await runner.cleanup()
+
+    streamed, partial, status, answers, direct = arun(go())
+    assert status == 200 and len(answers) == 1 and "choices" in answers[0], "one whole answer, no events"
+    assert partial.token_ids == [] and streamed.token_ids == direct.token_ids and len(direct.token_ids) == 6
+    assert streamed.logprobs == pytest.approx(direct.logprobs, abs=1e-6)
 
 
 async def _has(partial: Partial, n: int) -> bool:

@@ -11,7 +11,7 @@ session when `/start_weight_update` opened one (the NCCL refit); a shared-memory
 the extension and has none, so then only the version is stamped. A request with images (our `mm`
 field) becomes vLLM's render + `features` (`vllm_mm.py`). With `stream: true` vLLM's streamed answer is
 passed on in the builtin engine's events (`streamed.py`), so a dying vLLM leaves its caller every token it
-sent. Every body is checked at the edge (`http.py`,
+sent (under router replay a whole answer instead: `Front.routed`). Every body is checked at the edge (`http.py`,
 `requests.py`) before anything is forwarded; the rest passes as it is. No torch here: this process only relays.
 """
 
@@ -80,6 +80,10 @@ class Front:
     """A `/start_weight_update` went through to vLLM and its `/finish_weight_update` is due."""
     open_health: bool = False
     """Answer a tokenless `GET /health` with liveness only (vLLM's router checks engines that way)."""
+    routed: bool = False
+    """vLLM captures MoE routing (router replay). vLLM joins a request's routing when it finishes and its
+    streamed chunks may carry none, so a streamed request is then answered whole (its routing kept; a vLLM
+    that dies mid-answer costs the request its tokens, which start again elsewhere)."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -199,8 +203,9 @@ async def generate(request: web.Request) -> web.Response:
         if status >= 300:
             return error(status, f"rendering the images: {upstream_message(raw)}")
         body["features"] = vllm_mm.features(json.loads(raw), mm, body.get("token_ids") or [], start)
-    if body.get("stream"):
+    if body.get("stream") and not front.routed:
         return await generate_streamed(request, front, body, start)
+    body.pop("stream", None)  # a whole answer, which a streamed call takes too (`Front.routed`)
     status, raw, _ = await call_upstream(front, "POST", GENERATE_PATH, json=body)
     if status >= 300:
         return error(status, upstream_message(raw))
