@@ -2,14 +2,15 @@
 
 With `stream: true` the front asks vLLM's `/inference/v1/generate` for a streamed answer: server-sent
 `data: {...}` chunks (`request_id`, `choices[0]` with the chunk's `token_ids`, their log-probs in
-`logprobs.content[i].logprob`, the `finish_reason` on the last one, routing in `routed_experts` when the
-server captures it), then `data: [DONE]`. It passes them on in the builtin engine's streamed format
-(`molt_hpc.engine.stream`): one event per chunk with its `token_ids`, `logprobs` and `weight_versions`,
-then the whole answer, the JSON an unstreamed call gets. Versions as for whole answers (`front.stamp_versions`):
-every token carries the version the request started under, the answer's `weight_version` is the front's
-version when it ended, so a refit that lands mid-request stamps the tokens with the oldest weights that may
-have produced them. A vLLM that dies or errs mid-answer ends the stream with an error event and no answer:
-the caller keeps the tokens it got and continues elsewhere (`molt_hpc.rollout.resume`).
+`logprobs.content[i].logprob`, the `finish_reason` on the last one), then `data: [DONE]`. It passes
+them on in the builtin engine's streamed format (`molt_hpc.engine.stream`): one event per chunk with
+its `token_ids`, `logprobs` and `weight_versions`, then the whole answer, the JSON an unstreamed call
+gets. Versions as for whole answers (`front.stamp_versions`): every token carries the version the
+request started under, the answer's `weight_version` is the front's version when it ended, so a refit
+that lands mid-request stamps the tokens with the oldest weights that may have produced them. A vLLM
+that dies or errs mid-answer ends the stream with an error event and no answer: the caller keeps the
+tokens it got and continues elsewhere (`molt_hpc.rollout.resume`). Under router replay the front does
+not stream (`Front.routed`): vLLM's chunks may carry no routing.
 """
 
 import json
@@ -17,10 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import numpy as np
 from aiohttp import web
 
-from molt_hpc.engine.routing import decode_routing, encode_routing
 from molt_hpc.engine.stream import frames
 
 DONE = b"[DONE]"
@@ -54,8 +53,6 @@ class Streamed:
     token_ids: list[int] = field(default_factory=list)
     content: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
-    routing: list[str] = field(default_factory=list)
-    """The chunks' `routed_experts` (encoded), in order."""
 
     def take(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
         """Our event for one vLLM chunk (None for a chunk without tokens); an error or malformed chunk raises."""
@@ -73,8 +70,6 @@ class Streamed:
         if len(content) != len(ids) or any("logprob" not in entry for entry in content):
             raise UpstreamBroke(f"a vLLM chunk of {len(ids)} tokens came with {len(content)} log-probs")
         self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        if choice.get("routed_experts") is not None:
-            self.routing.append(choice["routed_experts"])
         if not ids:
             return None
         self.token_ids += ids
@@ -91,15 +86,7 @@ class Streamed:
             "finish_reason": self.finish_reason or "stop",  # vLLM's default for a whole answer too
             "weight_versions": [self.start] * len(self.token_ids),
         }
-        if self.routing:
-            choice["routed_experts"] = self.routing[0] if len(self.routing) == 1 else joined(self.routing)
         return {"id": self.request_id or rid, "choices": [choice], "weight_version": now}
-
-
-def joined(encoded: list[str]) -> str:
-    """The routing of several chunks as one capture (rows in the order vLLM sent them)."""
-    rows = [decode_routing(text) for text in encoded]
-    return encode_routing(np.concatenate([r.astype(rows[0].dtype) for r in rows]))
 
 
 async def relay_stream(
