@@ -116,6 +116,8 @@ def test_a_stream_through_the_front_equals_the_whole_answer(stack) -> None:
     assert streamed.logprobs == pytest.approx(whole.logprobs, abs=1e-6)
     assert (streamed.finish_reason, whole.finish_reason) == ("length", "length")
     assert streamed.weight_versions == [0] * 12 and streamed.weight_version == 0
+    # vLLM spells a top log-prob's token "token_id:N"; the stand-in lists the sampled one.
+    assert streamed.top_logprobs == [[(t, lp)] for t, lp in zip(streamed.token_ids, streamed.logprobs, strict=True)]
     assert (partial.token_ids, partial.logprobs) == (streamed.token_ids, streamed.logprobs), "events = answer"
     deltas, final = evs[:-1], evs[-1]
     assert status == 200 and len(deltas) >= 2, "the answer arrives in steps, not at the end"
