@@ -5,13 +5,20 @@ against what the endpoint recorded for the trace (the same tokens and log-probs,
 recorded log-probs against a teacher-forced forward of the model.
 """
 
+import asyncio
+import socket
+
+import aiohttp
 import pytest
 import torch
 
 from molt_hpc.agents.chat_trace import trajectory_from_calls
 from molt_hpc.agents.openai_client import OpenAIPool
+from molt_hpc.config import load_config
 from molt_hpc.engine import client
 from molt_hpc.rollout.chat_server import ChatServer
+from molt_hpc.rollout.engines import EngineLink
+from molt_hpc.rundir import RunDir
 from tests.rollout_support import check_logprobs, requests_held, wait_until, with_link
 
 openai = pytest.importorskip("openai")  # the `chat` extra; `make test` installs it (dev extra)
@@ -172,3 +179,32 @@ def test_a_stream_in_process(pool, tok) -> None:
 
     text, (call,) = serve(pool, tok, go)
     assert text == tok.decode(call.completion_ids, skip_special_tokens=True) and call.completion_ids
+
+
+def test_an_engine_failure_mid_stream_is_an_error_event(tok, tmp_path) -> None:
+    """The status line has gone out: the failure comes as OpenAI's streamed `error` event, which the client
+    raises; the session's failure is kept for its runner and nothing is recorded."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # a real "connection refused": nobody listens
+    dead = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    cfg = load_config(None, []).rollout
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            link = EngineLink(http, dead, "tok", RunDir(tmp_path), 5.0, resumes=0)
+            server = ChatServer(tok, link, cfg, "tok")
+            await server.start()
+            chat = openai.AsyncOpenAI(base_url=f"{server.url}/s/down/v1", api_key="tok", max_retries=0)
+            try:
+                stream = await chat.chat.completions.create(model="policy", messages=ASK, stream=True)
+                with pytest.raises(openai.APIError, match="engine pool failed"):
+                    async for _ in stream:
+                        pass
+                return server.take("down")
+            finally:
+                await chat.close()
+                await server.close()
+
+    calls, failure = asyncio.run(go())
+    closed.close()
+    assert calls == [] and "Connect" in failure
