@@ -19,19 +19,19 @@ from molt_hpc.engine import client
 from molt_hpc.rollout.chat_server import ChatServer
 from molt_hpc.rollout.engines import EngineLink
 from molt_hpc.rundir import RunDir
-from tests.rollout_support import check_logprobs, requests_held, wait_until, with_link
+from tests.rollout_support import NO_STOP, check_logprobs, requests_held, wait_until, with_link
 
 openai = pytest.importorskip("openai")  # the `chat` extra; `make test` installs it (dev extra)
 pytestmark = pytest.mark.timeout(300)
 ASK = [{"role": "user", "content": "reverse: abc"}]
 
 
-def serve(pool, tok, fn):
-    """`fn(server, client_of, link)` with a chat endpoint on the pool; `client_of(session)` is an `AsyncOpenAI`
-    over loopback HTTP bound to that session."""
+def serve(pool, tok, fn, **cfg):
+    """`fn(server, client_of, link)` with a chat endpoint on the pool (its rollout config updated by `cfg`);
+    `client_of(session)` is an `AsyncOpenAI` over loopback HTTP bound to that session."""
 
     async def go(link):
-        server = ChatServer(tok, link, pool.cfg.rollout, link.token)
+        server = ChatServer(tok, link, pool.cfg.rollout.model_copy(update=cfg), link.token)
         await server.start()
         clients = []
 
@@ -99,37 +99,54 @@ def teacher_forced_logits(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0, :-1].double()
 
 
-def test_a_streamed_reply_is_the_recorded_one_chunk_by_chunk(pool, tok, model) -> None:
-    """Two choices streamed over HTTP: text arrives while the reply is sampled (read while the engines hold
-    it frozen, before anything is recorded); each choice's chunks add up to the text and log-probs recorded
-    for the trace; the usage chunk and `[DONE]` close the stream; the same seeds unstreamed sample the same."""
+def test_a_streamed_reply_arrives_while_it_is_sampled(pool, tok) -> None:
+    """Text comes while the reply is sampled: read while the engines hold the request frozen, before
+    anything is recorded; then the rest, adding up to the recorded reply. (A long reply, its end-of-turn
+    ignored by the session's overrides, so it is still being sampled when the engines are frozen.)"""
     urls = [pool.engine_url(i) for i in range(len(pool.engines)) if pool.engines[i].proc.poll() is None]
 
     async def go(server, client_of, link):
+        server.overrides["live"] = dict(NO_STOP)
         await pause_all(link, urls)
         try:
-            stream = await client_of("st").chat.completions.create(
-                model="policy", messages=ASK, n=2, seed=11, max_tokens=8, logprobs=True, stream=True,
-                stream_options={"include_usage": True},
-            )  # fmt: skip
-            await wait_until(lambda: held(link, urls, 2))
+            stream = await client_of("live").chat.completions.create(
+                model="policy", messages=ASK, seed=11, max_tokens=200, stream=True
+            )
+            await wait_until(lambda: held(link, urls, 1))
             await resume_all(link, urls)
-            await wait_until(lambda: streamed(link, "st", 3))
+            await wait_until(lambda: streamed(link, "live", 3))
             await pause_all(link, urls)
             early = []
             async for chunk in stream:
                 early.append(chunk)
                 if any(c.delta.content for c in chunk.choices):
                     break
-            recorded_early = "st" in server.calls
+            recorded_early = "live" in server.calls
         finally:
             await resume_all(link, urls)
-        chunks = early + [c async for c in stream]
-        await client_of("st").chat.completions.create(model="policy", messages=ASK, n=2, seed=11, max_tokens=8)
-        return chunks, recorded_early, server.calls.pop("st")
+        return early + [c async for c in stream], recorded_early, server.calls.pop("live")
 
-    chunks, recorded_early, calls = serve(pool, tok, go)
+    chunks, recorded_early, (call,) = serve(pool, tok, go, max_new_tokens=200, max_total_tokens=256)
     assert not recorded_early, "text came while the reply was still being sampled"
+    assert len(call.completion_ids) == 200
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == tok.decode(call.completion_ids, skip_special_tokens=True)
+
+
+def test_a_streamed_reply_is_the_recorded_one_chunk_by_chunk(pool, tok, model) -> None:
+    """Two choices streamed over HTTP: each choice's chunks add up to the text and log-probs recorded for
+    the trace; the usage chunk and `[DONE]` close the stream; the same seeds unstreamed sample the same."""
+
+    async def go(server, client_of, link):
+        stream = await client_of("st").chat.completions.create(
+            model="policy", messages=ASK, n=2, seed=11, max_tokens=8, logprobs=True, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = [c async for c in stream]
+        await client_of("st").chat.completions.create(model="policy", messages=ASK, n=2, seed=11, max_tokens=8)
+        return chunks, server.calls.pop("st")
+
+    chunks, calls = serve(pool, tok, go)
     streamed_calls, whole_calls = calls[:2], calls[2:]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == sum(
         len(c.completion_ids) for c in streamed_calls
