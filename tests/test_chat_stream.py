@@ -99,10 +99,13 @@ def teacher_forced_logits(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0, :-1].double()
 
 
-def test_a_streamed_reply_arrives_while_it_is_sampled(pool, tok) -> None:
+@pytest.mark.parametrize("abort", [False, True], ids=["frozen", "aborted-and-continued"])
+def test_a_streamed_reply_arrives_while_it_is_sampled(pool, tok, abort: bool) -> None:
     """Text comes while the reply is sampled: read while the engines hold the request frozen, before
-    anything is recorded; then the rest, adding up to the recorded reply. (A long reply, its end-of-turn
-    ignored by the session's overrides, so it is still being sampled when the engines are frozen.)"""
+    anything is recorded; then the rest, adding up to the recorded reply and its log-probs. Aborted there,
+    the request continues from its tokens (elsewhere or on the same engine) and the stream goes on as if
+    nothing happened. (A long reply, its end-of-turn ignored by the session's overrides, so it is still
+    being sampled when the engines are frozen.)"""
     urls = [pool.engine_url(i) for i in range(len(pool.engines)) if pool.engines[i].proc.poll() is None]
 
     async def go(server, client_of, link):
@@ -110,7 +113,7 @@ def test_a_streamed_reply_arrives_while_it_is_sampled(pool, tok) -> None:
         await pause_all(link, urls)
         try:
             stream = await client_of("live").chat.completions.create(
-                model="policy", messages=ASK, seed=11, max_tokens=200, stream=True
+                model="policy", messages=ASK, seed=11, max_tokens=200, stream=True, logprobs=True
             )
             await wait_until(lambda: held(link, urls, 1))
             await resume_all(link, urls)
@@ -122,13 +125,19 @@ def test_a_streamed_reply_arrives_while_it_is_sampled(pool, tok) -> None:
                 if any(c.delta.content for c in chunk.choices):
                     break
             recorded_early = "live" in server.calls
+            if abort:
+                await pause_all(link, urls, mode="abort")
         finally:
             await resume_all(link, urls)
-        return early + [c async for c in stream], recorded_early, server.calls.pop("live")
+        chunks = early + [c async for c in stream]
+        return chunks, recorded_early, server.calls.pop("live"), link.take_counts()
 
-    chunks, recorded_early, (call,) = serve(pool, tok, go, max_new_tokens=200, max_total_tokens=256)
+    chunks, recorded_early, (call,), counts = serve(pool, tok, go, max_new_tokens=200, max_total_tokens=256)
     assert not recorded_early, "text came while the reply was still being sampled"
-    assert len(call.completion_ids) == 200
+    assert len(call.completion_ids) == 200 and counts["requests_migrated"] == int(abort)
+    assert [
+        e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ] == (call.logprobs)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == tok.decode(call.completion_ids, skip_special_tokens=True)
 
@@ -173,9 +182,9 @@ async def streamed(link, session: str, n: int) -> bool:
     return partial is not None and len(partial.token_ids) >= n
 
 
-async def pause_all(link, urls: list[str]) -> None:
+async def pause_all(link, urls: list[str], mode: str = "keep") -> None:
     for url in urls:
-        await client.pause(link.session, url, token=link.token, mode="keep")
+        await client.pause(link.session, url, token=link.token, mode=mode)
 
 
 async def resume_all(link, urls: list[str]) -> None:
