@@ -24,6 +24,7 @@ from molt_hpc.config import load_config
 from molt_hpc.engine import client
 from molt_hpc.engine.stream import Partial, events, generate_streamed
 from molt_hpc.engine.vllm.front import Front, build_front
+from molt_hpc.engine.vllm.streamed import Streamed, UpstreamBroke
 from molt_hpc.net import free_port
 from molt_hpc.rollout.engines import EngineLink
 from tests.conftest import ROOT
@@ -272,3 +273,26 @@ async def _router_healthy(s: aiohttp.ClientSession, url: str, run, n: int) -> bo
 async def _held(s: aiohttp.ClientSession, url: str, token: str) -> bool:
     status = await client.health(s, url, token=token)
     return status["running"] + status["waiting"] == 1
+
+
+def test_vllm_chunks_that_break_a_stream() -> None:
+    """vLLM's error chunks (both spellings), a chunk whose log-probs do not line up, or more than one choice
+    end the stream with an error event (the caller keeps what came before); usage-only chunks are skipped."""
+    streamed = Streamed(start=3)
+    content = [{"token": "token_id:7", "logprob": -1.0}, {"token": "token_id:8", "logprob": -2.0}]
+    ok = {"request_id": "r", "choices": [{"index": 0, "token_ids": [7, 8], "logprobs": {"content": content}}]}
+    assert streamed.take(ok) == {"token_ids": [7, 8], "logprobs": [-1.0, -2.0], "weight_versions": [3, 3]}
+    assert streamed.take({"request_id": "r", "choices": [], "usage": {"completion_tokens": 2}}) is None
+    bad = [
+        ({"error": {"message": "engine dead", "type": "InternalServerError", "code": 500}}, "engine dead"),
+        ({"object": "error", "message": "out of memory"}, "out of memory"),
+        ({"choices": [{"index": 0, "token_ids": [1], "logprobs": {"content": []}}]}, "1 tokens came with 0"),
+        ({"choices": [{"index": 0, "token_ids": []}, {"index": 1, "token_ids": []}]}, "asks for one"),
+    ]
+    for chunk, needle in bad:
+        with pytest.raises(UpstreamBroke, match=needle):
+            streamed.take(chunk)
+    answer = streamed.answer(now=4, rid="gen-1")
+    assert answer["weight_version"] == 4 and answer["id"] == "r"
+    assert answer["choices"][0]["token_ids"] == [7, 8] and answer["choices"][0]["weight_versions"] == [3, 3]
+    assert answer["choices"][0]["finish_reason"] == "stop", "vLLM's default when no chunk named one"
