@@ -216,9 +216,13 @@ BAD_CHAT = [
     (b'{"messages": [{"role": "user", "content": "hi"}], "tools": {"a": 1}}', "tools"),
     (b'{"messages": [{"role": "user", "content": "\xff"}]}', "UTF-8"),
     (b'{"messages": []}', "messages"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', "n = 1"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "n": 129}', "n"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "n": 0}', "n"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 21, "logprobs": true}', "top_logprobs"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}', "presence_penalty"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', "top_logprobs"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', "logprobs = true"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stream": 1}', "stream"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": "y"}}', "include_usage"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}', "tool_choice needs tools"),
     (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "text parts"),
 ]
@@ -318,7 +322,7 @@ def test_scorer_refuses_bad_classify_bodies_and_paths(scorer) -> None:
 
 BAD_FRONT = [  # (path, body, reason): refused at the front, never forwarded to vLLM
     *((GEN, body, needle) for body, needle in BAD_GENERATE),
-    (GEN, b'{"token_ids": [1, 2], "stream": true}', "stream"),
+    (GEN, b'{"token_ids": [1, 2], "sampling_params": {"n": 2}, "stream": true}', "n = 1"),
     (GEN, b'{"token_ids": [1, 2], "mm": [1]}', "mm"),
     *BAD_CONTROL,
     ("/init_weight_transfer_engine", b'{"init_info": {"backend": "ipc"}}', "ipc"),

@@ -120,3 +120,37 @@ def check_trace(s, tok, model, fmt: str) -> None:
     assert decode(b2, a3) == rendered + forced_prefix(fmt, "required")
     assert s.action_logprobs == [0.0] * s.num_action_tokens  # this model is sure of every token
     check_logprobs(model, s)
+
+
+def test_a_streamed_reply_brings_its_tool_calls_at_the_end(served) -> None:
+    """`stream: true` with tools: the reply is parsed once whole, then sent as chunks: the call in
+    `delta.tool_calls`, finish reason `tool_calls`; a reply that makes no call streams its text."""
+    fmt, pool, model_dir = served
+    tok = load_tokenizer(model_dir)
+    ask = [{"role": "user", "content": "What is 2 + 3?"}]
+
+    async def go(link):
+        server = ChatServer(tok, link, pool.cfg.rollout, link.token)
+        await server.start()
+        chat = openai.AsyncOpenAI(base_url=f"{server.url}/s/tools/v1", api_key=link.token, max_retries=0)
+        try:
+            named = {"type": "function", "function": {"name": "add"}}
+            called = await chat.chat.completions.create(model="policy", messages=ask, tools=TOOLS, tool_choice=named,
+                                                        stream=True)  # fmt: skip
+            called = [c async for c in called]
+            plain = await chat.chat.completions.create(model="policy", messages=ask, stream=True)
+            return called, [c async for c in plain], server.calls.pop("tools")
+        finally:
+            await chat.close()
+            await server.close()
+
+    called, plain, calls = with_link(pool, go)
+    deltas = [c.choices[0] for c in called]
+    assert deltas[0].delta.role == "assistant" and deltas[-1].finish_reason == "tool_calls"
+    assert "".join(d.delta.content or "" for d in deltas) == ""
+    ((call,),) = [d.delta.tool_calls for d in deltas if d.delta.tool_calls]
+    assert call.index == 0 and call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
+    assert calls[0].completion_ids == tok(FORMATS[fmt]["args"] + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert "".join(c.choices[0].delta.content or "" for c in plain) == "5"
+    assert plain[-1].choices[0].finish_reason == "stop" and len(calls) == 2

@@ -149,7 +149,7 @@ def test_chat_mode_through_the_framework_endpoint(pool, tok, model, dataset, tmp
                 unauthorised = resp.status
             bad = ChatClient(link.session, f"{server.url}/v1", link.token)
             with pytest.raises(RuntimeError, match="HTTP 400"):
-                await bad.chat([{"role": "user", "content": "x"}], n=2)
+                await bad.chat([{"role": "user", "content": "x"}], stop=["x"])
             return outcome, unauthorised, server.calls
         finally:
             await server.close()

@@ -149,8 +149,9 @@ def test_generate_body_normalised_for_vllm() -> None:
     assert kept["sampling_params"]["logprobs"] == 5 and kept["sampling_params"]["top_k"] == 20
     bare = normalise_generate({"token_ids": [1], "sampling_params": None})["sampling_params"]
     assert bare == {"logprobs": 0, "max_tokens": 16, "detokenize": False}, "the builtin engine's max_tokens default"
-    with pytest.raises(ValueError, match="stream"):
-        normalise_generate({"token_ids": [1], "stream": True})
+    assert normalise_generate({"token_ids": [1], "stream": True})["stream"] is True, "streamed bodies pass"
+    with pytest.raises(ValueError, match="n = 1"):
+        normalise_generate({"token_ids": [1], "sampling_params": {"n": 2}, "stream": True})
     with pytest.raises(ValueError, match="sampling_params"):
         normalise_generate({"token_ids": [1], "sampling_params": [1]})
 

@@ -34,6 +34,8 @@ class ChatClient:
         self.session, self.base_url, self.api_key = session, base_url.rstrip("/"), api_key
 
     async def completion(self, messages: list[dict[str, Any]], **params: Any) -> dict[str, Any]:
+        if params.get("stream"):
+            raise ValueError("ctx.client reads whole answers: for stream=True use ctx.openai (the openai client)")
         headers = {"Authorization": f"Bearer {self.api_key}"}
         body = {"messages": messages, **params}
         async with self.session.post(f"{self.base_url}/chat/completions", json=body, headers=headers) as resp:

@@ -7,8 +7,9 @@ client costs ~0.1 ms. `OpenAIPool` owns that one HTTP client and hands each epis
 `AsyncOpenAI` bound to its session's base URL.
 
 The chat endpoint lives in this same process, so the shared client reaches it without a socket:
-an httpx transport mounted on the endpoint's address passes each request to `ChatServer.complete`
-(the token still checked), which saves the HTTP client and server work of every call. Every
+an httpx transport mounted on the endpoint's address passes each request to `ChatServer.handle`
+(the token still checked; a streamed reply's chunks pass as the response's body), which saves the HTTP
+client and server work of every call. Every
 other address (a remote API an agent also calls) goes through the SDK's own transport, on
 aiohttp where the SDK has it (httpx's connection pool scans every connection per request, which
 with a hundred episodes in flight costs more than the requests).
@@ -91,7 +92,22 @@ def _in_process_transport(server: Any) -> Any:
             parts = path.split("/")
             session = parts[parts.index("s") + 1] if path.startswith("/s/") else request.headers.get("x-session-id")
             status, answer = await server.handle(await request.aread(), session)  # the endpoint's own edge checks
-            return httpx.Response(status, json=answer)
+            if isinstance(answer, dict):
+                return httpx.Response(status, json=answer)
+            return httpx.Response(status, headers={"content-type": "text/event-stream"}, stream=Chunks(answer))
+
+    class Chunks(httpx.AsyncByteStream):
+        """A streamed reply's server-sent chunks; closing it (the agent stopped reading) stops the reply."""
+
+        def __init__(self, chunks: Any):
+            self.chunks = chunks
+
+        async def __aiter__(self):
+            async for chunk in self.chunks:
+                yield chunk
+
+        async def aclose(self) -> None:
+            await self.chunks.aclose()
 
     return InProcess()
 

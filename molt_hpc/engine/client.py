@@ -47,6 +47,8 @@ class GenerateResult:
     routed_experts: np.ndarray | None = None
     """MoE routing capture (vLLM's `routed_experts`, decoded): `[prompt + generated - 1 - prompt_start,
     layers, top_k]` expert ids of every forwarded position; None when the engine does not capture."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """With `logprobs` k > 0 asked for: each token's k most likely (token id, log-prob) pairs, else None."""
 
 
 def auth_headers(token: str) -> dict[str, str]:
@@ -123,6 +125,7 @@ def parse_generate_response(data: dict[str, Any]) -> GenerateResult:
     version = int(data.get("weight_version", 0))
     versions = choice.get("weight_versions")
     routed = choice.get("routed_experts")
+    top = [entry["top_logprobs"] for entry in content] if content and "top_logprobs" in content[0] else None
     return GenerateResult(
         token_ids=token_ids,
         logprobs=[float(entry["logprob"]) for entry in content],
@@ -130,7 +133,17 @@ def parse_generate_response(data: dict[str, Any]) -> GenerateResult:
         weight_versions=[int(v) for v in versions] if versions is not None else [version] * len(token_ids),
         weight_version=version,
         routed_experts=None if routed is None else decode_routing(routed),
+        top_logprobs=None if top is None else [[_alternative(a) for a in step] for step in top],
     )
+
+
+def _alternative(entry: dict[str, Any]) -> tuple[int, float]:
+    """(token id, log-prob) of a `top_logprobs` entry: the builtin engine's `token_id`, or vLLM's token as
+    `"token_id:N"` (its `--return-tokens-as-token-ids` spelling, the one its generate route uses)."""
+    tid = entry.get("token_id")
+    if tid is None:
+        tid = str(entry["token"]).removeprefix("token_id:")
+    return int(tid), float(entry["logprob"])
 
 
 async def health(session: aiohttp.ClientSession, url: str, *, token: str, timeout: float = 5.0) -> dict[str, Any]:

@@ -8,6 +8,7 @@ holding every token the engine sent; `molt_hpc.rollout.resume` continues the req
 """
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,8 @@ class Partial:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
+    listener: Callable[["Partial"], None] | None = field(default=None, repr=False, compare=False)
+    """Called after every event taken (a streamed chat reply passes the tokens on as they come)."""
 
     def add(self, delta: dict[str, Any]) -> bool:
         """Take one event's tokens; False (nothing taken) when its lists do not line up."""
@@ -40,6 +43,8 @@ class Partial:
         self.token_ids += [int(t) for t in ids]
         self.logprobs += [float(x) for x in lps]
         self.weight_versions += [int(v) for v in versions]
+        if self.listener is not None:
+            self.listener(self)
         return True
 
 
@@ -87,8 +92,14 @@ async def generate_streamed(
 
 
 async def events(content: aiohttp.StreamReader):
-    """The JSON of each `data:` event of a server-sent event stream (events of any size: the answer's
-    routing can run to megabytes, past a line reader's limit)."""
+    """The JSON of each `data:` event of a server-sent event stream."""
+    async for data in frames(content):
+        yield json.loads(data)
+
+
+async def frames(content: aiohttp.StreamReader):
+    """The payload of each `data:` event of a server-sent event stream, as bytes (events of any size: the
+    answer's routing can run to megabytes, past a line reader's limit)."""
     buf = b""
     async for chunk in content.iter_any():
         start = max(0, len(buf) - 1)  # a separator can straddle two chunks; earlier bytes were searched
@@ -96,4 +107,4 @@ async def events(content: aiohttp.StreamReader):
         while (end := buf.find(b"\n\n", start)) >= 0:
             frame, buf, start = buf[:end], buf[end + 2 :], 0
             if frame.startswith(b"data: "):
-                yield json.loads(frame[6:])
+                yield frame[6:]

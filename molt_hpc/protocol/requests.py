@@ -133,7 +133,7 @@ class GenerateRequest(BaseModel):
     model: str | None = None
     stream: bool = False
     """Answer as server-sent events: each step's new tokens, then the whole answer (the builtin engine; the
-    vLLM front refuses it)."""
+    vLLM front passes vLLM's streamed answer on in the same events)."""
     output_mode: Literal["tokens"] = "tokens"
     mm: dict | None = None
     """Images of a vision-language prompt: `{"images": [data URIs], "spans": [[offset, length], ...]}`,

@@ -2,8 +2,8 @@
 
 Known fields are checked for type and range (finite numbers only; `null` means the default, as in
 the OpenAI API); fields this endpoint does not know are ignored, as OpenAI-compatible servers do,
-so a newer client's extra options do not break an agent. What the endpoint cannot honour (n > 1,
-streaming, stop strings, non-zero penalties, top log-probs) is refused by the server with its reason.
+so a newer client's extra options do not break an agent. What the endpoint cannot honour (stop strings,
+non-zero penalties) is refused by the server with its reason.
 
 Tools follow the OpenAI API: `tools` is a list of `{"type": "function", "function": {"name",
 "description", "parameters"}}`; `tool_choice` is `auto`, `none`, `required` or
@@ -96,6 +96,14 @@ class NamedChoice(BaseModel):
     function: dict[str, str]
 
 
+class StreamOptions(BaseModel):
+    """`stream_options` of a streamed request."""
+
+    model_config = OPEN
+
+    include_usage: bool | None = None
+
+
 class ChatRequest(BaseModel):
     """Body of `POST /v1/chat/completions`."""
 
@@ -107,8 +115,9 @@ class ChatRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=128)
     stream: bool | None = None
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     tools: list[Tool] | None = None

@@ -7,14 +7,19 @@ reply is decoded with special tokens skipped and, when the request offered tools
 by `rollout.tool_parser` (`molt_hpc.rollout.tool_calls`). Every call is recorded per session as a
 `ChatCall` (prompt ids, completion ids, the engine's per-token log-probs and weight versions, MoE
 routing under router replay) for `ChatAgentRunner` to turn into a trajectory
-(`molt_hpc.agents.chat_trace`). `logprobs: true` returns those same log-probs to the agent. Requests
-need the run's token as the API key. Per-session overrides (greedy evaluation) apply to every call.
+(`molt_hpc.agents.chat_trace`). `logprobs: true` returns those same log-probs to the agent, and
+`top_logprobs` (up to 20) each step's most likely tokens as the engine reports them. `n` choices are
+generated together on the session's engine, each recorded as its own call (the trace gives each its own
+segment; the conversation goes on from whichever the agent sends back). `stream: true` answers in
+`chat.completion.chunk` events (`chat_stream.py`). Requests need the run's token as the API key.
+Per-session overrides (greedy evaluation) apply to every call.
 """
 
+import asyncio
 import hmac
-import time
 import uuid
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -23,7 +28,6 @@ from molt_hpc.agents.calls import EngineError
 from molt_hpc.agents.chat_trace import ChatCall, routing_start
 from molt_hpc.config.rollout import RolloutConfig
 from molt_hpc.engine.client import SESSION_HEADER, EngineHTTPError
-from molt_hpc.log import get_logger
 from molt_hpc.protocol.edge import (
     BadRequest,
     check_session,
@@ -33,11 +37,16 @@ from molt_hpc.protocol.edge import (
     parse,
     read_body,
 )
+from molt_hpc.rollout.chat_answer import Turn, choice_seed, completion
 from molt_hpc.rollout.chat_schema import ChatRequest
+from molt_hpc.rollout.chat_stream import stream_reply
 from molt_hpc.rollout.engines import EngineLink
-from molt_hpc.rollout.tool_calls import forced_prefix, parse_reply
+from molt_hpc.rollout.tool_calls import forced_prefix
 
 __all__ = ["ChatCall", "ChatServer"]
+
+Reply = dict[str, Any] | AsyncIterator[bytes]
+"""A JSON answer, or the server-sent chunks of a streamed one."""
 
 
 def _problem(
@@ -52,15 +61,13 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> we
 
 def unsupported(req: ChatRequest, parser: str) -> tuple[str, str] | None:
     """(param, why) of the first thing in `req` this endpoint cannot honour, or None."""
-    if (req.n or 1) != 1 or req.stream:
-        return ("n" if (req.n or 1) != 1 else "stream"), "only n = 1 without streaming is served"
     if req.stop:
         return "stop", "stop strings are not supported; use max_tokens"
     for name in ("presence_penalty", "frequency_penalty"):  # the trained policy samples without penalties
         if getattr(req, name):
             return name, f"{name} is not supported (the engines sample without penalties); omit it or send 0"
-    if req.top_logprobs:
-        return "top_logprobs", "top_logprobs is not supported (the engines return the sampled token's); send 0"
+    if req.top_logprobs and not req.logprobs:
+        return "top_logprobs", "top_logprobs needs logprobs = true (as in the OpenAI API)"
     if req.choice in ("required", "function") and parser == "none":
         why = f"tool_choice = {req.choice!r} needs a tool-call format: set rollout.tool_parser (hermes, llama3)"
         return "tool_choice", why
@@ -117,15 +124,25 @@ class ChatServer:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
-    async def completions(self, request: web.Request) -> web.Response:
+    async def completions(self, request: web.Request) -> web.StreamResponse:
         session = request.match_info.get("session") or request.headers.get(SESSION_HEADER)
         status, answer = await self.handle(await read_body(request), session)
-        return web.json_response(answer, status=status)
+        if isinstance(answer, dict):
+            return web.json_response(answer, status=status)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            async for chunk in answer:
+                await resp.write(chunk)
+        finally:
+            await answer.aclose()  # a client that left stops the generation
+        await resp.write_eof()
+        return resp
 
     def authorised(self, authorization: str | None) -> bool:
         return hmac.compare_digest((authorization or "").encode(), f"Bearer {self.token}".encode())
 
-    async def handle(self, raw: bytes, session: str | None) -> tuple[int, dict[str, Any]]:
+    async def handle(self, raw: bytes, session: str | None) -> tuple[int, Reply]:
         """One request as it arrived (raw body, session id from the path or header, if any): checked at
         the edge, then completed. A refusal is a 400 in the OpenAI error shape and records nothing."""
         try:
@@ -135,11 +152,26 @@ class ChatServer:
             return _problem(400, str(err), param=err.param)
         return await self.complete(req, session)
 
-    async def complete(self, req: ChatRequest, session: str) -> tuple[int, dict[str, Any]]:
-        """One chat completion for `session`: (HTTP status, JSON answer); the call is recorded."""
+    async def complete(self, req: ChatRequest, session: str) -> tuple[int, Reply]:
+        """One chat completion for `session`: (HTTP status, the JSON answer, or with `stream` the chunks of a
+        200); each choice is recorded as its own call."""
         refused = unsupported(req, self.cfg.tool_parser)
         if refused is not None:
             return _problem(400, refused[1], param=refused[0])
+        turn = self._turn(req, session)
+        if not isinstance(turn, Turn):
+            return turn
+        if req.stream:
+            return 200, stream_reply(self, turn, self.generate_all, lambda err: self._failed(session, err)[1])
+        try:
+            outs = await self.generate_all(turn)
+        except (EngineError, EngineHTTPError) as err:
+            return self._failed(session, err)
+        model, parser = self.model, self.cfg.tool_parser
+        return 200, completion(self.tokenizer, parser, req, turn.prefix, outs, len(turn.prompt_ids), model)
+
+    def _turn(self, req: ChatRequest, session: str) -> Turn | tuple[int, dict[str, Any]]:
+        """The request rendered for the engines, or the 400 that refuses it."""
         prefix = forced_prefix(self.cfg.tool_parser, req.choice, req.choice_name)
         try:
             text = self.tokenizer.apply_chat_template(
@@ -155,18 +187,36 @@ class ChatServer:
             status, answer = _problem(400, problem, param="messages")
             answer["error"]["code"] = "context_length_exceeded"
             return status, answer
-        try:
-            out = await self.link.generate(prompt_ids, params, session)
+        seeds = [choice_seed(params.get("seed"), i) for i in range(req.n or 1)]
+        choices = [{**params, **({"seed": seed} if seed is not None else {})} for seed in seeds]
+        return Turn(req, session, prompt_ids, prefix, choices)
+
+    async def generate_all(self, turn: Turn, listeners: list | None = None) -> list[Any]:
+        """Every choice's completion (generated together; `listeners[i]` sees choice i's tokens as they come),
+        each recorded as its own call of the session once all have finished. A failed choice fails them all."""
+        listeners = listeners or [None] * len(turn.params)
+        results = await asyncio.gather(
+            *(self.link.generate(turn.prompt_ids, params, turn.session, on_tokens=listener)
+              for params, listener in zip(turn.params, listeners, strict=True)),
+            return_exceptions=True,
+        )  # fmt: skip
+        for out in results:
+            if isinstance(out, BaseException):
+                raise out
             if out.finish_reason == "abort":
                 raise EngineError("the engine aborted the request")
-            call = self._record(prompt_ids, out, params)
-        except EngineError as err:
+        calls = [self._record(turn.prompt_ids, out, params) for out, params in zip(results, turn.params, strict=True)]
+        self.calls[turn.session] += calls
+        return results
+
+    def _failed(self, session: str, err: Exception) -> tuple[int, dict[str, Any]]:
+        """The OpenAI error of a failed generation; an engine pool's failure is kept for the session's runner."""
+        if isinstance(err, EngineError):
             self.failures[session] = str(err)
             return _problem(502, f"the engine pool failed this call: {err}", "server_error")
-        except EngineHTTPError as err:
+        if isinstance(err, EngineHTTPError):
             return _problem(400 if err.status < 500 else 502, err.message)
-        self.calls[session].append(call)
-        return 200, self._answer(req, prefix, out, len(prompt_ids))
+        raise err
 
     def _record(self, prompt_ids: list[int], out: Any, params: dict[str, Any]) -> ChatCall:
         ids = list(out.token_ids)
@@ -193,41 +243,8 @@ class ChatServer:
             **self.overrides.get(session, {}),
         }
         params["max_tokens"] = min(asked, self.cfg.max_new_tokens, room)
+        if req.top_logprobs:  # the engines report the k most likely tokens of every step
+            params["logprobs"] = req.top_logprobs
         if self.routed_experts:
             params["routed_experts_prompt_start"] = routing_start(self.calls.get(session, []), prompt_ids)
         return params, None
-
-    def _answer(self, req: ChatRequest, prefix: str, out: Any, prompt_len: int) -> dict[str, Any]:
-        text = prefix + self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        get_logger().debug("chat completion of %d tokens", len(out.token_ids))
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        finish = out.finish_reason
-        parsed = parse_reply(self.cfg.tool_parser, text, req.offered, req.choice, req.choice_name)
-        if parsed is not None:
-            content, calls = parsed
-            message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
-            finish = "tool_calls"
-        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
-        if req.logprobs:
-            choice["logprobs"] = {"content": self._logprobs(out)}
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.model,
-            "choices": [choice],
-            "usage": {
-                "prompt_tokens": prompt_len,
-                "completion_tokens": len(out.token_ids),
-                "total_tokens": prompt_len + len(out.token_ids),
-            },
-        }
-
-    def _logprobs(self, out: Any) -> list[dict[str, Any]]:
-        """OpenAI's `logprobs.content`: every token the engine produced (its stop token too) with the
-        engine's log-prob, the one the trace trains with."""
-        pieces = [self.tokenizer.decode([t]) for t in out.token_ids]
-        return [
-            {"token": p, "logprob": float(lp), "bytes": list(p.encode()), "top_logprobs": []}
-            for p, lp in zip(pieces, out.logprobs, strict=True)
-        ]

@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,6 @@ class EngineLink:
         token: str,
         run: RunDir,
         timeout_s: float,
-        stream: bool = True,
         resumes: int = RESUMES,
     ):
         self.session = session
@@ -74,8 +74,6 @@ class EngineLink:
         self.version = 0
         """Newest weight version any engine answered with."""
         self.generated_tokens = 0
-        self.stream = stream
-        """Ask for streamed answers (the builtin engine streams; the vLLM front answers whole completions)."""
         self.resumes = resumes
         """Failed calls one turn survives before it is an `EngineError`."""
         self.counts: Counter = Counter()
@@ -90,12 +88,18 @@ class EngineLink:
             self.router_url = url
 
     async def generate(
-        self, token_ids: list[int], sampling_params: dict[str, Any], session_id: str, images: list | None = None
+        self,
+        token_ids: list[int],
+        sampling_params: dict[str, Any],
+        session_id: str,
+        images: list | None = None,
+        on_tokens: Callable[[list[int], list[float]], None] | None = None,
     ) -> Any:
         """One turn's answer; a call that fails (the engine died, the request was aborted, a 5xx) is continued
         from the tokens it had streamed, on whichever engine the router picks, up to `self.resumes` times (at
         once after a call that brought tokens, else after a growing pause). Past them an `EngineError` (the
-        sample then starts again from its prompt)."""
+        sample then starts again from its prompt). `on_tokens` gets the turn's tokens so far (kept and
+        streamed, with their log-probs) each time more arrive: what it saw is always the start of the answer."""
         segments = Segments(token_ids, sampling_params)
         try:
             progressed = False
@@ -104,6 +108,10 @@ class EngineLink:
                     await asyncio.sleep(min(5.0, 0.05 * 2**failures))
                 ids, params = segments.request()
                 partial = self.streaming[session_id] = Partial()
+                if on_tokens is not None:
+                    partial.listener = lambda p: on_tokens(
+                        segments.tokens + p.token_ids, segments.logprobs + p.logprobs
+                    )
                 try:
                     out = await self._call(ids, params, session_id, images, partial)
                 except EngineError as err:
@@ -138,11 +146,12 @@ class EngineLink:
     async def _call(
         self, token_ids: list[int], params: dict[str, Any], session_id: str, images: list | None, partial: Partial
     ) -> Any:
-        """One call through the router (streamed when the engines stream), its failures as `EngineError`."""
-        call = stream.generate_streamed if self.stream else _unstreamed
+        """One streamed call through the router (builtin engines and vLLM fronts both stream), its failures as
+        `EngineError`."""
         try:
-            return await call(self.session, self.router_url, token_ids, params, partial, token=self.token,
-                              session_id=session_id, timeout=self.timeout_s, images=images)  # fmt: skip
+            return await stream.generate_streamed(self.session, self.router_url, token_ids, params, partial,
+                                                  token=self.token, session_id=session_id, timeout=self.timeout_s,
+                                                  images=images)  # fmt: skip
         except client.EngineHTTPError as err:
             if err.status < 500:
                 raise
@@ -186,8 +195,3 @@ class EngineLink:
                 continue
             self.version = max(self.version, int(answer.get("weight_version", 0)))
         return self.version
-
-
-async def _unstreamed(session, url, token_ids, params, partial, **kwargs) -> Any:
-    """A whole-completion call (`partial` stays empty: a broken call loses its segment's tokens)."""
-    return await client.generate(session, url, token_ids, params, **kwargs)

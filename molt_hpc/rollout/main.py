@@ -110,8 +110,7 @@ async def serve(cfg: MoltConfig, run: RunDir) -> int:
             return 0
         token = run.token()
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-            stream = cfg.engines.kind == "builtin"  # the vLLM front answers whole completions
-            link = EngineLink(http, router_url, token, run, cfg.rollout.request_timeout_s, stream=stream)
+            link = EngineLink(http, router_url, token, run, cfg.rollout.request_timeout_s)
             await run_loop(cfg, run, inputs, link, buffer, stop, envs)
     finally:
         if envs is not None:

@@ -87,12 +87,15 @@ class Segments:
         if routed is not None and self.routing:
             same = all(r.shape[1:] == routed.shape[1:] for r in self.routing)  # else the sample trains unreplayed
             routed = np.concatenate([*self.routing, routed.astype(self.routing[0].dtype)]) if same else None
+        # A streamed token comes without its alternatives: the kept ones have none to report.
+        top = None if last.top_logprobs is None else [[] for _ in self.tokens] + list(last.top_logprobs)
         return replace(
             last,
             token_ids=self.tokens + list(last.token_ids),
             logprobs=self.logprobs + list(last.logprobs),
             weight_versions=self.versions + list(last.weight_versions),
             routed_experts=routed,
+            top_logprobs=top,
         )
 
 

@@ -9,7 +9,9 @@ trainer can pick CUDA IPC for an engine on its own GPU; `/collective_rpc` is for
 extension's `molt_*` methods only. `/finish_weight_update` closes vLLM's native weight-transfer
 session when `/start_weight_update` opened one (the NCCL refit); a shared-memory refit loads through
 the extension and has none, so then only the version is stamped. A request with images (our `mm`
-field) becomes vLLM's render + `features` (`vllm_mm.py`). Every body is checked at the edge (`http.py`,
+field) becomes vLLM's render + `features` (`vllm_mm.py`). With `stream: true` vLLM's streamed answer is
+passed on in the builtin engine's events (`streamed.py`), so a dying vLLM leaves its caller every token it
+sent (under router replay a whole answer instead: `Front.routed`). Every body is checked at the edge (`http.py`,
 `requests.py`) before anything is forwarded; the rest passes as it is. No torch here: this process only relays.
 """
 
@@ -22,6 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from molt_hpc.engine.vllm import mm as vllm_mm
+from molt_hpc.engine.vllm.streamed import relay_stream
 from molt_hpc.protocol.edge import (
     error,
     errors_middleware,
@@ -77,6 +80,10 @@ class Front:
     """A `/start_weight_update` went through to vLLM and its `/finish_weight_update` is due."""
     open_health: bool = False
     """Answer a tokenless `GET /health` with liveness only (vLLM's router checks engines that way)."""
+    routed: bool = False
+    """vLLM captures MoE routing (router replay). vLLM joins a request's routing when it finishes and its
+    streamed chunks may carry none, so a streamed request is then answered whole (its routing kept; a vLLM
+    that dies mid-answer costs the request its tokens, which start again elsewhere)."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -85,17 +92,18 @@ class Front:
 
 def normalise_generate(body: object) -> dict[str, Any]:
     """A generate body as vLLM should get it: the sampled token's log-prob always returned
-    (`logprobs` 0 when unset), top-k off spelled -1, no detokenizing (we send and read token ids)."""
+    (`logprobs` 0 when unset), top-k off spelled -1, no detokenizing (we send and read token ids); a
+    streamed one asks for one completion."""
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object with 'token_ids' and 'sampling_params'")
-    if body.get("stream"):
-        raise ValueError("stream = true is not supported by the vLLM front: it answers whole completions")
     sp = body.get("sampling_params")
     if sp is None:
         sp = {}
     if not isinstance(sp, dict):
         raise ValueError(f"sampling_params must be a JSON object, got {sp!r}")
     sp = dict(sp)
+    if body.get("stream") and sp.get("n", 1) != 1:
+        raise ValueError("stream = true streams one completion: send sampling_params.n = 1, or stream = false")
     if sp.get("logprobs") is None:
         sp["logprobs"] = 0
     if sp.get("top_k") == 0:
@@ -195,10 +203,27 @@ async def generate(request: web.Request) -> web.Response:
         if status >= 300:
             return error(status, f"rendering the images: {upstream_message(raw)}")
         body["features"] = vllm_mm.features(json.loads(raw), mm, body.get("token_ids") or [], start)
+    if body.get("stream") and not front.routed:
+        return await generate_streamed(request, front, body, start)
+    body.pop("stream", None)  # a whole answer, which a streamed call takes too (`Front.routed`)
     status, raw, _ = await call_upstream(front, "POST", GENERATE_PATH, json=body)
     if status >= 300:
         return error(status, upstream_message(raw))
     return web.Response(body=stamped_body(raw, start, front.version), content_type="application/json")
+
+
+async def generate_streamed(request: web.Request, front: Front, body: dict[str, Any], start: int) -> web.StreamResponse:
+    """`stream: true`: vLLM's streamed answer passed on in the builtin engine's events (`streamed.py`); an
+    error before the first chunk keeps its status, as for a whole answer."""
+    assert front.session is not None, "the front's client session opens on startup"
+    try:
+        upstream = await front.session.post(front.upstream + GENERATE_PATH, json=body, headers=front.headers)
+    except (aiohttp.ClientConnectionError, TimeoutError) as err:
+        return error(502, f"vLLM at {front.upstream} is not answering: {err}")
+    async with upstream:
+        if upstream.status >= 300:
+            return error(upstream.status, upstream_message(await upstream.read()))
+        return await relay_stream(request, front, upstream, start)
 
 
 async def health(request: web.Request) -> web.Response:

@@ -233,7 +233,8 @@ async def serve_front(
     from molt_hpc.engine.vllm.front import Front, build_front
 
     log = get_logger()
-    front = Front(upstream, run.token(), index, open_health=cfg.router.kind == "vllm-router")
+    open_health = cfg.router.kind == "vllm-router"
+    front = Front(upstream, run.token(), index, open_health=open_health, routed=cfg.actor.router_replay)
     runner = web.AppRunner(build_front(front), handler_cancellation=True, access_log=None)
     await runner.setup()
     front.place = await worker_place(front)
