@@ -21,7 +21,8 @@ ROOT = 2 * V * H + H  # untied embedding and head, final norm
 
 ROUND = [  # a CPU profile of round numbers
     "plan.cpu.memory_gb_per_s=10", "plan.cpu.decode_efficiency=0.5", "plan.cpu.matmul_tflops=0.1",
-    "plan.cpu.mfu_small=0.25", "plan.cpu.builtin_step_ms=2", "plan.cpu.train_micro_batch_ms=10",
+    "plan.cpu.mfu_small=0.25", "plan.cpu.builtin_step_ms=2", "plan.cpu.builtin_prefill_layer_ms=1.5",
+    "plan.cpu.train_micro_batch_ms=10",
     "plan.cpu.refit_gb_per_s=1", "plan.cpu.refit_fixed_ms=20", "actor.device='cpu'", "engines.device='cpu'",
 ]  # fmt: skip
 
@@ -64,8 +65,12 @@ def test_rollout_time_of_a_hand_worked_case() -> None:
     assert s.rollout.decode_step_s == pytest.approx(step, rel=1e-9)
     assert s.rollout.decode_s == pytest.approx(64 / rows * 6 * step, rel=1e-9)  # 64 samples, 6 tokens each
     prefill = 64 * 64 * (2 * mm + 4 * L * HEADS * D * 32) / (0.1e12 * 0.25)
+    prefill += 64 / rows * 1 * L * 1.5e-3  # one prefill call per round (6 tokens < prefill_interval 8), 1.5 ms a layer
     assert s.rollout.prefill_s == pytest.approx(prefill, rel=1e-9)
     assert s.rollout_tokens_per_s == pytest.approx(64 * 6 / (64 / rows * 6 * step + prefill), rel=1e-9)
+    often = predict(make_plan(cfg_with("engines.prefill_interval=2"), toy_arch(), local=True, gpus=0))
+    # a prefill every 2 decode steps of 6-token answers: 3 calls a round instead of 1
+    assert often.rollout.prefill_s - s.rollout.prefill_s == pytest.approx(64 / rows * 2 * L * 1.5e-3, rel=1e-9)
     half = predict(plan, accepted=0.5)  # dynamic sampling keeps half the groups: twice the rollout, same training
     assert half.rollout.seconds == pytest.approx(2 * s.rollout.seconds, rel=1e-9)
     assert half.train.flops == s.train.flops
@@ -138,11 +143,19 @@ def test_calibration_measures_this_cpu_and_its_output_is_a_config() -> None:
     out = molt("plan", "configs/tiny_cpu.toml", "--calibrate", env={"CUDA_VISIBLE_DEVICES": ""}, timeout=300)
     assert out.returncode == 0, out.stderr
     values = dict(re.findall(r"^(\w+) = ([0-9.e+-]+)$", out.stdout, re.M))
-    assert set(values) == {"memory_gb_per_s", "matmul_tflops", "builtin_step_ms", "mfu_small", "train_micro_batch_ms"}
+    assert set(values) == {
+        "memory_gb_per_s",
+        "matmul_tflops",
+        "builtin_step_ms",
+        "builtin_prefill_layer_ms",
+        "mfu_small",
+        "train_micro_batch_ms",
+    }
     rates = ("memory_gb_per_s", "matmul_tflops", "mfu_small")
     assert all(float(values[k]) > 0 for k in rates) and float(values["mfu_small"]) <= 1, out.stdout
     # host times are what is left beside the memory and compute time: none left is a measurement too
     assert float(values["builtin_step_ms"]) >= 0 and float(values["train_micro_batch_ms"]) > 0, out.stdout
+    assert float(values["builtin_prefill_layer_ms"]) > 0, out.stdout
     sets = re.search(r"^# or: (.*)$", out.stdout, re.M).group(1).split()
     cfg = load_config("configs/tiny_cpu.toml", [s for s in sets if s != "--set"])  # the config tree takes them
     assert cfg.plan.cpu.matmul_tflops == pytest.approx(float(values["matmul_tflops"]), rel=1e-3)

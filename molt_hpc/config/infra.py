@@ -215,6 +215,9 @@ class SpeedProfile(Section):
     builtin_step_ms: NonNegativeFloat = 3.0
     """Host and launch time of one decode step of the built-in engine, beyond its memory and compute time
     (dominant for small models)."""
+    builtin_prefill_layer_ms: NonNegativeFloat = 0.8
+    """Host time of one prefill call of the built-in engine per model layer, beyond its FLOPs (an eager
+    forward launched from Python: ~26 ms for SmolLM2-135M's 30 layers on an H200's host)."""
     vllm_step_ms: NonNegativeFloat = 0.6
     """The same for a vLLM engine (CUDA graphs, its scheduler)."""
     train_micro_batch_ms: NonNegativeFloat = 30.0
@@ -229,7 +232,8 @@ class SpeedProfile(Section):
 
 
 CPU_PROFILE = {"memory_gb_per_s": 8.0, "matmul_tflops": 0.05, "mfu_small": 0.3, "mfu_medium": 0.3, "mfu_large": 0.3,
-               "decode_efficiency": 0.5, "builtin_step_ms": 4.0, "train_micro_batch_ms": 40.0, "refit_gb_per_s": 2.0,
+               "decode_efficiency": 0.5, "builtin_step_ms": 4.0, "builtin_prefill_layer_ms": 0.5,
+               "train_micro_batch_ms": 40.0, "refit_gb_per_s": 2.0,
                "refit_fixed_ms": 30.0, "host_link_gb_per_s": 8.0}  # fmt: skip
 """A 2-core machine's defaults (`plan.cpu`); `molt-hpc plan --calibrate` replaces them with measured ones."""
 

@@ -6,7 +6,8 @@ Four small measurements on the device (a GPU when there is one, else the CPU):
 - a square matmul in the model dtype: `matmul_tflops`;
 - decode steps of the built-in engine's runner on the configured model (random weights, the engine's
   own runner: the slot cache and CUDA graphs on a GPU): the step time less its memory time at the
-  measured bandwidth is `builtin_step_ms`;
+  measured bandwidth is `builtin_step_ms`; a prefill of one short row, over the layers, is
+  `builtin_prefill_layer_ms`;
 - training steps (forward, backward, AdamW) of the same model: one of a single short row is host time
   (`train_micro_batch_ms`, half of it: one micro-batch and one update); one of full rows adds its FLOPs
   at the achieved rate, over `matmul_tflops` the MFU of the model's shape class.
@@ -92,6 +93,15 @@ def decode_step_s(model, cfg: MoltConfig, device, sync, rows: int, context: int)
     return _timed(step, sync, 16, warmup=3)
 
 
+def prefill_host_s(model, device, sync) -> float:
+    """Seconds of a prefill of one 8-token row through the engine's runner: launches and host work alone."""
+    from molt_hpc.engine.batch import ModelRunner
+
+    model.eval()
+    runner = ModelRunner(model, device)
+    return _timed(lambda: runner.prefill([[5] * 8]), sync, 8, warmup=2)
+
+
 def train_step_s(model, device, sync, rows: int, seq: int) -> float:
     import torch
 
@@ -125,6 +135,7 @@ def calibrate(cfg: MoltConfig, device_kind: str) -> dict[str, float]:
     eff = cfg.plan.cuda.decode_efficiency if gpu else cfg.plan.cpu.decode_efficiency
     memory = b * (arch.params + rows * context * arch.kv_bytes_per_token(1, b)) / (out["memory_gb_per_s"] * 1e9 * eff)
     out["builtin_step_ms"] = max(0.0, step - memory) * 1e3
+    out["builtin_prefill_layer_ms"] = prefill_host_s(model, device, sync) * 1e3 / arch.layers
     # a step of one short row is host time alone; a step of many full rows adds its FLOPs at the achieved rate
     idle = train_step_s(model, device, sync, 1, 16)
     rows, seq = (8, 512) if gpu else (8, 128)

@@ -10,7 +10,9 @@ Each pool runs on the speed profile of its device (`plan.cuda` or `plan.cpu`, `S
   most what one replica holds (`max_batch`, or vLLM's 256 sequences and its KV cache). A step's worth
   of samples (over the fraction of groups accepted, when dynamic sampling drops some) takes
   `samples / (replicas · r)` rounds of `response` decode steps; prefill runs the prompts against
-  compute (at the trainer's MFU class).
+  compute (at the trainer's MFU class), and the built-in engine adds the host time of its prefill calls
+  (`builtin_prefill_layer_ms` a layer; a call every `engines.prefill_interval` decode steps, at least
+  one per round of rows).
 - train: `(6 + 2 with activation checkpointing)·N_mm` FLOPs per token per epoch, attention, the
   log-prob head over the response positions (`8·V·h` fused: forward, its recompute, two gradients),
   the reference forward (`2·N_mm`), a critic (its forward and training), over `ranks × matmul rate ×
@@ -140,6 +142,9 @@ def rollout_time(arch: Arch, cfg: MoltConfig, plan, w: Workload) -> Rollout:
     rounds = w.samples / w.accepted / (replicas * rows)
     prefill_flops = w.samples / w.accepted * w.prompt * (2 * matmul_params(arch) + attention_flops(arch, w.prompt / 2))
     prefill = prefill_flops / (replicas * tp * p.matmul_tflops * 1e12 * mfu(p, arch.hidden))
+    if eng.kind == "builtin":  # a prefill every `prefill_interval` decode steps, at least one per batch of rows
+        calls = w.samples / w.accepted / (replicas * rows) * max(1.0, w.response / eng.prefill_interval)
+        prefill += calls * arch.layers * p.builtin_prefill_layer_ms / 1e3
     return Rollout(rows, step_s, rounds * w.response * step_s, prefill, bound)
 
 
