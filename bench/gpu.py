@@ -1,7 +1,8 @@
 """The GPU benchmarks in one table (`make bench-gpu`): engine tokens/s, refit time, trainer step MFU,
 packed against padded trainer steps, the cost of trainer offload.
 
-Runs `bench/gpu_engine.py`, `bench/gpu_refit.py`, `bench/gpu_train.py` (under torchrun, two ranks),
+Runs `bench/gpu_engine.py`, `bench/gpu_rollout.py` (the built-in engine under the SmolLM2 recipe's
+rollout load), `bench/gpu_refit.py`, `bench/gpu_train.py` (under torchrun, two ranks),
 `bench/gpu_pack.py` (one GPU), `bench/gpu_vllm.py` (vLLM next to the built-in engine), `bench/gpu_vllm_one.py`
 (vLLM direct, through our front and our engine on one GPU), `bench/gpu_offload.py` (one GPU),
 `bench/gpu_moe.py` (MoE router replay through vLLM on one GPU) and `bench/gpu_vlm.py` (vLLM serving the
@@ -13,7 +14,7 @@ Made for two CUDA GPUs; on one, the trainer runs as a world of one and the refit
 only (the NCCL refit needs two; see `gpu_refit.py`). `--dry-run` runs the same scripts on the CPU with
 tiny shapes (a script check, not a measurement). Each benchmark's full output goes to `--logs`.
 
-    python bench/gpu.py [--only engine refit train pack vllm vllm1 offload moe vlm ep] [--speed] [--logs DIR]
+    python bench/gpu.py [--only engine rollout refit train pack vllm vllm1 offload moe vlm ep] [--speed] [--logs DIR]
                          [--dry-run]
 """
 
@@ -30,6 +31,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 LIMIT_S = {
     "engine": 180,
+    "rollout": 240,
     "refit": 300,
     "train": 240,
     "pack": 240,
@@ -40,9 +42,10 @@ LIMIT_S = {
     "vlm": 480,
     "ep": 600,
 }
-SPEED = ["train", "engine", "vllm1"]
+SPEED = ["train", "engine", "rollout", "vllm1"]
 """`--speed`: the trainer at the 0.5B shape (step, host breakdown, loss kernels), the engine's decode
-variants and vLLM on one GPU: about five minutes on one H200."""
+variants, the engine under the SmolLM2 recipe's rollout load and vLLM on one GPU: about seven minutes on
+one H200."""
 
 
 def command(name: str, out: Path, dry: bool, gpus: int, shapes: list[str] | None = None) -> list[str]:
@@ -86,7 +89,7 @@ def main() -> int:
         "--only",
         nargs="+",
         choices=sorted(LIMIT_S),
-        default=["engine", "refit", "train", "pack", "vllm", "vllm1", "offload", "moe", "vlm"],
+        default=["engine", "rollout", "refit", "train", "pack", "vllm", "vllm1", "offload", "moe", "vlm"],
     )
     ap.add_argument("--logs", type=Path, default=None, help="where each benchmark's output goes (default: a temp dir)")
     ap.add_argument("--speed", action="store_true", help=f"only {' '.join(SPEED)}, the trainer at the 0.5B shape")
