@@ -78,3 +78,32 @@ def test_the_load_meter_reports_each_window_once() -> None:
     assert figures["rows_per_step"] == 120 / 4 and figures["prefills_per_s"] == 1 / 10.0
     assert "13 tok/s" in load_line(figures)
     assert meter.take(now=115.0) is None and meter.decoded == 0, "a new window starts empty"
+
+
+def test_samples_of_one_prompt_share_their_prefill_and_keep_exact_logprobs(tiny_model_dir) -> None:
+    from molt_hpc.engine.batch import ModelRunner
+
+    model = load_causal_lm(tiny_model_dir)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(4, 100, (n,), generator=gen).tolist() for n in (7, 12, 4)]
+    for runner in (ModelRunner(model, torch.device("cpu")), SlotRunner(model, torch.device("cpu"), max_batch=32,
+                                                                        max_model_len=64)):  # fmt: skip
+        forwarded = []
+        prefill = runner.prefill
+        runner.prefill = lambda contexts, images, f=prefill, n=forwarded: (
+            n.append(len(contexts)),
+            f(contexts, images),
+        )[1]
+        sched = Scheduler(runner, eos_ids=set(), max_batch=32, max_model_len=64, seed=0)
+        rows = [
+            Row(list(p), SamplingParams(max_tokens=5, ignore_eos=True), Future()) for p in prompts for _ in range(8)
+        ]
+        for row in rows:
+            sched.submit(row)
+        while sched.rows or sched.waiting:
+            sched._step()
+        assert forwarded == [3], f"24 rows of 3 prompts: one forward of the 3 prompts, not {forwarded}"
+        assert len({tuple(r.tokens) for r in rows}) > 3, "the samples of one prompt drew their own tokens"
+        for row in rows:
+            want = teacher_forced(model, row.prompt, row.tokens, {})
+            assert torch.allclose(torch.tensor(row.logprobs), want, atol=1e-4), (row.logprobs, want.tolist())

@@ -220,13 +220,29 @@ class Scheduler:
             return 0
         self._since_prefill = 0
         newcomers, self.waiting = self.waiting[:room], self.waiting[room:]
-        logits, cache = self.runner.prefill([r.context for r in newcomers], [r.images for r in newcomers])
+        logits, cache = self._prefill(newcomers)
         self._route_prefill(newcomers)
         self._append(newcomers, logits)
         self._batch = self.runner.join(self._batch, cache)
         self.rows.extend(newcomers)
         self._retire()
         return len(newcomers)
+
+    def _prefill(self, rows: list[Row]):
+        """Next-token logits and prefilled cache of `rows`; rows with the same context (a group's samples of
+        one prompt) share one forward, their cache rows copied (not with images, nor under router replay,
+        whose recorder takes one routing per forwarded row)."""
+        contexts = [r.context for r in rows]
+        if self.routing is not None or any(r.images is not None for r in rows):
+            return self.runner.prefill(contexts, [r.images for r in rows])
+        first: dict[tuple[int, ...], int] = {}
+        index = [first.setdefault(tuple(c), len(first)) for c in contexts]
+        if len(first) == len(rows):
+            return self.runner.prefill(contexts, [None] * len(rows))
+        unique = [list(c) for c in first]
+        logits, cache = self.runner.prefill(unique, [None] * len(unique))
+        cache.keep(index)
+        return logits[torch.tensor(index, device=logits.device)], cache
 
     def _decode(self) -> None:
         """One decode step of every running row."""
