@@ -1,11 +1,36 @@
-"""Summaries of a run's records (`metrics.jsonl`) that several readers print: the launcher's closing lines,
-`molt-hpc status` and the progress display. A leaf: it reads files and formats lines, and imports no
-process code.
+"""Reading a run's records (`metrics.jsonl`) as they grow, and the summaries several readers print: the
+launcher's closing lines, `molt-hpc status` and the progress display. A leaf: it reads files and formats
+lines, and imports no process code.
 """
 
+import json
 from pathlib import Path
 
 from molt_hpc.log import read_metrics
+
+
+class MetricsTail:
+    """The records appended to a metrics file since the last `new()` (from byte `offset` at first)."""
+
+    def __init__(self, path: Path, offset: int = 0):
+        self.path, self.offset = path, offset
+
+    def new(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next call
+        self.offset += end
+        out = []
+        for line in chunk[:end].splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a torn line (a writer killed mid-line): the records after it count
+                continue
+        return out
+
 
 NUMBERS = {"sft": ("eval_loss", "held-out loss"), "rm": ("eval_accuracy", "held-out pair accuracy")}
 

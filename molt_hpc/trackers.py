@@ -24,6 +24,7 @@ from typing import Any
 from molt_hpc.config import MoltConfig
 from molt_hpc.config.infra import LoggingConfig, WandbConfig
 from molt_hpc.log import get_logger
+from molt_hpc.records import MetricsTail
 from molt_hpc.rundir import RunDir, atomic_write
 
 STATE_FILE = "trackers.json"
@@ -57,7 +58,7 @@ class Trackers:
         check_trackers(cfg)
         self.run = run
         self.state = _read_state(run.path / STATE_FILE)
-        self._offset = 0
+        self._tail = MetricsTail(run.metrics)
         self.sinks: list[Any] = []
         if cfg.wandb is not None:
             self.sinks.append(WandbSink(cfg.wandb, run, run_name, self.state))
@@ -72,7 +73,7 @@ class Trackers:
             return 0
         sent = 0
         seen_at_last = 0  # records met at `last_time` in this pass; the first `at_last` were forwarded before
-        for rec in self._new_records():
+        for rec in self._tail.new():
             t = rec.get("time")
             last = self.state.get("last_time", -math.inf)
             if not isinstance(t, int | float) or t < last:
@@ -102,23 +103,6 @@ class Trackers:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
-
-    def _new_records(self) -> list[dict[str, Any]]:
-        path = self.run.metrics
-        if not path.exists():
-            return []
-        with open(path, "rb") as f:
-            f.seek(self._offset)
-            chunk = f.read()
-        end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next call
-        self._offset += end
-        out = []
-        for line in chunk[:end].splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return out
 
     def _save(self) -> None:
         atomic_write(self.run.path / STATE_FILE, json.dumps(self.state))

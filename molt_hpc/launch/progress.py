@@ -9,12 +9,12 @@ engine loads for minutes) or a checkpoint being written, with the bytes so far.
 """
 
 import contextlib
-import json
 import time
 from typing import Any
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import interactive, step_line
+from molt_hpc.records import MetricsTail
 from molt_hpc.rundir import RunDir
 
 
@@ -28,7 +28,8 @@ class Progress:
         self._last_shown = time.monotonic()
         self.engines = cfg.engines.count if cfg.run.stage == "rl" else 0  # a local run has one node; a stage none
         self.records: list[dict] = []
-        self._offset = run.metrics.stat().st_size if run.metrics.exists() else 0  # earlier starts' records
+        start = run.metrics.stat().st_size if run.metrics.exists() else 0  # earlier starts' records: not again
+        self._tail = MetricsTail(run.metrics, start)
         self.errors = {"env_errors": 0, "engine_errors": 0}
         """Env errors and engine failures the rollout reported since this start."""
         self._reported = dict(self.errors)
@@ -47,7 +48,7 @@ class Progress:
             self.trackers.update()
         self._show_activity()
         stepped = False
-        for rec in self._new_records():
+        for rec in self._tail.new():
             if rec.get("source") == "rollout":
                 self._count_errors(rec)
             if rec.get("source") == "eval":
@@ -96,23 +97,6 @@ class Progress:
             self.bar.write(line)
         else:
             print(line, flush=True)
-
-    def _new_records(self) -> list[dict]:
-        path = self.run.metrics
-        if not path.exists():
-            return []
-        with open(path, "rb") as f:
-            f.seek(self._offset)
-            chunk = f.read()
-        end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next call
-        self._offset += end
-        out = []
-        for line in chunk[:end].splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return out
 
     def summary(self) -> None:
         from molt_hpc.log import read_metrics, training_steps
