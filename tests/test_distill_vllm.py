@@ -16,7 +16,7 @@ import pytest
 
 from molt_hpc.config import ConfigError, load_config
 from molt_hpc.scorer.teacher_vllm import completion_body, span_values, vllm_teacher_command
-from tests.test_distill import SEQS, SPANS, build_teacher, hf_logprobs, post
+from tests.test_distill import SEQS, SPANS, build_teacher, check_top, hf_logprobs, hf_top, post
 from tests.test_engine_procs import make_run, spawn, wait_registered
 from tests.vllm_teacher_standin import standin_site
 
@@ -35,6 +35,7 @@ def test_vllm_teacher_command_follows_the_config() -> None:
     assert cmd[-1] == "--enforce-eager"
     assert completion_body([[1, 2]]) == {"model": "teacher", "prompt": [[1, 2]], "max_tokens": 1,
                                          "temperature": 1.0, "prompt_logprobs": 0}  # fmt: skip
+    assert completion_body([[1, 2]], top_k=5)["prompt_logprobs"] == 5
 
 
 @pytest.mark.parametrize(
@@ -50,19 +51,19 @@ def test_config_refuses_what_a_vllm_teacher_cannot_do(sets, message) -> None:
     load_config(None, ["distill.teacher=t", *sets])  # the builtin kind does both
 
 
+def entry(lp: float, rank: int) -> dict:
+    return {"logprob": lp, "rank": rank, "decoded_token": "x"}
+
+
 def test_span_values_read_vllms_prompt_logprobs() -> None:
     """vLLM's answer (choices in any order, string token-id keys, extra top entries) to the spans' values."""
     seqs, spans = [[5, 6, 7, 8], [9, 10]], [[(1, 2), (3, 4)], [(1, 2)]]
-
-    def entry(lp, rank):
-        return {"logprob": lp, "rank": rank, "decoded_token": "x"}
-
     answer = {"choices": [
         {"index": 1, "prompt_logprobs": [None, {"10": entry(-0.5, 1)}]},
         {"index": 0, "prompt_logprobs": [None, {"3": entry(-0.1, 1), "6": entry(-2.25, 4)}, {"7": entry(-9.0, 7)},
                                          {"8": entry(-1.0, 2), "1": entry(-0.75, 1)}]},
     ]}  # fmt: skip
-    assert span_values(answer, seqs, spans) == [[-2.25, -1.0], [-0.5]]
+    assert span_values(answer, seqs, spans) == [{"logprobs": [-2.25, -1.0]}, {"logprobs": [-0.5]}]
     missing = json.loads(json.dumps(answer))
     del missing["choices"][1]["prompt_logprobs"][3]["8"]
     with pytest.raises(ValueError, match=r"prompt_logprobs\[3\] has no log-prob of the actual token 8"):
@@ -72,6 +73,21 @@ def test_span_values_read_vllms_prompt_logprobs() -> None:
     short = {"choices": [answer["choices"][0], {"index": 0, "prompt_logprobs": [None, {}]}]}
     with pytest.raises(ValueError, match="not a list of 4 entries led by None"):
         span_values(short, seqs, spans)
+
+
+def test_span_values_read_the_top_tokens() -> None:
+    """`prompt_logprobs: k`: each position's entries ranked 1..k, most likely first; the actual token's own
+    entry may lie outside them (rank 4 here) or among them (its key appears once)."""
+    seqs, spans = [[5, 6, 7]], [[(1, 3)]]
+    plp = [None, {"6": entry(-3.0, 4), "2": entry(-0.5, 1), "9": entry(-1.5, 2)},
+           {"4": entry(-1.25, 2), "7": entry(-0.25, 1)}]  # fmt: skip
+    got = span_values({"choices": [{"index": 0, "prompt_logprobs": plp}]}, seqs, spans, top_k=2)
+    assert got == [
+        {"logprobs": [-3.0, -0.25], "top_ids": [[2, 9], [7, 4]], "top_logprobs": [[-0.5, -1.5], [-0.25, -1.25]]}
+    ]
+    del plp[2]["4"]
+    with pytest.raises(ValueError, match=r"prompt_logprobs\[2\] does not rank its top 2 tokens 1..2"):
+        span_values({"choices": [{"index": 0, "prompt_logprobs": plp}]}, seqs, spans, top_k=2)
 
 
 def standins(where) -> list[dict]:
@@ -102,6 +118,14 @@ def test_the_vllm_teacher_answers_the_teachers_own_logprobs(vllm_teacher) -> Non
     assert [len(g) for g in got] == [4, 1, 5] and answer["tokens"] == 10 and answer["seconds"] > 0
     for g, w in zip(got, hf_logprobs(model, SEQS, SPANS), strict=True):
         assert g == pytest.approx(w, abs=1e-5)
+
+
+def test_the_vllm_teacher_answers_top_tokens(vllm_teacher) -> None:
+    """`top_k` goes to vLLM as `prompt_logprobs`; its entries ranked 1..k come back, most likely first."""
+    run, p, model, _ = vllm_teacher
+    status, answer = asyncio.run(post(p.url, {"input": SEQS, "ranges": SPANS, "top_k": 5}, run.token()))
+    assert status == 200, answer
+    check_top(answer, hf_top(model, SEQS, SPANS, 5))
 
 
 def test_the_vllm_teacher_refuses_without_the_token_and_bad_input(vllm_teacher) -> None:

@@ -14,6 +14,10 @@ signal is about that token (the teacher's verdict on the prefix it continues). `
 the student differs from the teacher, and a constant baseline removes the push it gives every sampled token
 without changing the expected gradient. Observation
 tokens (prompt, env feedback) are never actions, so they never count, in the advantages or the metric.
+
+`topk_forward_kl` is the per-token forward KL on the teacher's top-k support (the teachers answer their top
+tokens per position on request: `molt_hpc.scorer.teacher`), a loss term over every likely token rather
+than the sampled one.
 """
 
 from typing import Literal
@@ -53,6 +57,21 @@ def distill_advantages(
     assert env is not None, "combine = 'add' needs the env-based advantages"
     out = env.to(distill.dtype) + weight * distill
     return torch.where(action_mask, out, torch.zeros((), dtype=out.dtype))
+
+
+def topk_forward_kl(teacher_top: Tensor, student_top: Tensor, action_mask: Tensor) -> Tensor:
+    """`[B, T]` forward KL on the teacher's top-k support at each action token, 0 elsewhere.
+
+    `teacher_top [B, T, k]` holds the teacher's log-probs of its k most likely tokens at the position
+    (a teacher's `top_logprobs`), `student_top [B, T, k]` the student's log-probs of the same tokens (its full
+    distribution's). With `q = softmax(teacher_top)` over those k tokens (the teacher renormalised on its
+    support): `sum_j q_j (log q_j - student_top_j)`. It is at least the KL from q to the student
+    renormalised on the same tokens, so at least 0, and its gradient in the student is the cross-entropy's,
+    `-sum_j q_j ∇ log p_s(j)`: every one of the teacher's likely tokens is pulled up, the sampled one or not
+    (mode covering, where the sampled-token signal is mode seeking)."""
+    q_log = torch.log_softmax(teacher_top.to(student_top.dtype), dim=-1)
+    kl = (q_log.exp() * (q_log - student_top)).sum(dim=-1)
+    return torch.where(action_mask, kl, torch.zeros((), dtype=kl.dtype))
 
 
 def reverse_kl(teacher: Tensor, student: Tensor, action_mask: Tensor) -> float:

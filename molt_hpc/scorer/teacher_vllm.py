@@ -7,7 +7,8 @@ once: `POST /v1/completions` with `{"prompt": [[token ids], ...], "max_tokens": 
 "temperature": 1}` (the prompt is the whole sequence, completion included: one token is generated and
 dropped). vLLM answers `choices[i].prompt_logprobs`, a list as long as prompt i whose first entry is None
 (token 0 has no context) and whose entry t is a dict `{"<token id>": {"logprob", "rank", "decoded_token"}}`
-holding at least the actual token t. The front keeps the entries of the requested spans. vLLM's prompt
+holding at least the actual token t (and, with `prompt_logprobs: k`, the k most likely tokens, ranked 1..k).
+The front keeps the entries of the requested spans (and a request's `top_k` as `prompt_logprobs`). vLLM's prompt
 log-probs are of the raw distribution (temperature 1, whatever the request's temperature), so a request at
 another temperature is refused (the config refuses it first: `rollout.temperature = 1`). vLLM listens on
 127.0.0.1 with the run's token as its API key; the front checks the token on every route; vLLM dying ends
@@ -44,14 +45,16 @@ def vllm_teacher_command(cfg: MoltConfig, model_dir: str | Path, port: int, inde
     return cmd + list(dist.extra_args)
 
 
-def completion_body(sequences: list[list[int]]) -> dict[str, Any]:
-    """vLLM's completions request for the prompt log-probs of `sequences` (the actual tokens only)."""
-    return {"model": SERVED_NAME, "prompt": sequences, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+def completion_body(sequences: list[list[int]], top_k: int = 0) -> dict[str, Any]:
+    """vLLM's completions request for the prompt log-probs of `sequences`: the actual tokens', and the
+    `top_k` most likely tokens' at each position."""
+    return {"model": SERVED_NAME, "prompt": sequences, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": top_k}
 
 
-def span_values(answer: Any, sequences: list[list[int]], spans: list[list[tuple[int, int]]]) -> list[list[float]]:
-    """The log-prob of every token in `spans` of each sequence, read from vLLM's completions `answer`; a
-    `ValueError` says what in the answer does not fit the request."""
+def span_values(answer: Any, sequences: list[list[int]], spans: list[list[tuple[int, int]]], top_k: int = 0) -> list:
+    """Per sequence `{"logprobs": [...]}`, the log-prob of every token in its spans, read from vLLM's
+    completions `answer` (with `top_ids` and `top_logprobs` per scored token, its position's entries of
+    rank 1..`top_k`, when `top_k > 0`); a `ValueError` says what in the answer does not fit the request."""
     choices = sorted(answer.get("choices") or [], key=lambda c: c.get("index", 0)) if isinstance(answer, dict) else []
     if len(choices) != len(sequences):
         raise ValueError(f"vLLM answered {len(choices)} choices for {len(sequences)} prompts")
@@ -61,14 +64,29 @@ def span_values(answer: Any, sequences: list[list[int]], spans: list[list[tuple[
         if not isinstance(plp, list) or len(plp) != len(seq) or plp[0] is not None:
             got = len(plp) if isinstance(plp, list) else type(plp).__name__
             raise ValueError(f"choice {i}: prompt_logprobs is not a list of {len(seq)} entries led by None ({got})")
-        values = []
+        item: dict[str, list] = {"logprobs": [], **({"top_ids": [], "top_logprobs": []} if top_k else {})}
         for t in (t for a, b in rs for t in range(a, b)):
-            entry = plp[t].get(str(seq[t])) if isinstance(plp[t], dict) else None
-            if not isinstance(entry, dict) or not isinstance(entry.get("logprob"), int | float):
-                raise ValueError(f"choice {i}: prompt_logprobs[{t}] has no log-prob of the actual token {seq[t]}")
-            values.append(float(entry["logprob"]))
-        out.append(values)
+            entries = plp[t] if isinstance(plp[t], dict) else {}
+            item["logprobs"].append(_logprob(entries, seq[t], f"choice {i}: prompt_logprobs[{t}]"))
+            if top_k:
+                ranked = sorted(
+                    (e["rank"], int(tok)) for tok, e in entries.items() if e.get("rank", top_k + 1) <= top_k
+                )
+                if [r for r, _ in ranked] != list(range(1, top_k + 1)):
+                    raise ValueError(
+                        f"choice {i}: prompt_logprobs[{t}] does not rank its top {top_k} tokens 1..{top_k}"
+                    )
+                item["top_ids"].append([tok for _, tok in ranked])
+                item["top_logprobs"].append([_logprob(entries, tok, f"prompt_logprobs[{t}]") for _, tok in ranked])
+        out.append(item)
     return out
+
+
+def _logprob(entries: dict, token: int, where: str) -> float:
+    entry = entries.get(str(token))
+    if not isinstance(entry, dict) or not isinstance(entry.get("logprob"), int | float):
+        raise ValueError(f"{where} has no log-prob of the actual token {token}")
+    return float(entry["logprob"])
 
 
 def build_teacher_front(front, vocab_size: int, max_len: int):
@@ -90,22 +108,23 @@ def build_teacher_front(front, vocab_size: int, max_len: int):
             await front.session.close()
 
     async def logprobs(request: web.Request) -> web.Response:
-        seqs, spans, temperature = parse_logprobs(await read_json(request), vocab_size, max_len)
-        if temperature != 1.0:
-            raise ValueError(f"temperature {temperature}: a vLLM teacher scores at temperature 1 only")
+        asked = parse_logprobs(await read_json(request), vocab_size, max_len)
+        if asked.temperature != 1.0:
+            raise ValueError(f"temperature {asked.temperature}: a vLLM teacher scores at temperature 1 only")
         start = time.perf_counter()
-        status, raw, ctype = await call_upstream(front, "POST", "/v1/completions", json=completion_body(seqs))
+        body = completion_body(asked.sequences, asked.top_k)
+        status, raw, ctype = await call_upstream(front, "POST", "/v1/completions", json=body)
         seconds = time.perf_counter() - start
         if status != 200:
             return relay(status, raw, ctype)
         import json
 
         try:
-            values = span_values(json.loads(raw), seqs, spans)
+            values = span_values(json.loads(raw), asked.sequences, asked.spans, asked.top_k)
         except (ValueError, json.JSONDecodeError) as err:  # vLLM answered something else: a 502, tried again
             return error(502, f"vLLM at {front.upstream}: {err}")
-        data = [{"index": i, "logprobs": v} for i, v in enumerate(values)]
-        tokens = sum(len(v) for v in values)
+        data = [{"index": i, **v} for i, v in enumerate(values)]
+        tokens = sum(len(v["logprobs"]) for v in values)
         return web.json_response({"object": "list", "model": SERVED_NAME, "data": data, "tokens": tokens,
                                   "seconds": seconds})  # fmt: skip
 
