@@ -1,6 +1,7 @@
 """On-policy distillation through `molt-hpc run` with a vLLM-kind teacher (`distill.kind = "vllm"`) on the CPU:
 the teacher process of the engine pool starts a stand-in `vllm serve` (`tests/vllm_teacher_standin.py`,
-a real process computing prompt log-probs with the teacher model), which is SIGKILLed mid-run.
+a real process computing prompt log-probs with the teacher model), asked for its top 2 tokens too, and
+SIGKILLed mid-run.
 
 Real processes throughout (the launcher, torchrun and the FSDP2 trainer, the engine pool with its router,
 orchestrator and teacher, the replay buffer on disk). The groups the trainer claimed stay in the buffer
@@ -19,7 +20,7 @@ from molt_hpc.buffer import find_spool
 from molt_hpc.buffer.codec import decode_group
 from molt_hpc.log import read_metrics
 from tests.conftest import BIN, ROOT
-from tests.test_distill import build_teacher, hf_logprobs
+from tests.test_distill import build_teacher, hf_logprobs, hf_top
 from tests.test_distill_run import last_step, teacher_pid, wait_for
 from tests.test_e2e import wait_for_step
 from tests.vllm_teacher_standin import standin_site
@@ -42,7 +43,7 @@ def distilled(tmp_path_factory):
     sets = [f"run.root={root}", "run.name=distill", "run.steps=60", f"distill.teacher={teacher}", "distill.kind=vllm",
             "rollout.temperature=1.0", "rollout.n_samples=4", "rollout.groups_in_flight=4",
             f"actor.groups_per_step={GROUPS_PER_STEP}", "checkpoint.interval=50", "logging.progress=lines",
-            "engines.threads=1"]  # fmt: skip
+            "engines.threads=1", "distill.top_k=2"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(site), "VLLM_STANDIN_DIR": str(records)}
     proc = subprocess.Popen([str(BIN / "molt-hpc"), "run", "configs/tiny_cpu.toml", "--no-plan",
                              *(a for s in sets for a in ("--set", s))], cwd=ROOT, stdout=subprocess.PIPE,
@@ -77,6 +78,12 @@ def test_trained_on_the_teachers_own_logprobs(distilled) -> None:
     want = hf_logprobs(teacher, [s.tokens for s in samples], [s.action_ranges for s in samples])
     for sample, w in zip(samples, want, strict=True):
         assert sample.teacher_logprobs == pytest.approx(w, abs=1e-5)
+    tops = hf_top(teacher, [s.tokens for s in samples], [s.action_ranges for s in samples], 2)
+    for sample, (ids, values) in zip(samples, tops, strict=True):  # vLLM's prompt_logprobs: 2, ranked 1..2
+        assert sample.teacher_top_ids == ids
+        assert [x for r in sample.teacher_top_logprobs for x in r] == pytest.approx(
+            [x for r in values for x in r], abs=1e-5
+        )
     steps = [r for r in read_metrics(run_dir / "metrics.jsonl", source="actor") if "step" in r]
     for r in steps[:trained]:
         batch = [s for g in groups[(r["step"] - 1) * GROUPS_PER_STEP : r["step"] * GROUPS_PER_STEP] for s in g.samples]

@@ -15,9 +15,9 @@ the student differs from the teacher, and a constant baseline removes the push i
 without changing the expected gradient. Observation
 tokens (prompt, env feedback) are never actions, so they never count, in the advantages or the metric.
 
-`topk_forward_kl` is the per-token forward KL on the teacher's top-k support (the teachers answer their top
-tokens per position on request: `molt_hpc.scorer.teacher`), a loss term over every likely token rather
-than the sampled one.
+With `distill.top_k`, `topk_forward_kl` is a loss term beside them: the per-token forward KL on the
+teacher's top-k support, over every token the teacher finds likely rather than the sampled one; the
+student's log-probs of those tokens come from `gathered_logprobs` in the policy's own forward.
 """
 
 from typing import Literal
@@ -72,6 +72,24 @@ def topk_forward_kl(teacher_top: Tensor, student_top: Tensor, action_mask: Tenso
     q_log = torch.log_softmax(teacher_top.to(student_top.dtype), dim=-1)
     kl = (q_log.exp() * (q_log - student_top)).sum(dim=-1)
     return torch.where(action_mask, kl, torch.zeros((), dtype=kl.dtype))
+
+
+def gathered_logprobs(source: Tensor, weight: Tensor | None, ids: Tensor, temperature: float, chunk: int) -> Tensor:
+    """`[n, k]` log-probs of tokens `ids [n, k]` under `softmax(logits / temperature)` of each of `n` rows of
+    `source` (last hidden states with the LM head `weight [V, H]`, or logits when it is None), in float32,
+    differentiable. `chunk` rows at a time, each chunk checkpointed: its `[chunk, V]` logits are recomputed in
+    the backward pass instead of kept, so no `[n, V]` tensor outlives its chunk."""
+    from torch.utils.checkpoint import checkpoint
+
+    def part(rows: Tensor, w: Tensor | None, picked: Tensor) -> Tensor:
+        logits = rows if w is None else rows.to(w.dtype) @ w.t()
+        return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, picked)
+
+    if source.shape[0] == 0:
+        return torch.zeros(ids.shape, dtype=torch.float32, device=source.device)
+    outs = [checkpoint(part, source[lo : lo + chunk], weight, ids[lo : lo + chunk], use_reentrant=False)
+            for lo in range(0, source.shape[0], chunk)]  # fmt: skip
+    return torch.cat(outs)
 
 
 def reverse_kl(teacher: Tensor, student: Tensor, action_mask: Tensor) -> float:

@@ -52,6 +52,13 @@ class DistillConfig(Section):
     """Most sequences in one forward of a teacher."""
     timeout_s: PositiveFloat = 60.0
     """HTTP timeout of one teacher request; a teacher that does not answer in time is tried again."""
+    top_k: int = Field(0, ge=0, le=20)
+    """Also train on the teacher's `top_k` most likely tokens at each action token's position (0: off; at
+    most 20): the teacher answers them with its log-probs, the trace carries them, and the policy loss gains
+    `top_k_weight ·` the per-token forward KL from the teacher (renormalised over those tokens) to the
+    student, averaged over the action tokens (`molt_hpc.algorithm.distill.topk_forward_kl`)."""
+    top_k_weight: PositiveFloat = 1.0
+    """Weight of the top-k forward-KL term in the policy loss (with `top_k > 0`)."""
     gpu_memory_utilization: float = Field(0.2, gt=0.0, le=1.0)
     """Fraction of GPU memory a vLLM teacher may take."""
     extra_args: list[str] = Field(default_factory=list)
