@@ -124,3 +124,49 @@ def test_policy_top_kl_padded_and_packed() -> None:
         model.zero_grad()
         kl.sum().backward()
         assert model.lm_head.weight.grad.abs().sum() > 0
+
+
+def _cp_rank(rank: int, port: int, out: str) -> None:
+    """Rank `rank` of a (dp 1, cp 2) grid: the whole batch as one micro-batch split over the CP group."""
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    from molt_hpc.actor.packing import rank_micro_batches, sequence_layout
+    from molt_hpc.actor.world import init_world
+    from molt_hpc.config.train import ActorConfig
+    from molt_hpc.parallel import parallelize
+    from tests.test_actor_cp import config
+
+    world = init_world(ActorConfig(device="cpu", cp=2))
+    cfg = config("actor.cp=2", "rollout.temperature=0.7")
+    model = tiny_model()
+    docs, _ = sequence_layout(cfg, world, model)
+    parallelize(model, world.mesh, cfg.actor, documents=docs)
+    exp = make_experience([s for g in taught_groups() for s in g.samples], max_len=64)
+    whole = rank_micro_batches(exp, torch.arange(exp.sequences.shape[0]), 99, None, world)[0]
+    top: list[torch.Tensor] = []
+    with torch.no_grad():
+        policy_logprobs(model, whole.batch, 0.7, 7, top_kl=top)
+    dist.destroy_process_group()
+    if rank == 0:
+        torch.save({"kl": top[0], "mask": whole.batch.action_mask, "seq": whole.batch.seq_index}, out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_policy_top_kl_under_context_parallelism(tmp_path) -> None:
+    """Two CP ranks hold halves of every row; the gathered top-k forward KL is the float64 one."""
+    from molt_hpc.net import free_port
+    from tests.ranks import spawn_ranks
+
+    out = tmp_path / "cp.pt"
+    spawn_ranks(_cp_rank, (free_port("127.0.0.1"), str(out)), 2)
+    got = torch.load(out, weights_only=False)
+    samples = [s for g in taught_groups() for s in g.samples]
+    want = [x for s in samples for x in reference_kl(tiny_model(), s, 0.7)]
+    kl, mask, seq = got["kl"], got["mask"], got["seq"]
+    assert [float(x) for n in range(len(samples)) for x in kl[mask & (seq == n)]] == pytest.approx(want, abs=1e-5)
