@@ -5,7 +5,8 @@ refit group (their weights are frozen), restarted by the pool like an engine whe
   ids], ...], "use_activation": false}` answers `{"data": [{"index": i, "probs": [score], ...}]}`;
   registered as `RUN_DIR/rendezvous/scorer-<index>.json`;
 - distillation teachers (`[distill]`): `POST /logprobs` with token ids and the spans to score answers the
-  teacher's log-prob of each token in them; registered as `RUN_DIR/rendezvous/teacher-<index>.json`.
+  teacher's log-prob of each token in them (and, with `top_k`, its top tokens at each of their positions),
+  whichever kind serves it; registered as `RUN_DIR/rendezvous/teacher-<index>.json`.
 
 `GET /health` answers `{"status": "ok", ...}`; every route needs the run's token. A process registers
 (`url`, `index`, `pid`, `kind`) once it listens and removes its file on a clean stop.
