@@ -4,11 +4,11 @@ scores every action token of every sample; the group reaches the buffer only wit
 One `/logprobs` request per group: the samples' token ids and action ranges (the prompt and env feedback
 are context, never scored), at the rollout's temperature (the engines' log-probs of the student's tokens
 are under the same). The answers go into each sample's `teacher_logprobs` (and, with `distill.top_k`, the
-teacher's top tokens per action token into `teacher_top_ids` and `teacher_top_logprobs`), and the group's `meta` records
-the action tokens scored (`teacher_tokens`) and the seconds the teacher's forwards took (`teacher_s`), from
-which the trainer reports the teachers' rate. It runs in the group's own task, after a reward model's
-scores: a group waits for a teacher (the client retries while none answers) while the others go on; at a
-stop it is still in flight, and a restart issues it again. No group is ever put without the teacher's
+teacher's top tokens per action token into `teacher_top_ids` and `teacher_top_logprobs`), and the group's
+`meta` records the action tokens scored (`teacher_tokens`) and the seconds the teacher's forwards took
+(`teacher_s`), from which the trainer reports the teachers' rate. It runs in the group's own task, after a
+reward model's scores: a group waits for a teacher (the client retries while none answers) while the others
+go on; at a stop it is still in flight, and a restart issues it again. No group is ever put without the teacher's
 log-probs.
 """
 
