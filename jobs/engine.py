@@ -31,9 +31,9 @@ def run_scorer(cfg, run_dir: Path, args: argparse.Namespace) -> int:
 
 
 def run_teacher(cfg, run_dir: Path, args: argparse.Namespace) -> int:
-    from molt_hpc.scorer.teacher import main
+    from molt_hpc.scorer import teacher_main
 
-    return main(cfg, run_dir, args.index)
+    return teacher_main(cfg, run_dir, args.index)
 
 
 def run_sandbox(cfg, run_dir: Path, args: argparse.Namespace) -> int:

@@ -127,6 +127,7 @@ def step_line(step: int, metrics: dict[str, Any]) -> str:
         ("kl", ".4f"),
         ("kl_rollout", ".4f"),
         ("distill/reverse_kl", ".4f"),
+        ("distill/topk_kl", ".4f"),
         ("entropy", ".3f"),
         ("grad_norm", ".3f"),
         ("routing_agreement", ".3f"),

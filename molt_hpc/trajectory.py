@@ -85,6 +85,11 @@ class Trajectory:
     teacher_logprobs: list[float] | None = None
     """On-policy distillation (`[distill]`): the teacher's log-prob of every action token, in order (len ==
     total action tokens), at the rollout's temperature; None until a teacher scored the sample."""
+    teacher_top_ids: list[list[int]] | None = None
+    """`distill.top_k`: per action token, in order, the teacher's `top_k` most likely tokens at its position,
+    most likely first; None without."""
+    teacher_top_logprobs: list[list[float]] | None = None
+    """The teacher's log-probs of `teacher_top_ids`, laid out alike."""
 
     def __post_init__(self) -> None:
         if self.routed_experts is not None:
@@ -96,6 +101,11 @@ class Trajectory:
         assert len(self.versions) == n_action, "one policy version per action token"
         taught = self.teacher_logprobs
         assert taught is None or len(taught) == n_action, "one teacher log-prob per action token"
+        ids, top = self.teacher_top_ids, self.teacher_top_logprobs
+        assert (ids is None) == (top is None), "the teacher's top ids and log-probs come together"
+        if ids is not None and top is not None:
+            assert len(ids) == len(top) == n_action, "one row of teacher top tokens per action token"
+            assert len({len(r) for r in (*ids, *top)}) <= 1, "the same number of teacher top tokens everywhere"
         last = self.prompt_len
         for start, end in self.action_ranges:
             assert last <= start < end <= len(self.tokens), f"bad action range {(start, end)}"

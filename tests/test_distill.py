@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from molt_hpc.actor.packing import packed
-from molt_hpc.algorithm.distill import distill_advantages, reverse_kl, teacher_rate
+from molt_hpc.algorithm.distill import distill_advantages, reverse_kl, teacher_rate, topk_forward_kl
 from molt_hpc.algorithm.experience import make_experience
 from molt_hpc.buffer.codec import decode_group, encode_group
 from molt_hpc.config.model import TinyModelConfig
@@ -47,6 +47,29 @@ def hf_logprobs(path, seqs, spans, temperature: float = 1.0) -> list[list[float]
             logp = torch.log_softmax(logits / temperature, dim=-1)
             out.append([float(logp[t - 1, seq[t]]) for a, b in rs for t in range(a, b)])
     return out
+
+
+def hf_top(path, seqs, spans, k: int, temperature: float = 1.0) -> list[tuple[list[list[int]], list[list[float]]]]:
+    """Per sequence, (ids, log-probs) of the `k` most likely tokens at each span token's position, float64."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
+    out = []
+    with torch.no_grad():
+        for seq, rs in zip(seqs, spans, strict=True):
+            logp = torch.log_softmax(model(input_ids=torch.tensor([seq])).logits[0].double() / temperature, dim=-1)
+            tops = [logp[t - 1].topk(k) for a, b in rs for t in range(a, b)]
+            out.append(([x.indices.tolist() for x in tops], [x.values.tolist() for x in tops]))
+    return out
+
+
+def check_top(answer, want) -> None:
+    """The answer's `top_ids` and `top_logprobs` are `want`'s (`hf_top`), to 2e-5."""
+    items = sorted(answer["data"], key=lambda d: d["index"])
+    for item, (ids, values) in zip(items, want, strict=True):
+        assert item["top_ids"] == ids and len(ids) == len(item["logprobs"])
+        for got, w in zip(item["top_logprobs"], values, strict=True):
+            assert got == pytest.approx(w, abs=2e-5)
 
 
 # -- the math -----------------------------------------------------------------------------------------
@@ -95,6 +118,34 @@ def test_advantages_match_a_float64_hand_computation() -> None:
     steps = [{"step": i + 1, "distill/reverse_kl": kl} for i, kl in enumerate(kls)]
     assert distill_summary(steps) == "reverse KL to the teacher: first quarter 3.500 -> last quarter 0.500 nats/token"
     assert distill_summary([{"step": 1, "reward": 0.5}]) is None
+
+
+def test_topk_forward_kl_matches_a_float64_hand_computation() -> None:
+    """sum_j q_j (log q_j - log p_s(j)) with q the teacher's top-3 renormalised, on action tokens only; and
+    its gradient in the student's log-probs is -q (the cross-entropy's)."""
+    mask = torch.tensor([[0, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    teacher = torch.tensor([[[0.0, 0.0, 0.0], [-0.2, -2.0, -3.5], [-1.0, -1.1, -1.2]],
+                            [[-0.05, -4.0, -6.0], [9.0, 9.0, 9.0], [0.0, 0.0, 0.0]]])  # fmt: skip
+    student = torch.tensor([[[0.0, 0.0, 0.0], [-1.5, -0.5, -2.0], [-1.5, -1.6, -1.7]],
+                            [[-3.0, -0.1, -5.0], [-1.0, -1.0, -1.0], [0.0, 0.0, 0.0]]]).double()  # fmt: skip
+
+    def hand(t_row, s_row):
+        z = sum(math.exp(x) for x in t_row)
+        q = [math.exp(x) / z for x in t_row]
+        return sum(qj * (math.log(qj) - sj) for qj, sj in zip(q, s_row, strict=True)), q
+
+    want = [[hand(t, s)[0] if m else 0.0 for t, s, m in zip(tr, sr, mr, strict=True)]
+            for tr, sr, mr in zip(teacher.tolist(), student.tolist(), mask.tolist(), strict=True)]  # fmt: skip
+    student.requires_grad_(True)
+    got = topk_forward_kl(teacher, student, mask)
+    assert got.dtype == torch.float64 and got.flatten().tolist() == pytest.approx(
+        [x for row in want for x in row], abs=1e-12
+    )
+    assert want[0][2] > 0 and want[0][1] > 0  # a student that matches the teacher's ranking still pays for the mass
+    got.sum().backward()
+    q = hand(teacher[0, 1].tolist(), student[0, 1].tolist())[1]
+    assert student.grad[0, 1].tolist() == pytest.approx([-x for x in q], abs=1e-12)
+    assert not student.grad[0, 0].any() and not student.grad[1, 1].any()
 
 
 # -- the trace, the buffer, the batch -------------------------------------------------------------------
@@ -168,6 +219,17 @@ def test_logprobs_are_the_teachers_own(teacher, temperature) -> None:
     assert all(math.isfinite(x) and x < 0 for g in got for x in g)
 
 
+def test_top_tokens_are_the_teachers_own(teacher) -> None:
+    """`top_k`: per scored token, the teacher's 5 most likely tokens at its position, at the temperature."""
+    run, p, model = teacher
+    status, answer = asyncio.run(post(p.url, {"input": SEQS, "ranges": SPANS, "temperature": 0.7, "top_k": 5},
+                                      run.token()))  # fmt: skip
+    assert status == 200, answer
+    check_top(answer, hf_top(model, SEQS, SPANS, 5, 0.7))
+    status, answer = asyncio.run(post(p.url, {"input": SEQS, "ranges": SPANS}, run.token()))
+    assert all("top_ids" not in d for d in answer["data"])
+
+
 def test_logprobs_refuse_without_the_token_and_bad_input(teacher) -> None:
     run, p, _ = teacher
     body = {"input": SEQS[:1], "ranges": SPANS[:1]}
@@ -180,6 +242,7 @@ def test_logprobs_refuse_without_the_token_and_bad_input(teacher) -> None:
         ({"input": [[1, 2, 3]], "ranges": []}, "0 range lists for 1 sequences"),
         ({"input": [[5] * 4097], "ranges": [[(1, 2)]]}, "over the teacher's"),
         ({"input": [[1, 2, 3]], "ranges": [[(1, 2)]], "temperature": 0}, "temperature"),
+        ({"input": [[1, 2, 3]], "ranges": [[(1, 2)]], "top_k": 21}, "top_k"),
     ):
         status, answer = asyncio.run(post(p.url, bad, run.token()))
         assert status == 400 and message in answer["error"], (bad, answer)

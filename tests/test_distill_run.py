@@ -1,5 +1,6 @@
 """On-policy distillation through `molt-hpc run` on the CPU: the tiny reverse task with a `[distill]` teacher
-(the tiny model's spec at 4 layers and another seed), its teacher killed mid-run.
+(the tiny model's spec at 4 layers and another seed) and its top tokens (`distill.top_k`), the teacher
+killed mid-run.
 
 Real processes throughout (the launcher, torchrun and the FSDP2 trainer, the engine pool with its router,
 orchestrator and teacher, the replay buffer on disk). The groups the trainer claimed stay in the buffer
@@ -21,13 +22,14 @@ from molt_hpc.buffer import find_spool
 from molt_hpc.buffer.codec import decode_group
 from molt_hpc.log import read_metrics
 from tests.conftest import BIN, ROOT
-from tests.test_distill import build_teacher, hf_logprobs
+from tests.test_distill import build_teacher, hf_logprobs, hf_top
 from tests.test_e2e import wait_for_step
 
 pytestmark = pytest.mark.slow  # a whole `molt-hpc run` (about 35 s on 2 busy cores)
 
 TEMPERATURE = 0.8
 GROUPS_PER_STEP = 2
+TOP_K = 3
 
 
 def teacher_pid(run_dir: Path) -> int | None:
@@ -59,7 +61,7 @@ def distilled(tmp_path_factory):
     sets = [f"run.root={root}", "run.name=distill", "run.steps=60", f"distill.teacher={teacher}",
             f"rollout.temperature={TEMPERATURE}", "rollout.n_samples=4", "rollout.groups_in_flight=4",
             f"actor.groups_per_step={GROUPS_PER_STEP}", "checkpoint.interval=50", "logging.progress=lines",
-            "engines.threads=1"]  # fmt: skip
+            "engines.threads=1", f"distill.top_k={TOP_K}", "distill.top_k_weight=0.5"]  # fmt: skip
     proc = subprocess.Popen([str(BIN / "molt-hpc"), "run", "configs/tiny_cpu.toml", "--no-plan",
                              *(a for s in sets for a in ("--set", s))], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -90,6 +92,12 @@ def test_trace_holds_the_teachers_own_logprobs(distilled) -> None:
     want = hf_logprobs(teacher, [s.tokens for s in samples], [s.action_ranges for s in samples], TEMPERATURE)
     for sample, w in zip(samples, want, strict=True):
         assert sample.teacher_logprobs == pytest.approx(w, abs=2e-5)
+    tops = hf_top(teacher, [s.tokens for s in samples], [s.action_ranges for s in samples], TOP_K, TEMPERATURE)
+    for sample, (ids, values) in zip(samples, tops, strict=True):
+        assert sample.teacher_top_ids == ids
+        assert [x for r in sample.teacher_top_logprobs for x in r] == pytest.approx(
+            [x for r in values for x in r], abs=2e-5
+        )
     for g in groups:
         assert g.meta["teacher_tokens"] == sum(s.num_action_tokens for s in g.samples) and g.meta["teacher_s"] > 0
 
@@ -105,7 +113,24 @@ def test_the_run_trains_on_the_reverse_kl(distilled) -> None:
         diffs = [a - t for s in batch for a, t in zip(s.action_logprobs, s.teacher_logprobs, strict=True)]
         assert r["distill/reverse_kl"] == pytest.approx(sum(diffs) / len(diffs), abs=1e-6), r["step"]
         assert math.isfinite(r["loss"]) and r["distill/teacher_tokens_per_s"] > 0
-    assert "distill/reverse_kl" in out
+    assert "distill/reverse_kl" in out and "distill/topk_kl" in out
+
+
+def test_the_first_step_trains_on_the_top_k_forward_kl(distilled) -> None:
+    """Step 1's one update runs at the student's initial weights: its `distill/topk_kl` is the mean over its
+    action tokens of the float64 forward KL from the teacher's top tokens (renormalised) to that student."""
+    from transformers import AutoModelForCausalLM
+
+    from molt_hpc.config import load_config
+    from molt_hpc.models.resolve import resolve_model
+    from tests.test_distill_topk import reference_kl
+
+    run_dir, _, groups, _, _, _ = distilled
+    student = resolve_model(load_config(ROOT / "configs" / "tiny_cpu.toml", []).model, run_dir / "models")
+    model = AutoModelForCausalLM.from_pretrained(student, local_files_only=True).eval()
+    kls = [x for g in groups[:GROUPS_PER_STEP] for s in g.samples for x in reference_kl(model, s, TEMPERATURE)]
+    first = next(r for r in read_metrics(run_dir / "metrics.jsonl", source="actor") if r.get("step") == 1)
+    assert first["distill/topk_kl"] == pytest.approx(sum(kls) / len(kls), abs=1e-4) and min(kls) > 0
 
 
 def test_a_killed_teacher_is_restarted(distilled) -> None:

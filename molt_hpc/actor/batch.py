@@ -12,6 +12,7 @@ import itertools
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from molt_hpc.actor.head import hidden_and_head
@@ -19,6 +20,7 @@ from molt_hpc.actor.packing import rank_micro_batches
 from molt_hpc.actor.vision import ImageInputs
 from molt_hpc.actor.world import World
 from molt_hpc.algorithm import Experience, token_logprobs
+from molt_hpc.algorithm.distill import gathered_logprobs, topk_forward_kl
 from molt_hpc.parallel.attention import attention_setup
 
 
@@ -44,6 +46,7 @@ def policy_logprobs(
     kernel: str = "torch",
     *,
     images: ImageInputs | None = None,
+    top_kl: list[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(log-prob, entropy) `[B, T]` of each action token under `model` at the sampling temperature.
 
@@ -52,7 +55,9 @@ def policy_logprobs(
     their full logits. Position ids restart per sample; no attention mask and no KV cache (with either,
     transformers would not confine attention to each sample of a packed row; see
     `molt_hpc.algorithm.experience`). A vision-language model also gets the micro-batch's pixel values
-    and multimodal positions (`images`); a dummy-image row it may add is cut off the outputs.
+    and multimodal positions (`images`); a dummy-image row it may add is cut off the outputs. With
+    `top_kl` (a list; `distill.top_k`), the same forward's `[B, T]` forward KL on the teacher's top-k support
+    at each action token (`distill.topk_forward_kl`, differentiable) is appended to it.
     """
     how = {"temperature": temperature, "chunk": chunk, "kernel": kernel}
     rows_in = mb.sequences.shape[0]
@@ -64,13 +69,38 @@ def policy_logprobs(
         inputs = {"input_ids": mb.sequences, "position_ids": mb.position_ids, "use_cache": False, **extra}
         source, weight = head_source(model, inputs)
         logp, ent = token_logprobs(source, mb.sequences, lm_head_weight=weight, mask=mb.action_mask, **how)
+        if top_kl is not None:
+            nxt = _next(mb.action_mask), _next(mb.teacher_top_ids), _next(mb.teacher_top_log_probs)
+            top_kl.append(F.pad(_top_kl(source, weight, *nxt, temperature, chunk)[:, :-1], (1, 0))[:rows_in])
         return logp[:rows_in], ent[:rows_in]
     rows = setup.rows(mb)
     source, weight = head_source(model, {**rows.inputs, **extra})
     logp, ent = token_logprobs(
         source, rows.next_tokens, lm_head_weight=weight, aligned=True, mask=rows.next_action, **how
     )
+    if top_kl is not None:
+        ids, teacher = rows.local(_next(mb.teacher_top_ids)), rows.local(_next(mb.teacher_top_log_probs))
+        top_kl.append(
+            rows.own_index(_top_kl(source, weight, rows.next_action, ids, teacher, temperature, chunk))[:rows_in]
+        )
     return rows.own_index(logp)[:rows_in], rows.own_index(ent)[:rows_in]
+
+
+def _next(x: Tensor | None) -> Tensor:
+    """A per-token tensor `[B, T, ...]` at prediction index: column j holds token j+1's (0 past the end)."""
+    assert x is not None, "the batch carries no teacher top tokens (distill.top_k)"
+    return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
+
+
+def _top_kl(source: Tensor, weight, sel: Tensor, ids: Tensor, teacher: Tensor, temperature: float, chunk: int):
+    """`[B, S]` top-k forward KL at the prediction-index positions `sel` of `source [B, S, ·]`, 0 elsewhere."""
+    b, s = sel.shape
+    pick = sel.to(torch.bool)
+    flat = source.reshape(b * s, source.shape[-1])[pick.flatten()]
+    student = gathered_logprobs(flat, weight, ids[pick], temperature, chunk)
+    kl = topk_forward_kl(teacher[pick].to(student.device), student, torch.ones(student.shape[0], dtype=torch.bool,
+                                                                             device=student.device))  # fmt: skip
+    return torch.zeros((b, s), dtype=kl.dtype, device=kl.device).masked_scatter(pick, kl)
 
 
 def head_source(model: nn.Module, inputs: dict) -> tuple[Tensor, Tensor | None]:

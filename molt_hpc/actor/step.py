@@ -165,6 +165,11 @@ def distilled(exp: Experience, cfg: MoltConfig) -> Experience:
             "[distill] is set but the step's groups carry no teacher log-probs (put into the buffer by a run "
             "without [distill]?): resume with the config that produced them, or start a new run"
         )
+    if dist.top_k and exp.teacher_top_ids is None:
+        raise ValueError(
+            "distill.top_k is set but the step's groups carry no teacher top tokens (put into the buffer by a run "
+            "without it?): resume with the config that produced them, or start a new run"
+        )
     exp.advantages = distill_advantages(exp.advantages, exp.teacher_log_probs, exp.action_log_probs, exp.action_mask,
                                         dist.combine, dist.weight, dist.whiten, cfg.algorithm.adv_eps)  # fmt: skip
     return exp
@@ -223,16 +228,19 @@ def update_policy(
         before_update = not norms  # the first update: the weights are still those of `version`
         for host_mb in mbs:
             mb = host_mb.to(world.device)
+            top: list[torch.Tensor] | None = [] if cfg.distill is not None and cfg.distill.top_k else None
             with models.moe.micro_batch(mb) if models.moe else contextlib.nullcontext():
                 logp, ent = policy_logprobs(
                     part.model, mb, cfg.rollout.temperature, act.logprob_chunk, act.logprob_kernel,
-                    images=models.images,
+                    images=models.images, top_kl=top,
                 )  # fmt: skip
                 loss, metrics = policy_loss(
                     logp, mb.action_log_probs, mb.advantages, mb.action_mask, alg, scale,
                     seq_index=mb.seq_index, n_samples=exp.num_samples, base_log_probs=mb.base_log_probs, entropy=ent,
                     old_log_probs=mb.old_log_probs,
                 )  # fmt: skip
+                if top:  # distill.top_k: the forward KL on the teacher's top tokens, a global token mean too
+                    loss, metrics = _with_top_kl(loss, metrics, top[0], mb.action_mask, scale.tokens, cfg)
                 if models.moe:  # MoE aux losses, weighted by the micro-batch's share of the global tokens
                     loss = loss + models.moe.aux_loss(int(mb.action_mask.sum()) / scale.tokens)
                 (loss * world.dp_size).backward()
@@ -242,6 +250,15 @@ def update_policy(
         norms.append(optimizer_step(part, act.grad_clip))
         meter.update("policy")
     return norms
+
+
+def _with_top_kl(loss, metrics: dict, kl: torch.Tensor, mask: torch.Tensor, tokens: int, cfg: MoltConfig):
+    """The policy loss plus `distill.top_k_weight ·` the top-k forward KL summed over the micro-batch's action
+    tokens and divided by the global token count; `distill/topk_kl` its mean per action token."""
+    assert cfg.distill is not None
+    total = (kl * mask).sum()
+    mean = total.detach() / mask.sum().clamp(min=1)
+    return loss + cfg.distill.top_k_weight * total / tokens, {**metrics, "distill/topk_kl": mean}
 
 
 def _observe_mismatch(meter: Meter, mb: Experience, logp, epoch: int, version: int, threshold: float) -> None:

@@ -56,6 +56,8 @@ TOKEN_FIELDS = (
     "routed_experts",
     "rope_position_ids",
     "teacher_log_probs",
+    "teacher_top_ids",
+    "teacher_top_log_probs",
 )
 
 
@@ -104,6 +106,10 @@ class Experience:
     """`[N]` (vision-language models): each sample's images, in the order of their tokens."""
     teacher_log_probs: Tensor | None = None
     """`[B, T]` float32 (`[distill]`): the teacher's log-prob of each action token at its own index, 0 elsewhere."""
+    teacher_top_ids: Tensor | None = None
+    """`[B, T, k]` int64 (`distill.top_k`): the teacher's k most likely tokens at each action token's position."""
+    teacher_top_log_probs: Tensor | None = None
+    """`[B, T, k]` float32: their log-probs (0 off the action tokens, like the ids)."""
     stats: dict[str, int] = field(default_factory=dict)
     """Assembly counts: samples, rows, truncated_samples, dropped_action_tokens, empty_samples, and
     unrouted_samples (samples without routing in a batch that has some); with images also vlm_truncation
@@ -149,6 +155,7 @@ class _Kept:
     routed: np.ndarray | None
     dropped: int
     teacher: list[float] | None = None
+    top: tuple[list, list] | None = None  # the teacher's top (ids, log-probs) rows, per action token
     images: list[TraceImage] = field(default_factory=list)
     segments: list[int] = field(default_factory=list)
     why_dropped: str | None = None
@@ -179,6 +186,7 @@ def _truncate(traj: Trajectory, max_len: int, vision: VisionSpec | None = None, 
         routed=routed,
         dropped=traj.num_action_tokens - n_kept,
         teacher=None if traj.teacher_logprobs is None else traj.teacher_logprobs[:n_kept],
+        top=None if traj.teacher_top_ids is None else (traj.teacher_top_ids, traj.teacher_top_logprobs),
         images=kept_images(traj, cut) if vision is not None else [],
         segments=[s for s in traj.segments if s < cut],
     )
@@ -235,7 +243,8 @@ def _group_indices(trajectories: Sequence[Trajectory]) -> list[int]:
 def _fill_rows(kept: list, layout: list[list[int]], lengths: list[int], pad_id: int) -> "_Rows":
     """The rows of `layout` (sample indices per row) filled with the kept samples, back to back."""
     t = max(sum(lengths[i] for i in row) for row in layout)
-    buf = _Rows.empty(len(layout), t, pad_id, _routed_shape(kept), taught=bool(kept) and kept[0].teacher is not None)
+    top_k = max((len(k.top[0][0]) for k in kept if k.top is not None and k.top[0]), default=0)
+    buf = _Rows.empty(len(layout), t, pad_id, _routed_shape(kept), bool(kept) and kept[0].teacher is not None, top_k)
     for r, row in enumerate(layout):
         off = 0
         for i in row:
@@ -288,6 +297,8 @@ def make_experience(
         truncated=truncated,
         routed_experts=buf.routed_experts,
         teacher_log_probs=buf.teacher_log_probs,
+        teacher_top_ids=buf.teacher_top_ids,
+        teacher_top_log_probs=buf.teacher_top_log_probs,
         rope_position_ids=None if images is None else rope_rows(buf.position_ids, buf.seq_index, images, vision.merge),
         images=images,
         stats={
@@ -320,9 +331,11 @@ class _Rows:
     versions: Tensor
     routed_experts: Tensor | None
     teacher_log_probs: Tensor | None = None
+    teacher_top_ids: Tensor | None = None
+    teacher_top_log_probs: Tensor | None = None
 
     @classmethod
-    def empty(cls, b: int, t: int, pad_id: int, routed: tuple[int, int] | None, taught: bool = False) -> "_Rows":
+    def empty(cls, b: int, t: int, pad_id: int, routed: tuple | None, taught: bool = False, top_k: int = 0) -> "_Rows":
         return cls(
             sequences=torch.full((b, t), pad_id, dtype=torch.long),
             position_ids=torch.zeros((b, t), dtype=torch.long),
@@ -332,6 +345,8 @@ class _Rows:
             versions=torch.full((b, t), -1, dtype=torch.long),
             routed_experts=None if routed is None else torch.full((b, t, *routed), -1, dtype=torch.int16),
             teacher_log_probs=torch.zeros((b, t), dtype=torch.float32) if taught else None,
+            teacher_top_ids=torch.zeros((b, t, top_k), dtype=torch.long) if top_k else None,
+            teacher_top_log_probs=torch.zeros((b, t, top_k), dtype=torch.float32) if top_k else None,
         )
 
     def place(self, r: int, off: int, i: int, k: _Kept) -> None:
@@ -350,6 +365,9 @@ class _Rows:
             self.versions[r, span] = _longs(k.versions[a : a + end - start])
             if self.teacher_log_probs is not None:
                 self.teacher_log_probs[r, span] = _floats(k.teacher[a : a + end - start])
+            if self.teacher_top_ids is not None and k.top is not None:
+                self.teacher_top_ids[r, span] = torch.tensor(k.top[0][a : a + end - start], dtype=torch.long)
+                self.teacher_top_log_probs[r, span] = torch.tensor(k.top[1][a : a + end - start], dtype=torch.float32)
             a += end - start
 
 

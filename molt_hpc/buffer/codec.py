@@ -111,7 +111,25 @@ def _teacher(group: Group) -> dict[str, np.ndarray]:
         return {}
     if not all(have):
         raise ValueError(f"group {group.group_id}: {have.count(False)} sample(s) lack the teacher's log-probs")
-    return {"teacher_logprobs": _flat([s.teacher_logprobs for s in group.samples], np.float32)}
+    out = {"teacher_logprobs": _flat([s.teacher_logprobs for s in group.samples], np.float32)}
+    if group.samples[0].teacher_top_ids is not None:  # `distill.top_k`: [action tokens, k] each
+        out["teacher_top_ids"] = np.asarray([r for s in group.samples for r in s.teacher_top_ids], np.int32)
+        out["teacher_top_logprobs"] = np.asarray([r for s in group.samples for r in s.teacher_top_logprobs],
+                                                 np.float32)  # fmt: skip
+    return out
+
+
+def _teacher_arrays(t: dict[str, np.ndarray]) -> tuple:
+    """(teacher log-probs, top ids, top log-probs) of a group file, each None when absent, checked against
+    the action tokens (`versions`)."""
+    teacher = t.get("teacher_logprobs")
+    if teacher is not None and len(teacher) != len(t["versions"]):
+        raise ValueError("one teacher log-prob per action token is required")
+    top_ids, top = t.get("teacher_top_ids"), t.get("teacher_top_logprobs")
+    if (top_ids is None) != (top is None) or (top is not None and (top.shape != top_ids.shape or teacher is None
+                                                                   or len(top) != len(teacher))):  # fmt: skip
+        raise ValueError("the teacher's top ids and log-probs come together, one row per action token")
+    return teacher, top_ids, top
 
 
 def encode_group(group: Group) -> bytes:
@@ -190,9 +208,7 @@ def decode_group(data: bytes) -> Group:
         raise ValueError("offsets do not cover the flat tensors")
     if len(t["action_logprobs"]) != len(t["versions"]):
         raise ValueError("one log-prob and one version per action token are required")
-    teacher = t.get("teacher_logprobs")
-    if teacher is not None and len(teacher) != len(t["versions"]):
-        raise ValueError("one teacher log-prob per action token is required")
+    teacher, top_ids, top = _teacher_arrays(t)
     if meta["min_version"] != (int(t["versions"].min()) if t["versions"].size else 0):
         raise ValueError(f"metadata says min_version {meta['min_version']}, the versions tensor disagrees")
     samples, action_at = [], 0
@@ -220,6 +236,8 @@ def decode_group(data: bytes) -> Group:
                 images=images[i],
                 segments=[int(x) for x in sm.get("segments", [])],
                 teacher_logprobs=None if teacher is None else teacher[action_at : action_at + n_action].tolist(),
+                teacher_top_ids=None if top_ids is None else top_ids[action_at : action_at + n_action].tolist(),
+                teacher_top_logprobs=None if top is None else top[action_at : action_at + n_action].tolist(),
             )
         )
         action_at += n_action

@@ -9,7 +9,7 @@ log-probs, one request per finished group (`molt_hpc.scorer.teacher`).
 
 from typing import Literal
 
-from pydantic import PositiveFloat, PositiveInt
+from pydantic import Field, PositiveFloat, PositiveInt
 
 from molt_hpc.config.base import Section
 
@@ -24,8 +24,11 @@ class DistillConfig(Section):
     spec, so the student's own builtin is its starting point), or a run directory (its latest checkpoint's
     policy: a finished `molt-hpc run` or `molt-hpc sft`). It must share the policy's tokenizer (the same
     vocabulary and the same ids for the run's prompts): it scores the rollout's own token ids."""
-    kind: Literal["builtin"] = "builtin"
-    """`builtin`: transformers in a molt-hpc process of the engine pool (CPU or GPU)."""
+    kind: Literal["builtin", "vllm"] = "builtin"
+    """`builtin`: transformers in a molt-hpc process of the engine pool (CPU or GPU); `vllm`: `vllm serve` of
+    the teacher behind a token-checking front that asks its completions route for the prompt log-probs of
+    each sequence (GPUs, the `gpu` extra). vLLM's prompt log-probs are of the raw distribution, so this kind
+    needs `rollout.temperature = 1`."""
     count: PositiveInt = 1
     """Teacher processes, on the engine pool's first node; groups are sent to them in turn."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -49,3 +52,14 @@ class DistillConfig(Section):
     """Most sequences in one forward of a teacher."""
     timeout_s: PositiveFloat = 60.0
     """HTTP timeout of one teacher request; a teacher that does not answer in time is tried again."""
+    top_k: int = Field(0, ge=0, le=20)
+    """Also train on the teacher's `top_k` most likely tokens at each action token's position (0: off; at
+    most 20): the teacher answers them with its log-probs, the trace carries them, and the policy loss gains
+    `top_k_weight ·` the per-token forward KL from the teacher (renormalised over those tokens) to the
+    student, averaged over the action tokens (`molt_hpc.algorithm.distill.topk_forward_kl`)."""
+    top_k_weight: PositiveFloat = 1.0
+    """Weight of the top-k forward-KL term in the policy loss (with `top_k > 0`)."""
+    gpu_memory_utilization: float = Field(0.2, gt=0.0, le=1.0)
+    """Fraction of GPU memory a vLLM teacher may take."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Extra command-line arguments for a vLLM teacher's `vllm serve`."""

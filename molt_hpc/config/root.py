@@ -186,6 +186,23 @@ class MoltConfig(Section):
                 "reward_model.kind = 'vllm' runs on GPUs but reward_model.device = 'cpu': set it to 'cuda' or "
                 "'auto', or use reward_model.kind = 'builtin'"
             )
+        self._check_vllm_teacher()
+
+    def _check_vllm_teacher(self) -> None:
+        dist = self.distill
+        if dist is None or dist.kind != "vllm":
+            return
+        if dist.device == "cpu":
+            raise ValueError(
+                "distill.kind = 'vllm' runs on GPUs but distill.device = 'cpu': set it to 'cuda' or 'auto', or use "
+                "distill.kind = 'builtin'"
+            )
+        if self.rollout.temperature != 1.0:
+            raise ValueError(
+                f"distill.kind = 'vllm' scores with vLLM's prompt log-probs, which are of the raw distribution "
+                f"(temperature 1), but rollout.temperature = {self.rollout.temperature}: set rollout.temperature "
+                "= 1, or use distill.kind = 'builtin' (it scores at the rollout's temperature)"
+            )
 
     @property
     def scorer_max_len(self) -> int:

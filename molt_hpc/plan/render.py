@@ -143,6 +143,8 @@ def _teacher_lines(plan: Plan) -> list[str]:
     if dist is None or plan.cfg.run.stage != "rl":
         return []
     gpu = "" if dist.device == "cpu" else f"; each holds the teacher and one forward of {dist.max_batch} sequences"
+    if dist.device != "cpu" and dist.kind == "vllm":
+        gpu = f"; a vLLM teacher takes distill.gpu_memory_utilization = {dist.gpu_memory_utilization} of its GPU"
     where = "the engine pool's first GPU after the engines' and the scorers', or shares the last one"
     return [f"distillation teachers: {dist.count} {dist.kind} on {dist.device}, not counted in this plan (each "
             f"takes {where}{gpu})", ""]  # fmt: skip

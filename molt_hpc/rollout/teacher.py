@@ -3,11 +3,12 @@ scores every action token of every sample; the group reaches the buffer only wit
 
 One `/logprobs` request per group: the samples' token ids and action ranges (the prompt and env feedback
 are context, never scored), at the rollout's temperature (the engines' log-probs of the student's tokens
-are under the same). The answers go into each sample's `teacher_logprobs`, and the group's `meta` records
-the action tokens scored (`teacher_tokens`) and the seconds the teacher's forwards took (`teacher_s`), from
-which the trainer reports the teachers' rate. It runs in the group's own task, after a reward model's
-scores: a group waits for a teacher (the client retries while none answers) while the others go on; at a
-stop it is still in flight, and a restart issues it again. No group is ever put without the teacher's
+are under the same). The answers go into each sample's `teacher_logprobs` (and, with `distill.top_k`, the
+teacher's top tokens per action token into `teacher_top_ids` and `teacher_top_logprobs`), and the group's
+`meta` records the action tokens scored (`teacher_tokens`) and the seconds the teacher's forwards took
+(`teacher_s`), from which the trainer reports the teachers' rate. It runs in the group's own task, after a
+reward model's scores: a group waits for a teacher (the client retries while none answers) while the others
+go on; at a stop it is still in flight, and a restart issues it again. No group is ever put without the teacher's
 log-probs.
 """
 
@@ -21,17 +22,20 @@ from molt_hpc.trajectory import Group
 class GroupTeacher:
     """Fills the teacher's log-probs of a group's action tokens."""
 
-    def __init__(self, client: ScorerClient, temperature: float):
-        self.client, self.temperature = client, temperature
+    def __init__(self, client: ScorerClient, temperature: float, top_k: int = 0):
+        self.client, self.temperature, self.top_k = client, temperature, top_k
 
     async def teach(self, group: Group) -> None:
         samples = group.samples
         values, seconds = await self.client.logprobs(
-            [s.tokens for s in samples], [s.action_ranges for s in samples], self.temperature
+            [s.tokens for s in samples], [s.action_ranges for s in samples], self.temperature, self.top_k
         )
-        for sample, logprobs in zip(samples, values, strict=True):
-            sample.teacher_logprobs = logprobs
-        group.meta["teacher_tokens"] = sum(len(v) for v in values)
+        for sample, item in zip(samples, values, strict=True):
+            sample.teacher_logprobs = [float(x) for x in item["logprobs"]]
+            if self.top_k:
+                sample.teacher_top_ids = [[int(i) for i in row] for row in item["top_ids"]]
+                sample.teacher_top_logprobs = [[float(x) for x in row] for row in item["top_logprobs"]]
+        group.meta["teacher_tokens"] = sum(len(v["logprobs"]) for v in values)
         group.meta["teacher_s"] = seconds
 
 
@@ -55,4 +59,4 @@ def group_teacher(cfg, run, http, token: str, tokenizer: Any, agent_cls: type) -
     if (why := tokenizer_mismatch(load_tokenizer(path), tokenizer)) is not None:
         raise ValueError(f"distill.teacher = {dist.teacher!r}: {why}; name a teacher with the policy's tokenizer")
     get_logger().info("distilling from %s (%s): combine %s, weight %g", dist.teacher, path, dist.combine, dist.weight)
-    return GroupTeacher(ScorerClient(http, run, token, dist, role="teacher"), cfg.rollout.temperature)
+    return GroupTeacher(ScorerClient(http, run, token, dist, role="teacher"), cfg.rollout.temperature, dist.top_k)

@@ -5,7 +5,8 @@ refit group (their weights are frozen), restarted by the pool like an engine whe
   ids], ...], "use_activation": false}` answers `{"data": [{"index": i, "probs": [score], ...}]}`;
   registered as `RUN_DIR/rendezvous/scorer-<index>.json`;
 - distillation teachers (`[distill]`): `POST /logprobs` with token ids and the spans to score answers the
-  teacher's log-prob of each token in them; registered as `RUN_DIR/rendezvous/teacher-<index>.json`.
+  teacher's log-prob of each token in them (and, with `top_k`, its top tokens at each of their positions),
+  whichever kind serves it; registered as `RUN_DIR/rendezvous/teacher-<index>.json`.
 
 `GET /health` answers `{"status": "ok", ...}`; every route needs the run's token. A process registers
 (`url`, `index`, `pid`, `kind`) once it listens and removes its file on a clean stop.
@@ -14,6 +15,7 @@ builtin.py  the transformers scorer (`reward_model.kind = "builtin"`), CPU or GP
             `listen`, the serving and registration every built-in process of this package shares
 vllm.py     `vllm serve` as a pooling (classify) model behind a token-checking front (`kind = "vllm"`)
 teacher.py  the distillation teacher (`distill.kind = "builtin"`): a causal LM's log-probs of given tokens
+teacher_vllm.py  `vllm serve` of the teacher behind a front that speaks the same `/logprobs` (`kind = "vllm"`)
 request.py  the typed bodies of both routes
 registry.py where a process registers its URL in the run directory, by role, and who reads it
 client.py   the orchestrator's side: a group's sequences scored, waiting (and retrying) while none of the role answers
@@ -30,4 +32,15 @@ def main(cfg, run_dir: str | Path, index: int) -> int:
         from molt_hpc.scorer.vllm import main as run
     else:
         from molt_hpc.scorer.builtin import main as run
+    return run(cfg, run_dir, index)
+
+
+def teacher_main(cfg, run_dir: str | Path, index: int) -> int:
+    """Run teacher `index` of the run in `run_dir` (the kind `distill.kind` names) until SIGTERM."""
+    if cfg.distill is None:
+        raise ValueError("this run has no [distill]; a teacher needs distill.teacher")
+    if cfg.distill.kind == "vllm":
+        from molt_hpc.scorer.teacher_vllm import main as run
+    else:
+        from molt_hpc.scorer.teacher import main as run
     return run(cfg, run_dir, index)

@@ -55,18 +55,21 @@ class ScorerClient:
         return [float(d["probs"][0]) for d in items]
 
     async def logprobs(
-        self, sequences: list[list[int]], ranges: list[list[tuple[int, int]]], temperature: float
-    ) -> tuple[list[list[float]], float]:
-        """(the teacher's log-prob of every token in `ranges` of each sequence, in order; the seconds its
-        forwards took), from one request to one teacher, once some teacher answers."""
+        self, sequences: list[list[int]], ranges: list[list[tuple[int, int]]], temperature: float, top_k: int = 0
+    ) -> tuple[list[dict[str, list]], float]:
+        """(per sequence `{"logprobs": [...]}`, the teacher's log-prob of every token in its `ranges` in order,
+        with `top_ids` and `top_logprobs` rows per token when `top_k > 0`; the seconds the teacher's forwards
+        took), from one request to one teacher, once some teacher answers."""
         body = {"input": sequences, "ranges": [[list(r) for r in rs] for rs in ranges], "temperature": temperature}
-        data, url = await self.ask("/logprobs", body)
+        data, url = await self.ask("/logprobs", {**body, "top_k": top_k} if top_k else body)
         items = sorted(data["data"], key=lambda d: d["index"])
         want = [sum(b - a for a, b in rs) for rs in ranges]
         got = [len(d["logprobs"]) for d in items]
-        if got != want:
-            raise EngineHTTPError(502, f"log-probs for {got} tokens, {want} asked", url)
-        return [[float(x) for x in d["logprobs"]] for d in items], float(data.get("seconds", 0.0))
+        keys = ("logprobs", "top_ids", "top_logprobs") if top_k else ("logprobs",)
+        if got != want or (top_k and any(len(d.get(k) or []) != n for d, n in zip(items, want, strict=True)
+                                         for k in keys[1:])):  # fmt: skip
+            raise EngineHTTPError(502, f"log-probs for {got} tokens, {want} asked (top_k {top_k})", url)
+        return [{k: d[k] for k in keys} for d in items], float(data.get("seconds", 0.0))
 
     async def ask(self, route: str, body: dict[str, Any]) -> tuple[dict[str, Any], str]:
         """(the answer, the URL that gave it) of `route` from the first process of the role that answers."""

@@ -27,6 +27,10 @@ class ClassifyRequest(BaseModel):
         return seqs  # type: ignore[return-value]
 
 
+MAX_TOP_K = 20
+"""Most top tokens a logprobs request may ask for per position (vLLM's default `--max-logprobs`)."""
+
+
 class LogprobsRequest(BaseModel):
     """Body of a teacher's `POST /logprobs`: token-id sequences and, per sequence, the half-open spans of
     tokens to score (a rollout's action ranges); the answer is log p(token t | tokens before t) of each."""
@@ -39,6 +43,9 @@ class LogprobsRequest(BaseModel):
     """Per sequence, the [start, end) spans whose tokens are scored, each within 1..len (token 0 has no context)."""
     temperature: float = Field(1.0, gt=0.0)
     """Log-probs of `softmax(logits / temperature)`, as the engines report the sampled tokens'."""
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
+    """Also answer, per scored token, the teacher's `top_k` most likely tokens at that position and their
+    log-probs (`top_ids`, `top_logprobs`, most likely first); 0: the scored tokens' log-probs only."""
 
     def spans(self) -> list[list[tuple[int, int]]]:
         """The spans, checked against their sequences (a `ValueError` says which is wrong)."""

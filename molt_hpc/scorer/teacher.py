@@ -5,18 +5,20 @@ A request holds token-id sequences and, per sequence, the [start, end) spans of 
 rollout's action ranges); the answer is the teacher's log-prob of each of those tokens given every token
 before it, under `softmax(logits / temperature)` (the rollout's temperature: the engines report the
 student's sampled tokens the same way), `{"data": [{"index": i, "logprobs": [...]}], "tokens": n,
-"seconds": s}` with `seconds` the time its forwards took. `GET /health` answers `{"status": "ok", ...}`;
-every route needs the run's token. Sequences run `distill.max_batch` at a time, right-padded (causal
-attention keeps real tokens from seeing the padding after them), in a worker thread so `/health` answers
-while a batch runs; the log-probs come from the last hidden states and the LM head chunk by chunk, as the
-trainer computes the policy's (`molt_hpc.algorithm.logprobs`), only at the scored positions.
+"seconds": s}` with `seconds` the time its forwards took; with `top_k > 0` each item also holds, per
+scored token, the `top_k` most likely tokens at its position, `top_ids` and `top_logprobs`. `GET /health`
+answers `{"status": "ok", ...}`; every route needs the run's token. Sequences run `distill.max_batch` at a
+time, right-padded (causal attention keeps real tokens from seeing the padding after them), in a worker
+thread so `/health` answers while a batch runs; the log-probs come from the last hidden states and the LM
+head chunk by chunk, as the trainer computes the policy's (`molt_hpc.algorithm.logprobs`), only at the
+scored positions (the top tokens from the same positions' full log-softmax, 1024 positions at a time).
 """
 
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import get_logger
@@ -29,8 +31,17 @@ from molt_hpc.scorer.request import LogprobsRequest
 Spans = list[list[tuple[int, int]]]
 
 
-def parse_logprobs(body: Any, vocab_size: int, max_len: int) -> tuple[list[list[int]], Spans, float]:
-    """(sequences, spans, temperature) of a logprobs request; a `ValueError` (→ 400) says what is wrong."""
+class Asked(NamedTuple):
+    """A logprobs request, checked."""
+
+    sequences: list[list[int]]
+    spans: Spans
+    temperature: float
+    top_k: int
+
+
+def parse_logprobs(body: Any, vocab_size: int, max_len: int) -> Asked:
+    """The checked logprobs request; a `ValueError` (→ 400) says what is wrong."""
     req = parse(LogprobsRequest, body, "the body (with 'input': token-id lists, 'ranges': spans per sequence)")
     spans = req.spans()
     for i, s in enumerate(req.input):
@@ -38,18 +49,21 @@ def parse_logprobs(body: Any, vocab_size: int, max_len: int) -> tuple[list[list[
             raise ValueError(f"input[{i}] has {len(s)} tokens, over the teacher's {max_len} (engines.max_model_len)")
         if min(s) < 0 or max(s) >= vocab_size:
             raise ValueError(f"input[{i}] has a token id outside the vocabulary (0..{vocab_size - 1})")
-    return req.input, spans, req.temperature
+    return Asked(req.input, spans, req.temperature, req.top_k)
 
 
-def span_logprobs(model, sequences: list[list[int]], spans: Spans, temperature: float, max_batch: int) -> list:
-    """The model's log-prob of every token in `spans` of each sequence (a list per sequence, in span order)."""
+def span_logprobs(model, asked: Asked, max_batch: int) -> list[dict[str, list]]:
+    """Per sequence `{"logprobs": [...]}`, the model's log-prob of every token in its spans (in span order),
+    with `top_ids` and `top_logprobs` (per scored token, the `top_k` most likely tokens at its position,
+    most likely first) when `asked.top_k > 0`."""
     import torch
 
     from molt_hpc.actor.batch import head_source
     from molt_hpc.algorithm.logprobs import token_logprobs
 
+    sequences, spans, temperature = asked.sequences, asked.spans, asked.temperature
     device = next(model.parameters()).device
-    out: list[list[float]] = []
+    out: list[dict[str, list]] = []
     with torch.no_grad():
         for lo in range(0, len(sequences), max_batch):
             part, where = sequences[lo : lo + max_batch], spans[lo : lo + max_batch]
@@ -63,8 +77,31 @@ def span_logprobs(model, sequences: list[list[int]], spans: Spans, temperature: 
             source, weight = head_source(model, {"input_ids": ids, "use_cache": False})
             logp, _ = token_logprobs(source, ids, lm_head_weight=weight, mask=mask, temperature=temperature)
             logp = logp.float().cpu()
-            out += [[x for a, b in rs for x in logp[r, a:b].tolist()] for r, rs in enumerate(where)]
+            for r, rs in enumerate(where):
+                item: dict[str, list] = {"logprobs": [x for a, b in rs for x in logp[r, a:b].tolist()]}
+                if asked.top_k:
+                    rows = torch.tensor([t - 1 for a, b in rs for t in range(a, b)], device=device)
+                    item["top_ids"], item["top_logprobs"] = top_tokens(
+                        source[r, rows], weight, temperature, asked.top_k
+                    )
+                out.append(item)
     return out
+
+
+def top_tokens(rows, weight, temperature: float, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """(ids, log-probs) of the `k` most likely tokens after each of `rows` (hidden states with the LM head
+    `weight`, or logits when it is None) under `softmax(logits / temperature)`, in float32, most likely first."""
+    import torch
+
+    ids: list[list[int]] = []
+    values: list[list[float]] = []
+    for lo in range(0, rows.shape[0], 1024):  # the logits of 1024 positions at a time
+        chunk = rows[lo : lo + 1024]
+        logits = chunk if weight is None else chunk.to(weight.dtype) @ weight.t()
+        top = torch.log_softmax(logits.float() / temperature, dim=-1).topk(k, dim=-1)
+        ids += top.indices.cpu().tolist()
+        values += top.values.cpu().tolist()
+    return ids, values
 
 
 def build_app(model, token: str, index: int, max_batch: int, max_len: int, name: str):
@@ -76,15 +113,15 @@ def build_app(model, token: str, index: int, max_batch: int, max_len: int, name:
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="teach")  # one forward at a time
     vocab = model.config.vocab_size
 
-    def timed(seqs: list[list[int]], spans: Spans, temperature: float) -> tuple[list, float]:
+    def timed(asked: Asked) -> tuple[list, float]:
         start = time.perf_counter()
-        return span_logprobs(model, seqs, spans, temperature, max_batch), time.perf_counter() - start
+        return span_logprobs(model, asked, max_batch), time.perf_counter() - start
 
     async def logprobs(request: web.Request) -> web.Response:
-        seqs, spans, temperature = parse_logprobs(await read_json(request), vocab, max_len)
-        values, seconds = await asyncio.get_running_loop().run_in_executor(worker, timed, seqs, spans, temperature)
-        data = [{"index": i, "logprobs": v} for i, v in enumerate(values)]
-        tokens = sum(len(v) for v in values)
+        asked = parse_logprobs(await read_json(request), vocab, max_len)
+        values, seconds = await asyncio.get_running_loop().run_in_executor(worker, timed, asked)
+        data = [{"index": i, **v} for i, v in enumerate(values)]
+        tokens = sum(len(v["logprobs"]) for v in values)
         return web.json_response({"object": "list", "model": name, "data": data, "tokens": tokens, "seconds": seconds})
 
     async def health(request: web.Request) -> web.Response:

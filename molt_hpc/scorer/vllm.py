@@ -8,7 +8,7 @@ causal LM with a `score` head read at the LAST token, whose `POST /classify` tak
 127.0.0.1; the front checks the run's token on every route (vLLM's own key covers `/v1` routes only)
 and relays `/classify` with `use_activation: false` (the raw score, which `problem_type =
 "regression"` in the checkpoint's config also asks for) and `/health`. vLLM dying ends this process
-with 1, and the pool restarts it.
+with 1, and the pool restarts it (`serve_vllm`, which the vLLM teacher shares).
 """
 
 import asyncio
@@ -21,7 +21,7 @@ from pathlib import Path
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import get_logger, log_tail, setup_logging
 from molt_hpc.rundir import RunDir
-from molt_hpc.scorer.registry import register_scorer, scorer_file
+from molt_hpc.scorer.registry import Role, register_scorer, scorer_file
 
 
 def vllm_score_command(cfg: MoltConfig, model_dir: str | Path, port: int, index: int) -> list[str]:
@@ -76,51 +76,63 @@ def build_score_front(front):
     return app
 
 
-async def serve(cfg: MoltConfig, run: RunDir, index: int) -> int:
+async def serve_vllm(cfg: MoltConfig, run: RunDir, index: int, role: Role, cmd_of, build_front) -> int:
+    """Start `vllm serve` (`cmd_of(port)`, on 127.0.0.1), wait until it is healthy, then serve
+    `build_front(Front)` on `engines.host` registered as `role` `index` until SIGTERM (0) or vLLM dies (1);
+    what the vLLM scorer and the vLLM teacher share."""
     from aiohttp import web
 
     from molt_hpc.engine.main import public_url
     from molt_hpc.engine.vllm.front import Front
-    from molt_hpc.engine.vllm.main import check_vllm, start_vllm, stop_vllm, vllm_env, wait_healthy
-    from molt_hpc.models.reward import resolve_reward_model
+    from molt_hpc.engine.vllm.main import start_vllm, stop_vllm, vllm_env, wait_healthy
     from molt_hpc.net import free_port
 
-    log, rm = get_logger(), cfg.reward_model
-    assert rm is not None
-    version = check_vllm()  # before anything slow: a missing vLLM fails in seconds
-    model_dir = resolve_reward_model(rm)
+    log = get_logger()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     port = free_port("127.0.0.1")
-    upstream, vlog = f"http://127.0.0.1:{port}", run.logs / f"vllm-scorer-{index}.log"
-    proc = start_vllm(vllm_score_command(cfg, model_dir, port, index), vllm_env(run.token()), vlog)
-    log.info("started vLLM %s (pid %d) scoring %s on %s, log %s", version, proc.pid, model_dir, upstream, vlog)
+    upstream, vlog = f"http://127.0.0.1:{port}", run.logs / f"vllm-{role}-{index}.log"
+    proc = start_vllm(cmd_of(port), vllm_env(run.token()), vlog)
+    log.info("started vLLM (pid %d) as %s %d on %s, log %s", proc.pid, role, index, upstream, vlog)
     try:
         if not await wait_healthy(proc, upstream, vlog, cfg.engines.startup_timeout_s, stop):
             return 0
-        front = Front(upstream, run.token(), index)
-        runner = web.AppRunner(build_score_front(front), handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(build_front(Front(upstream, run.token(), index)), handler_cancellation=True,
+                               access_log=None)  # fmt: skip
         await runner.setup()
         sock = socket.create_server((cfg.engines.host, 0))
         await web.SockSite(runner, sock).start()
-        register_scorer(run, index, public_url(cfg.engines.host, sock.getsockname()[1]), "vllm")
-        log.info("vLLM scorer ready")
+        register_scorer(run, index, public_url(cfg.engines.host, sock.getsockname()[1]), "vllm", role)
+        log.info("vLLM %s ready", role)
         try:
             while not stop.is_set():
                 if proc.poll() is not None:
-                    log.error("vLLM exited with %s while scoring; end of its log:\n%s", proc.returncode, log_tail(vlog))
+                    log.error("vLLM exited with %s while serving; end of its log:\n%s", proc.returncode, log_tail(vlog))
                     return 1
                 with contextlib.suppress(TimeoutError):  # a second passed: look at vLLM again
                     await asyncio.wait_for(stop.wait(), 1.0)
             return 0
         finally:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(scorer_file(run, index))
+                os.unlink(scorer_file(run, index, role))
             await runner.cleanup()
     finally:
         log.info("vLLM stopped (exit %s)", stop_vllm(proc))
+
+
+async def serve(cfg: MoltConfig, run: RunDir, index: int) -> int:
+    from molt_hpc.engine.vllm.main import check_vllm
+    from molt_hpc.models.reward import resolve_reward_model
+
+    rm = cfg.reward_model
+    assert rm is not None
+    version = check_vllm()  # before anything slow: a missing vLLM fails in seconds
+    model_dir = resolve_reward_model(rm)
+    get_logger().info("vLLM %s scores with %s", version, model_dir)
+    return await serve_vllm(cfg, run, index, "scorer", lambda port: vllm_score_command(cfg, model_dir, port, index),
+                            build_score_front)  # fmt: skip
 
 
 def main(cfg: MoltConfig, run_dir: str | Path, index: int) -> int:
