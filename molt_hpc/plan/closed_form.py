@@ -12,7 +12,7 @@ A config that leaves a field to its class default where the families' defaults d
 heads, Qwen3's head width) is not counted here: the caller falls back to the meta-device build.
 """
 
-from molt_hpc.plan.arch import Arch, Block
+from molt_hpc.plan.arch_types import Arch, Block
 
 DENSE = {"llama", "mistral", "qwen2", "qwen3"}
 MOE = {"qwen2_moe", "qwen3_moe"}
