@@ -52,13 +52,13 @@ def prepare_run(cfg: MoltConfig) -> RunDir:
 
 
 def visible_gpus() -> list[str]:
-    """GPU ids this launcher may hand out: `CUDA_VISIBLE_DEVICES`, or every GPU torch sees."""
+    """GPU ids this launcher may hand out: `CUDA_VISIBLE_DEVICES`, or every GPU torch sees (none without a driver)."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
         return [g for g in env.split(",") if g.strip()]
-    import torch
+    from molt_hpc.devices import device_gpu_count
 
-    return [str(i) for i in range(torch.cuda.device_count())]
+    return [str(i) for i in range(device_gpu_count())]
 
 
 LOOPBACK_ENV = {

@@ -17,112 +17,37 @@ Where the config comes from:
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from molt_hpc.config.model import ModelConfig
+from molt_hpc.plan.arch_types import Arch, Block
 
 ROUTER_SUFFIXES = (".gate.weight", ".router.weight")  # MoE routers (`mlp.gate`), not the MLP's `gate_proj`
 
 
-@dataclass(frozen=True)
-class Block:
-    """Parameter counts of one decoder block."""
-
-    params: int
-    experts: int = 0
-    """Routed-expert parameters (sharded over EP ranks under expert parallelism)."""
-    router: int = 0
-    """Router (gate) parameters: frozen by `actor.freeze_router`."""
-
-    @property
-    def moe(self) -> bool:
-        return self.experts > 0
-
-
-@dataclass(frozen=True)
-class Arch:
-    """What the plan needs of a model: shapes from its config, counts from its meta build."""
-
-    model_type: str
-    vocab: int
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    tied: bool
-    root_params: int
-    """Parameters outside the decoder blocks: embeddings, final norm, LM head (once when tied)."""
-    blocks: tuple[Block, ...]
-    experts: int = 0
-    top_k: int = 0
-    moe_intermediate: int = 0
-    shared_intermediate: int = 0
-    """Width of the shared expert(s) of an MoE block (0: none)."""
-    kv_lora_rank: int = 0
-    """Multi-head latent attention (DeepSeek-V3 family): the compressed KV width; 0 for plain attention."""
-    q_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
-    qk_nope_head_dim: int = 0
-    v_head_dim: int = 0
-    qk_norm: bool = False
-    """Attention normalises q and k per head (Qwen3): two more RMSNorms per block."""
-    fused_head: bool = False
-    """The LM head is a bias-free linear layer applied as it is (no logit soft-capping or scaling), so the
-    trainer computes log-probs from the last hidden states and the head weight, chunk by chunk, never
-    the `[n, V]` logits (`molt_hpc.actor.head`). False: the model's own full logits."""
-    source: str = ""
-    extra: dict = field(default_factory=dict, compare=False)
-
-    @property
-    def params(self) -> int:
-        return self.root_params + sum(b.params for b in self.blocks)
-
-    @property
-    def expert_params(self) -> int:
-        return sum(b.experts for b in self.blocks)
-
-    @property
-    def router_params(self) -> int:
-        return sum(b.router for b in self.blocks)
-
-    @property
-    def largest_block(self) -> Block:
-        return max(self.blocks, key=lambda b: b.params)
-
-    @property
-    def is_moe(self) -> bool:
-        return self.experts > 0
-
-    @property
-    def mla(self) -> bool:
-        return self.kv_lora_rank > 0
-
-    def kv_bytes_per_token(self, tp: int, dtype_bytes: int) -> int:
-        """KV-cache bytes one token takes on one GPU of an engine with tensor parallelism `tp`."""
-        if self.mla:  # one latent vector per token and layer, replicated on every TP rank
-            return self.layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
-        return self.layers * 2 * max(1, self.kv_heads // tp) * self.head_dim * dtype_bytes
-
-
 def load_hf_config(model: ModelConfig):
     """(transformers config of the policy, where it came from). Raises ValueError with the fix."""
-    from molt_hpc.models.resolve import builtin_config, run_model
+    from molt_hpc.models.resolve import builtin_config
 
     if model.is_builtin and (config := builtin_config(model)) is not None:
         return config, f"the {model.path} spec"
-    # a finished `molt-hpc sft` run directory: its latest policy
+    path = config_file(model)
+    return _config_from_file(path), str(path)
+
+
+def config_file(model: ModelConfig) -> Path:
+    """The `config.json` that gives the shape of a policy that is not built from a spec: `model.path`'s (a
+    finished `molt-hpc sft` run directory: its latest policy's), checked against `model.architecture` when
+    both are set, else `model.architecture`. Raises ValueError with the fix."""
+    from molt_hpc.models.resolve import run_model
+
     own = None if model.is_builtin else run_model(Path(model.path).expanduser(), "policy") / "config.json"
     if own is not None and own.is_file():
-        config = _config_from_file(own)
         if model.architecture:
             _check_agrees(_arch_file(model.architecture), own)
-        return config, str(own)
+        return own
     if model.architecture:
-        path = _arch_file(model.architecture)
-        return _config_from_file(path), str(path)
+        return _arch_file(model.architecture)
     hint = "set model.architecture to its HF config.json to plan a model whose weights are elsewhere (configs/models/)"
     if own is None:
         raise ValueError(f"the plan needs the shape of model.path = {model.path}: {hint}")
@@ -173,9 +98,17 @@ def _check_agrees(arch_path: Path, own: Path) -> None:
 
 
 def arch_of(model: ModelConfig) -> Arch:
-    """The `Arch` of the configured policy: shapes from its config, counts from a meta-device build."""
-    config, source = load_hf_config(model)
-    return arch_from_config(config, source)
+    """The `Arch` of the configured policy: shapes from its config; counts in closed form for the common
+    families (`molt_hpc.plan.closed_form`, read from `config.json` without importing transformers), else
+    from a meta-device build."""
+    from molt_hpc.models.resolve import builtin_config
+    from molt_hpc.plan.closed_form import closed_form_arch
+
+    if model.is_builtin and (config := builtin_config(model)) is not None:
+        source = f"the {model.path} spec"
+        return closed_form_arch(config.to_dict(), source) or arch_from_config(config, source)
+    path = config_file(model)
+    return closed_form_arch(_read_json(path), str(path)) or arch_from_config(_config_from_file(path), str(path))
 
 
 def arch_cached(model: ModelConfig, path: Path) -> Arch:

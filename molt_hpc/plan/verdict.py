@@ -74,9 +74,9 @@ def _visible_gpus() -> int:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
         return len([g for g in env.split(",") if g.strip()])
-    import torch
+    from molt_hpc.devices import device_gpu_count
 
-    return torch.cuda.device_count()
+    return device_gpu_count()
 
 
 @dataclass
