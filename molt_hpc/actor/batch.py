@@ -19,6 +19,8 @@ from molt_hpc.actor.packing import rank_micro_batches
 from molt_hpc.actor.vision import ImageInputs
 from molt_hpc.actor.world import World
 from molt_hpc.algorithm import Experience, token_logprobs
+from molt_hpc.algorithm.logprobs import exact_token_logprobs
+from molt_hpc.models.exact import is_exact
 from molt_hpc.parallel.attention import attention_setup
 
 
@@ -55,6 +57,9 @@ def policy_logprobs(
     and multimodal positions (`images`); a dummy-image row it may add is cut off the outputs.
     """
     how = {"temperature": temperature, "chunk": chunk, "kernel": kernel}
+    logprobs_of = token_logprobs
+    if is_exact(model):  # engines.exact: the engine's own ops (no chunks, no kernel choice)
+        logprobs_of, how = exact_token_logprobs, {"temperature": temperature}
     rows_in = mb.sequences.shape[0]
     extra: dict[str, Tensor] = {}
     if images is not None:
@@ -63,13 +68,11 @@ def policy_logprobs(
     if setup is None:
         inputs = {"input_ids": mb.sequences, "position_ids": mb.position_ids, "use_cache": False, **extra}
         source, weight = head_source(model, inputs)
-        logp, ent = token_logprobs(source, mb.sequences, lm_head_weight=weight, mask=mb.action_mask, **how)
+        logp, ent = logprobs_of(source, mb.sequences, lm_head_weight=weight, mask=mb.action_mask, **how)
         return logp[:rows_in], ent[:rows_in]
     rows = setup.rows(mb)
     source, weight = head_source(model, {**rows.inputs, **extra})
-    logp, ent = token_logprobs(
-        source, rows.next_tokens, lm_head_weight=weight, aligned=True, mask=rows.next_action, **how
-    )
+    logp, ent = logprobs_of(source, rows.next_tokens, lm_head_weight=weight, aligned=True, mask=rows.next_action, **how)
     return rows.own_index(logp)[:rows_in], rows.own_index(ent)[:rows_in]
 
 
