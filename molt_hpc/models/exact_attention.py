@@ -97,6 +97,7 @@ def exact_attention_forward(module, query, key, value, attention_mask, dropout=0
     mask was skipped."""
     if sliding_window is not None or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise ValueError("engines.exact runs plain causal softmax attention: no sliding window, softcap, sinks")
+    assert dropout == 0.0, "exact attention runs without dropout (the trainer turns it off, the engine evaluates)"
     nq, nk = query.shape[2], key.shape[2]
     if attention_mask is None:
         allowed = causal(nq, nk, query.device)
@@ -108,15 +109,19 @@ def exact_attention_forward(module, query, key, value, attention_mask, dropout=0
 
 def exact_documents(q: Tensor, k: Tensor, v: Tensor, spans: list[tuple[int, int]], scaling) -> Tensor:
     """Packed rows: `[B, H, T, D]` q, k, v whose documents are `spans` of the flattened `B·T` positions,
-    each attending causally to itself only -> `[B, T, H, D]`."""
+    each attending causally to itself only -> `[B, T, H, D]`. The documents run as one batch, each
+    right-padded to the longest: padding keys after a query are masked, which adds exact zeros."""
     b, h, t, d = q.shape
-    flat = [x.transpose(1, 2).reshape(b * t, x.shape[1], d).transpose(0, 1)[None] for x in (q, k, v)]
-    outs = [
-        exact_attention(flat[0][:, :, lo:hi], flat[1][:, :, lo:hi], flat[2][:, :, lo:hi],
-                        causal(hi - lo, hi - lo, q.device), scaling)[0]
-        for lo, hi in spans
-    ]  # fmt: skip
-    return torch.cat(outs, dim=0).reshape(b, t, h, d)
+    longest = max(hi - lo for lo, hi in spans)
+    starts = torch.tensor([lo for lo, _ in spans], device=q.device)[:, None]
+    lengths = torch.tensor([hi - lo for lo, hi in spans], device=q.device)[:, None]
+    cols = torch.arange(longest, device=q.device)[None]
+    real = cols < lengths  # [n, L]
+    where = (starts + cols).clamp(max=b * t - 1)  # padding reads any position: its keys are masked
+    docs = [x.transpose(1, 2).reshape(b * t, x.shape[1], d)[where].transpose(1, 2) for x in (q, k, v)]
+    allowed = causal(longest, longest, q.device) & real[:, None, None, :]
+    out = exact_attention(*docs, allowed, scaling)  # [n, L, H, D]
+    return out[real].reshape(b, t, h, d)
 
 
 def exact_mask(*args, **kwargs):
