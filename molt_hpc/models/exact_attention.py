@@ -108,20 +108,32 @@ def exact_attention_forward(module, query, key, value, attention_mask, dropout=0
 
 
 def exact_documents(q: Tensor, k: Tensor, v: Tensor, spans: list[tuple[int, int]], scaling) -> Tensor:
-    """Packed rows: `[B, H, T, D]` q, k, v whose documents are `spans` of the flattened `B·T` positions,
-    each attending causally to itself only -> `[B, T, H, D]`. The documents run as one batch, each
-    right-padded to the longest: padding keys after a query are masked, which adds exact zeros."""
+    """Packed rows: `[B, H, T, D]` q, k, v whose samples are `spans` of the flattened `B·T` positions,
+    each attending causally to itself only -> `[B, T, H, D]`, 0 at positions of no span (padding).
+
+    Samples of about one length (lengths up to the same power of two) run as one batch, each right-padded
+    to the longest: padding keys after a query are masked, which adds exact zeros."""
     b, h, t, d = q.shape
-    longest = max(hi - lo for lo, hi in spans)
-    starts = torch.tensor([lo for lo, _ in spans], device=q.device)[:, None]
-    lengths = torch.tensor([hi - lo for lo, hi in spans], device=q.device)[:, None]
-    cols = torch.arange(longest, device=q.device)[None]
-    real = cols < lengths  # [n, L]
-    where = (starts + cols).clamp(max=b * t - 1)  # padding reads any position: its keys are masked
-    docs = [x.transpose(1, 2).reshape(b * t, x.shape[1], d)[where].transpose(1, 2) for x in (q, k, v)]
-    allowed = causal(longest, longest, q.device) & real[:, None, None, :]
-    out = exact_attention(*docs, allowed, scaling)  # [n, L, H, D]
-    return out[real].reshape(b, t, h, d)
+    flat = [x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (q, k, v)]
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for lo, hi in spans:
+        groups.setdefault((hi - lo - 1).bit_length(), []).append((lo, hi))
+    places, values = [], []
+    for group in groups.values():
+        longest = max(hi - lo for lo, hi in group)
+        starts = torch.tensor([lo for lo, _ in group], device=q.device)[:, None]
+        lengths = torch.tensor([hi - lo for lo, hi in group], device=q.device)[:, None]
+        cols = torch.arange(longest, device=q.device)[None]
+        real = cols < lengths  # [n, L]
+        where = (starts + cols).clamp(max=b * t - 1)  # a padding query reads any position: its keys are masked
+        docs = [x[where].transpose(1, 2) for x in flat]  # [n, H, L, D]
+        allowed = causal(longest, longest, q.device) & real[:, None, None, :]
+        places.append(where[real])
+        values.append(exact_attention(*docs, allowed, scaling)[real])  # [m, H, D]
+    out = torch.zeros(b * t, h, d, dtype=q.dtype, device=q.device)
+    if places:
+        out = out.index_copy(0, torch.cat(places), torch.cat(values))
+    return out.reshape(b, t, h, d)
 
 
 def exact_mask(*args, **kwargs):

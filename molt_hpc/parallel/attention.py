@@ -57,6 +57,8 @@ class Layout:
         self.max_len = max(hi - lo for lo, hi in self.spans)
         self.cu_seqlens = cu.to(device=device, dtype=torch.int32)
         self.kernel, self.cp = kernel, cp
+        self.real_spans = real.cpu().flatten()[starts].tolist() if kernel == "exact" else None
+        """Per span, whether it is a sample (else the padding block): the exact kernel computes samples only."""
 
 
 def document_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
@@ -110,7 +112,8 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, layout: Layout, scaling, dropout: flo
 def _exact(q: Tensor, k: Tensor, v: Tensor, layout: Layout, scaling, dropout: float) -> Tensor:
     """`engines.exact`: batch-invariant attention, one document at a time (`models.exact_attention`)."""
     assert dropout == 0.0, "exact attention runs without dropout (the trainer turns it off)"
-    return exact_documents(q, k, v, layout.spans, scaling)
+    spans = [span for span, real in zip(layout.spans, layout.real_spans, strict=True) if real]
+    return exact_documents(q, k, v, spans, scaling)
 
 
 def _flat(x: Tensor) -> Tensor:
