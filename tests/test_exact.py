@@ -23,7 +23,7 @@ from molt_hpc.engine.sampling import SamplingParams
 from molt_hpc.engine.scheduler import Scheduler
 from molt_hpc.log import read_metrics
 from molt_hpc.models import load_causal_lm
-from molt_hpc.models.exact import make_exact
+from molt_hpc.models.exact import make_exact, sequential_linear
 from molt_hpc.parallel.attention import DocumentAttention, use_document_attention
 from molt_hpc.trajectory import Trajectory
 from tests.conftest import ROOT, molt
@@ -87,6 +87,26 @@ def test_exact_engine_logprobs_equal_the_trainers(models, n):
     for name, (mine, theirs) in _trainer_sides(trainer, _trajectories(rows), temperature).items():
         assert mine.numel() == sum(len(r.tokens) for r in rows)
         assert torch.equal(mine, theirs), (name, float((mine - theirs).abs().max()))
+
+
+def test_exact_in_bfloat16(tiny_model_dir):
+    engine = make_exact(load_causal_lm(tiny_model_dir, device="cpu", dtype="bfloat16"))
+    trainer = copy.deepcopy(engine)
+    rows = _generate(engine, 7, 1.0, seed=3)
+    for name, (mine, theirs) in _trainer_sides(trainer, _trajectories(rows), 1.0).items():
+        assert torch.equal(mine, theirs), (name, float((mine - theirs).abs().max()))
+
+
+def testsequential_linear_is_row_invariant():
+    """The fallback where the padded multiply is not row-invariant: each row the same bits alone and among others."""
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 80, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(41, 80, generator=gen)
+    alone = torch.cat([sequential_linear(x[i : i + 1], w, b) for i in range(41)])
+    assert torch.equal(sequential_linear(x, w, b), alone)
+    assert torch.equal(sequential_linear(x[5:], w, b), alone[5:])
+    want = x.double() @ w.double().t() + b.double()
+    assert torch.allclose(alone.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_plain_forwards_are_not_equal(models):

@@ -34,13 +34,13 @@ EXACT = "molt_exact"
 _CHECKED: dict[tuple, bool] = {}
 
 
-def _padded_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def padded_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     n = x.shape[0]
     out = F.linear(F.pad(x, (0, 0, 0, (-n) % ROWS)), weight, bias)
     return out[:n]
 
 
-def _sequential_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def sequential_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     step = max(1, (1 << 22) // max(1, weight.numel()))
     out = torch.cat([(x[i : i + step, None, :] * weight).cumsum(-1)[..., -1] for i in range(0, x.shape[0], step)])
     return out if bias is None else out + bias
@@ -53,9 +53,9 @@ def linear_is_invariant(k: int, n: int, dtype: torch.dtype, device: torch.device
         gen = torch.Generator().manual_seed(0)
         w = torch.randn(n, k, generator=gen).to(device, dtype)
         x = torch.randn(3 * ROWS + 5, k, generator=gen).to(device, dtype)
-        alone = torch.cat([_padded_linear(x[i : i + 1], w, None) for i in range(0, x.shape[0], 7)])
-        among = _padded_linear(x, w, None)[::7]
-        shifted = _padded_linear(x[3:], w, None)[4::7]
+        alone = torch.cat([padded_linear(x[i : i + 1], w, None) for i in range(0, x.shape[0], 7)])
+        among = padded_linear(x, w, None)[::7]
+        shifted = padded_linear(x[3:], w, None)[4::7]
         _CHECKED[key] = torch.equal(alone, among) and torch.equal(alone[1:], shifted)
     return _CHECKED[key]
 
@@ -65,9 +65,9 @@ def exact_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     if linear_is_invariant(weight.shape[1], weight.shape[0], weight.dtype, weight.device):
-        out = _padded_linear(flat, weight, bias)
+        out = padded_linear(flat, weight, bias)
     else:
-        out = _sequential_linear(flat, weight, bias)
+        out = sequential_linear(flat, weight, bias)
     return out.reshape(*lead, weight.shape[0])
 
 
