@@ -93,8 +93,18 @@ class ExactActivation(nn.Module):
         return self.fn(spread[..., 0])
 
 
+MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
 def _check_modules(model: nn.Module) -> None:
-    """Refuse a model with weights used outside `nn.Linear` and embeddings (MoE experts, convolutions)."""
+    """Refuse a mixture-of-experts model, and any with weights used outside `nn.Linear` and embeddings
+    (fused experts, convolutions)."""
+    text = model.config.get_text_config()
+    if any(getattr(text, f, None) for f in MOE_FIELDS):
+        raise ValueError(
+            "engines.exact: mixture-of-experts layers were not made batch-invariant (the experts' multiplies and "
+            "their combination over whatever tokens the router sends): set engines.exact = false for this model"
+        )
     for name, mod in model.named_modules():
         if isinstance(mod, (nn.Linear, nn.Embedding)):
             continue
@@ -112,6 +122,8 @@ def make_exact(model: nn.Module) -> nn.Module:
     """Switch `model` to batch-invariant forwards in place (see the module docstring); returns it."""
     if getattr(model, EXACT, False):
         return model
+    if getattr(model.config, "vision_config", None) is not None:
+        raise ValueError("engines.exact runs text models only: set engines.exact = false for this model")
     _check_modules(model)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -120,10 +132,7 @@ def make_exact(model: nn.Module) -> nn.Module:
             elif name == "act_fn":
                 setattr(parent, name, ExactActivation(child))
     exact_attention.register()
-    config = model.config
-    if getattr(config, "vision_config", None) is not None:
-        raise ValueError("engines.exact runs text models only: set engines.exact = false for this model")
-    config._attn_implementation = exact_attention.ATTENTION
+    model.config._attn_implementation = exact_attention.ATTENTION
     setattr(model, EXACT, True)
     return model
 
