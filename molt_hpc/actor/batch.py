@@ -21,6 +21,8 @@ from molt_hpc.actor.vision import ImageInputs
 from molt_hpc.actor.world import World
 from molt_hpc.algorithm import Experience, token_logprobs
 from molt_hpc.algorithm.distill import gathered_logprobs, topk_forward_kl
+from molt_hpc.algorithm.logprobs import exact_token_logprobs
+from molt_hpc.models.exact import is_exact
 from molt_hpc.parallel.attention import attention_setup
 
 
@@ -60,6 +62,9 @@ def policy_logprobs(
     at each action token (`distill.topk_forward_kl`, differentiable) is appended to it.
     """
     how = {"temperature": temperature, "chunk": chunk, "kernel": kernel}
+    logprobs_of = token_logprobs
+    if is_exact(model):  # engines.exact: the engine's own ops (no chunks, no kernel choice)
+        logprobs_of, how = exact_token_logprobs, {"temperature": temperature}
     rows_in = mb.sequences.shape[0]
     extra: dict[str, Tensor] = {}
     if images is not None:
@@ -68,16 +73,14 @@ def policy_logprobs(
     if setup is None:
         inputs = {"input_ids": mb.sequences, "position_ids": mb.position_ids, "use_cache": False, **extra}
         source, weight = head_source(model, inputs)
-        logp, ent = token_logprobs(source, mb.sequences, lm_head_weight=weight, mask=mb.action_mask, **how)
+        logp, ent = logprobs_of(source, mb.sequences, lm_head_weight=weight, mask=mb.action_mask, **how)
         if top_kl is not None:
             nxt = _next(mb.action_mask), _next(mb.teacher_top_ids), _next(mb.teacher_top_log_probs)
             top_kl.append(F.pad(_top_kl(source, weight, *nxt, temperature, chunk)[:, :-1], (1, 0))[:rows_in])
         return logp[:rows_in], ent[:rows_in]
     rows = setup.rows(mb)
     source, weight = head_source(model, {**rows.inputs, **extra})
-    logp, ent = token_logprobs(
-        source, rows.next_tokens, lm_head_weight=weight, aligned=True, mask=rows.next_action, **how
-    )
+    logp, ent = logprobs_of(source, rows.next_tokens, lm_head_weight=weight, aligned=True, mask=rows.next_action, **how)
     if top_kl is not None:
         ids, teacher = rows.local(_next(mb.teacher_top_ids)), rows.local(_next(mb.teacher_top_log_probs))
         top_kl.append(

@@ -183,3 +183,42 @@ def token_logprobs(
     idx, targets, sel = _positions(tokens, mask)
     logp, ent = _ChunkedLogProbs.apply(flat, lm_head_weight, idx, targets, temperature, chunk, kernel)
     return _scatter_back(logp, sel), _scatter_back(ent, sel)
+
+
+def exact_token_logprobs(
+    source: Tensor,
+    tokens: Tensor,
+    *,
+    lm_head_weight: Tensor | None = None,
+    aligned: bool = False,
+    mask: Tensor | None = None,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """`token_logprobs` as the engine computes its sampling log-probs under `engines.exact`, bit for bit.
+
+    The LM head is `models.exact.exact_linear` (the engine's head on a model `make_exact` changed) and the
+    log-probs `engine.sampling.processed_logprobs` (the engine's one function, the temperature a float32
+    tensor per row as the engine holds it); the selected positions' logits are materialised whole (no
+    chunks, no triton kernel: those reduce over the vocabulary in another order). Same arguments and
+    outputs as `token_logprobs`.
+    """
+    from molt_hpc.engine.sampling import processed_logprobs
+    from molt_hpc.models.exact import exact_linear
+
+    _check(tokens, temperature, 1, "torch")
+    b, t, width = source.shape
+    flat = source.reshape(b * t, width)
+    if aligned:
+        idx, picked, sel = _target_rows(tokens, mask, (b, t))
+    else:
+        idx, picked, sel = _positions(tokens, mask)
+    rows = flat[idx]
+    logits = rows if lm_head_weight is None else exact_linear(rows.to(lm_head_weight.dtype), lm_head_weight)
+    n = logits.shape[0]
+    temp = torch.full((n,), temperature, dtype=torch.float32)
+    logp_all = processed_logprobs(logits, temp, torch.zeros(n, dtype=torch.long), torch.ones(n), torch.zeros(n))
+    logp = logp_all.gather(-1, picked[:, None]).view(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    if aligned:
+        return _at_index(sel, logp, ent)
+    return _scatter_back(logp, sel), _scatter_back(ent, sel)

@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 from molt_hpc.config.base import Section
 from molt_hpc.config.distill import DistillConfig
 from molt_hpc.config.evaluation import EvalConfig
+from molt_hpc.config.exact import exact_problem
 from molt_hpc.config.generator import overlapping_seeds
 from molt_hpc.config.infra import (
     BufferConfig,
@@ -109,6 +110,8 @@ class MoltConfig(Section):
                 "[actor.lora] with engines.kind = 'vllm' is not supported yet (adapter refits reach the builtin "
                 "engine only): set engines.kind = 'builtin' or drop [actor.lora]"
             )
+        if self.engines.exact and (problem := exact_problem(self)):
+            raise ValueError(problem)
         self._check_sequences()
         self._check_eval()
         self._check_stages()

@@ -102,6 +102,10 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
     vision = Vision(resolve_model(cfg.model, run.models)) if hasattr(model.config, "vision_config") else None
     eos = model.generation_config.eos_token_id if model.generation_config else model.config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if eng.exact:  # batch-invariant forwards: the trainer's model runs the same (models/exact.py)
+        from molt_hpc.models.exact import make_exact
+
+        make_exact(model)
     routing = RoutingRecorder(model) if cfg.actor.router_replay else None
     runner = model_runner(model, dev, eng, vision, graphs=routing is None)
     sched = Scheduler(

@@ -30,6 +30,8 @@ from torch import Tensor, nn
 
 from molt_hpc.algorithm import Experience
 from molt_hpc.models.blocks import language_blocks
+from molt_hpc.models.exact import is_exact
+from molt_hpc.models.exact_attention import exact_documents
 from molt_hpc.parallel.context import ContextParallel, head_to_seq, kv_repeats, seq_to_head
 
 ATTENTION = "molt_document_attention"
@@ -55,6 +57,8 @@ class Layout:
         self.max_len = max(hi - lo for lo, hi in self.spans)
         self.cu_seqlens = cu.to(device=device, dtype=torch.int32)
         self.kernel, self.cp = kernel, cp
+        self.real_spans = real.cpu().flatten()[starts].tolist() if kernel == "exact" else None
+        """Per span, whether it is a sample (else the padding block): the exact kernel computes samples only."""
 
 
 def document_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
@@ -73,9 +77,8 @@ def document_attention(module, query, key, value, attention_mask, dropout=0.0, s
     kernel = layout.kernel
     if kernel == "varlen" and (not layout.packed or query.dtype not in HALF):
         kernel = "sdpa"  # one document per row needs no varlen kernel; the flash kernel needs half precision
-    out = {"sdpa": _sdpa, "varlen": _torch_varlen, "flash_attention_2": _flash_varlen}[kernel](
-        query, key, value, layout, scaling, dropout
-    )
+    kernels = {"sdpa": _sdpa, "varlen": _torch_varlen, "flash_attention_2": _flash_varlen, "exact": _exact}
+    out = kernels[kernel](query, key, value, layout, scaling, dropout)
     return (head_to_seq(out, cp) if cp is not None else out), None
 
 
@@ -104,6 +107,13 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, layout: Layout, scaling, dropout: flo
         for lo, hi in layout.spans
     ]  # fmt: skip
     return torch.cat(outs, dim=1).transpose(0, 1).reshape(b, t, h, d)
+
+
+def _exact(q: Tensor, k: Tensor, v: Tensor, layout: Layout, scaling, dropout: float) -> Tensor:
+    """`engines.exact`: batch-invariant attention, one document at a time (`models.exact_attention`)."""
+    assert dropout == 0.0, "exact attention runs without dropout (the trainer turns it off)"
+    spans = [span for span, real in zip(layout.spans, layout.real_spans, strict=True) if real]
+    return exact_documents(q, k, v, spans, scaling)
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -156,7 +166,7 @@ class AttentionSetup:
     """What a model on document attention needs per forward: the kernel and the CP group (if any)."""
 
     kernel: str
-    """`sdpa`, `varlen` (torch's flash varlen kernel) or `flash_attention_2`."""
+    """`sdpa`, `varlen` (torch's flash varlen kernel), `flash_attention_2` or `exact` (`engines.exact`)."""
     cp: ContextParallel | None
 
     def rows(self, mb: Experience) -> "RowSlice":
@@ -246,6 +256,8 @@ def use_document_attention(model: nn.Module, how: DocumentAttention) -> None:
     kernel = attn
     if attn == "sdpa" and device.type == "cuda" and _has_torch_varlen():
         kernel = "varlen"
+    if is_exact(model):
+        kernel = "exact"
     if is_vision_language(model):  # the language model attends by document; the vision tower keeps its kernel
         model.config._attn_implementation = {"": ATTENTION, "text_config": ATTENTION}
     else:

@@ -1,0 +1,28 @@
+"""The config rules of `engines.exact`: what batch-invariant log-probs can be computed for, and what not."""
+
+
+def exact_problem(cfg) -> str | None:
+    """Why `cfg` (a `MoltConfig` with `engines.exact`) cannot run exactly, with the fix; None when it can."""
+    eng, act, ro = cfg.engines, cfg.actor, cfg.rollout
+    if eng.kind != "builtin":
+        return (
+            f"engines.exact needs the builtin engine (engines.kind = {eng.kind!r} computes log-probs with its own "
+            "kernels): set engines.kind = 'builtin' or engines.exact = false"
+        )
+    if eng.device != "cpu" or act.device != "cpu":
+        return (
+            "engines.exact runs on the CPU (a GPU's cumsum is a parallel scan, not one left-to-right pass): set "
+            "engines.device = 'cpu' and actor.device = 'cpu', or engines.exact = false"
+        )
+    if ro.top_p < 1.0 or ro.top_k > 0:
+        return "engines.exact matches the temperature-only distribution: set rollout.top_p = 1 and rollout.top_k = 0"
+    if act.lora is not None:
+        return "engines.exact runs the full model, not LoRA adapters: drop [actor.lora] or set engines.exact = false"
+    if act.cp > 1:
+        return "engines.exact attends one packed sample at a time on one rank: set actor.cp = 1"
+    if str(cfg.model.path) == "builtin:tiny-moe":
+        return (
+            "engines.exact: MoE expert layers have no batch-invariant form here (the experts' grouped matrix "
+            "multiplies take whatever tokens the router sends): set engines.exact = false for this model"
+        )
+    return None
