@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from molt_hpc.actor.batch import policy_logprobs  # noqa: E402
+from molt_hpc.actor.packing import padded  # noqa: E402
 from molt_hpc.algorithm import make_experience  # noqa: E402
 from molt_hpc.config import MoltConfig  # noqa: E402
 from molt_hpc.engine.batch import ModelRunner, Row  # noqa: E402
@@ -68,6 +69,8 @@ def train_pass(model, rows: list[Row], pack: bool) -> tuple[float, torch.Tensor,
     trajs = [Trajectory(r.context, len(r.prompt), [(len(r.prompt), r.length)], r.logprobs, [0] * len(r.tokens), 1.0)
              for r in rows]  # fmt: skip
     exp = make_experience(trajs, max_len=128, pack=pack)
+    if not pack:  # as the trainer runs padded rows: cut to the longest (`actor.packing.padded`)
+        exp = padded(exp, torch.arange(exp.sequences.shape[0])).batch
     model.zero_grad(set_to_none=True)
     t0 = time.process_time()
     with torch.no_grad():

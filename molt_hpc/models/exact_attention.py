@@ -45,7 +45,7 @@ def _core(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scaling: float) -> T
         den = p.cumsum(-1)[..., -1:].clamp(min=1.0)  # >= 1 when any key is allowed (its maximum gives exp(0))
         num = (p[..., None] * v[:, :, None]).cumsum(-2)[..., -1, :]
         outs.append(num / den)
-    return torch.cat(outs, dim=2)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 def _reference(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scaling: float) -> Tensor:
