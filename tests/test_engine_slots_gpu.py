@@ -37,7 +37,7 @@ def drive(model, runners: list, device: str, steps: int) -> float:
             assert float((logits[-1] - teacher(model, rows, device)).abs().max()) < 1e-4, step
         if step == steps // 4:  # a row leaves
             for batch in batches:
-                batch.keep([1, 2])
+                batch.keep([1, 2], max(len(rows[1]), len(rows[2])))  # the columns the kept rows use
             rows = [rows[1], rows[2]]
         if step == steps // 2:  # two rows join
             new = [[rng.randrange(4, 104) for _ in range(n)] for n in (7, 2)]
