@@ -120,4 +120,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from molt_hpc.log import end_process
+
     main()
+    end_process(0)  # past the interpreter teardown, which torch's gloo threads do not survive

@@ -166,4 +166,7 @@ def test_save_load_save_is_byte_identical(stepped) -> None:
 
 
 if __name__ == "__main__":
+    from molt_hpc.log import end_process
+
     worker(Path(sys.argv[1]), Path(sys.argv[2]))
+    end_process(0)  # past the interpreter teardown, which torch's gloo threads do not survive

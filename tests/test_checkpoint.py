@@ -244,4 +244,7 @@ def test_kill_9_during_a_save_leaves_a_loadable_latest(tiny_model_dir: Path, tmp
 
 
 if __name__ == "__main__":
+    from molt_hpc.log import end_process
+
     worker(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))
+    end_process(0)  # past the interpreter teardown, which torch's gloo threads do not survive

@@ -50,7 +50,7 @@ def worker(run_dir: Path, out: Path) -> None:
     from molt_hpc.actor import state
     from molt_hpc.actor.rl import RlTask
     from molt_hpc.actor.trainer import Trainer
-    from molt_hpc.actor.world import init_world
+    from molt_hpc.actor.world import close_world, init_world
     from molt_hpc.config import load_config
     from molt_hpc.log import setup_logging
     from molt_hpc.rundir import RunDir
@@ -79,6 +79,7 @@ def worker(run_dir: Path, out: Path) -> None:
         }
         (out / "report.json").write_text(json.dumps(report))
         save_file(logits, str(out / "logits.safetensors"))
+    t.close()
     again = Trainer(cfg, run, world, RlTask(cfg, run, world), resume=True)
     ckpt = ck.latest_checkpoint(run.checkpoints)
     extra = {k: v for k, v in ck.read_run_state(ckpt).items() if k not in RUN_STATE_OWN}
@@ -86,7 +87,8 @@ def worker(run_dir: Path, out: Path) -> None:
         world, out / "again", again.step, again.parts, extra,
         tokenizer_src=again.base, shard_bytes=cfg.checkpoint.shard_mb << 20, keep_last=2,
     )  # fmt: skip
-    torch.distributed.destroy_process_group()
+    again.close()
+    close_world()  # the trainer's own ordered end: a barrier, then the groups go
 
 
 @pytest.fixture(scope="module")
@@ -178,4 +180,7 @@ def test_model_merge_writes_the_policy_as_a_plain_model(stepped, tmp_path) -> No
 
 
 if __name__ == "__main__":
+    from molt_hpc.log import end_process
+
     worker(Path(sys.argv[1]), Path(sys.argv[2]))
+    end_process(0)  # past the interpreter teardown, which torch's threads do not survive (the trainer's own exit)

@@ -278,5 +278,8 @@ def test_fp32_gate_unit_under_bf16_and_step_metrics(tiny_moe_dir: Path, tmp_path
 
 
 if __name__ == "__main__":
+    from molt_hpc.log import end_process
+
     torch.set_num_threads(1)
     fsdp_child(Path(sys.argv[1]), Path(sys.argv[2]))
+    end_process(0)  # past the interpreter teardown, which torch's gloo threads do not survive
