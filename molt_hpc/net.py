@@ -52,9 +52,18 @@ async def serve_until_signal(runner, registration: Path, log, before_stop=None) 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    keep_stopping()
     log.info("stopping")
     with contextlib.suppress(FileNotFoundError):  # already removed: nothing to unregister
         os.unlink(registration)
     if before_stop is not None:
         await before_stop()
     await runner.cleanup()
+
+
+def keep_stopping() -> None:
+    """Once a stop began, a further SIGTERM changes nothing. An extra pool's engine on Slurm gets the job's
+    SIGTERM and its supervisor's; one that came after the event loop closed (closing puts the default action
+    back) would end the orderly exit as -15."""
+    asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

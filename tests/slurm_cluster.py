@@ -14,7 +14,10 @@ Settings chosen for fast tests: `cred_expire=5` (a requeued job may start again 
 `KillWait=30` (Slurm's default: the seconds between SIGTERM and SIGKILL in which a cancelled or
 requeued job checkpoints; on this loaded 2-core machine the stop of a stand-in job takes up to ~5 s),
 `preempt_send_user_signal` (a preempted job gets its `--signal` at once). slurmctld checks
-time limits every 30 s, so warnings come up to 30 s early and the kill up to 30 s late.
+time limits every 30 s (compiled in, no slurm.conf setting), so warnings come up to 30 s early and
+the kill up to 30 s late; `OverTimeLimit=0` kills at the limit itself. A test ends a running job by
+its time limit with `scontrol update JobId=J TimeLimit=0` (its end becomes now): the next check sends
+the warning, then SIGTERM (SIGKILL `KillWait` later), and the job ends as TIMEOUT.
 """
 
 import contextlib

@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -141,6 +142,44 @@ def test_a_local_pool_joins_serves_and_leaves_without_losing_a_token(pool, tiny_
     assert record.state == "removed" and not pools.pid_alive(record.pid)
     assert not (pool.run.rendezvous / "engine-1000.json").exists()
     assert "removed" in cli("engines", "list", str(pool.run.path)).stdout
+
+
+def test_a_pool_given_slurms_warning_leaves_the_ring_and_finishes_what_it_holds(pool) -> None:
+    """Slurm's warning reaches every process of a pool's job step: the supervisor takes the pool out of the
+    ring, and its engine (started with the signal blocked) lives on and finishes the request it holds there."""
+    added = cli("engines", "add", str(pool.run.path), "--local", "--count", "1")
+    assert added.returncode == 0, added.stderr
+    record = pools.records(pool.run)[-1]
+    index = record.indices[0]
+    registration = pool.run.rendezvous / f"engine-{index}.json"
+    url, engine_pid = (json.loads(registration.read_text())[k] for k in ("url", "pid"))
+
+    async def drained() -> bool:
+        return pools.load(pool.run, record.name).state == "draining" and not registration.exists()
+
+    async def go(link):
+        await wait_until(lambda: _in_ring(pool, index))
+        nodes = {f"engine-{e['index']}" for e in router_metrics(pool)["engines"] if e["healthy"]}
+        session = session_on(f"engine-{index}", nodes, pool.cfg.router.virtual_nodes)
+        task = asyncio.create_task(link.generate([5, 6, 7], {"max_tokens": 60, "seed": 2, **NO_STOP}, session))
+        await wait_until(lambda: _streamed(link, session, 12))
+        await client.pause(link.session, url, token=link.token, mode="keep")  # held there through the warning
+        for pid in (record.pid, engine_pid):
+            os.kill(pid, signal.SIGUSR2)
+        await wait_until(drained)
+        assert (await client.health(link.session, url, token=link.token))["running"] == 1
+        await client.resume(link.session, url, token=link.token)
+        return await task, link.take_counts()
+
+    out, counts = with_link(pool, go)
+    assert len(out.token_ids) == 60 and counts["requests_migrated"] == 0  # finished on the engine it started on
+    assert (
+        pools.pid_alive(engine_pid)
+        and "SIGUSR2 (the time limit is near" in (pool.run.logs / f"{record.name}.log").read_text()
+    )
+    removed = cli("engines", "remove", str(pool.run.path), record.name, "--drain-s", "0")
+    assert removed.returncode == 0, removed.stderr
+    assert pools.load(pool.run, record.name).state == "removed" and not pools.pid_alive(record.pid)
 
 
 async def _in_ring(pool, index: int) -> bool:

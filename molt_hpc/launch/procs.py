@@ -53,21 +53,29 @@ class Child:
     cmd: list[str]
     log: Path
     env: dict[str, str] = field(default_factory=dict)
+    blocked: tuple[signal.Signals, ...] = ()
+    """Signals the child starts with blocked: the mask survives exec and its own children inherit it, so a
+    signal meant for the launcher (Slurm's warning to an extra pool) cannot end them, even while they start."""
     proc: subprocess.Popen | None = None
     restarts: int = 0
 
     def start(self) -> "Child":
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                self.cmd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.env},
-                cwd=os.getcwd(),
-                start_new_session=True,
-            )
+        # Blocked here for the fork only: one that arrives meanwhile waits, and reaches the launcher after.
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.blocked)
+        try:
+            with open(self.log, "ab") as out:
+                self.proc = subprocess.Popen(
+                    self.cmd,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env={**os.environ, **self.env},
+                    cwd=os.getcwd(),
+                    start_new_session=True,
+                )
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         return self
 
     @property

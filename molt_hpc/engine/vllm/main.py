@@ -42,7 +42,7 @@ from molt_hpc.engine.vllm.span import (
     wait_head,
 )
 from molt_hpc.log import get_logger, log_tail, setup_logging
-from molt_hpc.net import free_port
+from molt_hpc.net import free_port, keep_stopping
 from molt_hpc.rundir import RunDir
 from molt_hpc.vision.spec import is_vision_model
 
@@ -267,8 +267,13 @@ async def serve_front(
 def _stop_event() -> asyncio.Event:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_stop() -> None:
+        keep_stopping()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_stop)
     return stop
 
 

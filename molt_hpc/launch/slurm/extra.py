@@ -6,9 +6,12 @@ register in the run directory like the run's own. Its settings default to the ru
 `[slurm.engines]`. Preemption, requeue, the time limit and cancellation all reach the supervisor as
 SIGTERM: its engines end their requests as `abort` with their tokens and the run's other engines
 continue them; a requeued job starts the pool again and its engines rejoin after the trainer's refit.
+Slurm's warning signal (`slurm.signal_lead_s` before the time limit) makes the pool leave the ring
+first (`extra_pool.leave_ring`). The job is never requeued for its time limit: it ends as TIMEOUT.
 """
 
 import shlex
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -18,6 +21,7 @@ import submitit
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.config.infra import slurm_time_seconds
+from molt_hpc.launch.extra_pool import WARNING_SIGNAL
 from molt_hpc.launch.procs import REPO
 
 
@@ -31,6 +35,12 @@ class PoolJob:
     config: str
 
     def __call__(self) -> int:
+        # The warning signal is the supervisor's to act on (it reaches every process of the step). Ignored
+        # here, submitit's handler for it never runs: it would requeue the job, or at the time limit raise
+        # and SIGKILL the supervisor, whose engines then die without handing on their requests. (Ignored,
+        # not masked: a mask holds for one thread, and a signal taken by another still runs the handler.)
+        # The supervisor inherits this until its own handler is in place.
+        signal.signal(WARNING_SIGNAL, signal.SIG_IGN)
         cmd = [sys.executable, str(REPO / "jobs" / "engine.py"), self.run_dir, "--role", "extra-pool",
                "--pool", self.name, "--config", self.config]  # fmt: skip
         return subprocess.run(cmd, check=False).returncode
@@ -69,7 +79,9 @@ def executor(cfg: MoltConfig, folder: Path, spec: SlurmPoolSpec) -> submitit.Slu
     params["cpus_per_task"] = group.cpus_per_task
     if group.mem:
         params["mem"] = group.mem
-    extra = {"requeue": True, **({"account": group.account} if group.account else {})}
+    # The warning the supervisor acts on, whatever signal submitit's environment would pick.
+    warning = f"{WARNING_SIGNAL.name.removeprefix('SIG')}@{cfg.slurm.signal_lead_s}"
+    extra = {"requeue": True, "signal": warning, **({"account": group.account} if group.account else {})}
     if group.constraint:
         extra["constraint"] = group.constraint
     ex.update_parameters(**params, additional_parameters=extra)
