@@ -22,7 +22,6 @@ LONGEST = (
     "test_vision_task.py",  # 215-225 s
     "test_vision_two_turn.py",  # 175-215 s
     "test_e2e.py",  # 170-190 s
-    "test_sandbox_e2e.py",  # ~175 s
     "test_e2e_moe.py",  # 170 s
     "test_e2e_resume.py",  # 125-170 s
     "test_e2e_lora.py",  # 145-170 s
