@@ -17,11 +17,28 @@ if WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // WORKERS))
 
 
+LONGEST = (
+    "test_rlhf.py",  # 590-750 s: SFT, reward model, RL with it, and an untrained run, one after the other
+    "test_vision_task.py",  # 215-225 s
+    "test_vision_two_turn.py",  # 175-215 s
+    "test_e2e.py",  # 170-190 s
+    "test_e2e_moe.py",  # 170 s
+    "test_e2e_resume.py",  # 125-170 s
+    "test_e2e_lora.py",  # 145-170 s
+    "test_actor_exit.py",  # ~135 s
+)
+"""The files that take longest (seconds, each alone and serially, on the 2-core machine beside other work),
+longest first. The workers take whole files in the collection's order, so a file started late that runs
+for minutes ends the run alone while the other worker idles: these start first, the longest at once."""
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Files with slow tests first, in their order otherwise: the workers take whole files in this order,
-    so the long ones start together rather than end the run alone."""
+    """The longest files first (`LONGEST`), then the other files with slow tests, then the rest, each in its
+    order otherwise: the workers take whole files in this order, so the long ones start together rather
+    than end the run alone."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
+    rank = {name: i for i, name in enumerate(LONGEST)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(LONGEST)), item.path not in slow))
 
 
 def gpu_count() -> int:
