@@ -1,5 +1,10 @@
 """The trainer's state in a real 2-rank gloo world: what one step changes, and save → load → save.
 
+The trainer here writes its checkpoints behind the training (`checkpoint.background`, every step): the
+step's checkpoint must be byte-identical to `state.save`'s of the same state after a resume, and a save
+behind whose weights and optimizer state change while it is written must still hold the state it started
+from (the same bytes again).
+
 The worker half of this file runs under torchrun (`python -m torch.distributed.run ... -m
 tests.test_actor_state RUN_DIR OUT`); the test half prepares the run and checks what it wrote.
 """
@@ -19,7 +24,8 @@ from tests.test_actor_support import make_run, put_groups, sample_groups
 
 OVERRIDES = [
     "algorithm.advantage='gae'", "algorithm.kl_coef=0.05", "rollout.n_samples=4", "actor.groups_per_step=2",
-    "actor.micro_batch_size=3", "actor.mini_batches=2", "checkpoint.interval=0", "checkpoint.shard_mb=1",
+    "actor.micro_batch_size=3", "actor.mini_batches=2", "checkpoint.interval=1", "checkpoint.background=true",
+    "checkpoint.shard_mb=1",
 ]  # fmt: skip
 RUN_STATE_OWN = ("step", "world_size", "rng", "schedulers", "optimizer")  # what `state.save` adds itself
 
@@ -65,6 +71,7 @@ def worker(run_dir: Path, out: Path) -> None:
     from molt_hpc import checkpoint as ck
     from molt_hpc.actor import state
     from molt_hpc.actor.rl import RlTask
+    from molt_hpc.actor.save_behind import SaveBehind
     from molt_hpc.actor.trainer import Trainer
     from molt_hpc.actor.world import init_world
     from molt_hpc.config import load_config
@@ -95,10 +102,19 @@ def worker(run_dir: Path, out: Path) -> None:
     again = Trainer(cfg, run, world, RlTask(cfg, run, world), resume=True)
     ckpt = ck.latest_checkpoint(run.checkpoints)
     extra = {k: v for k, v in ck.read_run_state(ckpt).items() if k not in RUN_STATE_OWN}
-    state.save(
-        world, out / "again", again.step, again.parts, extra,
-        tokenizer_src=again.base, shard_bytes=cfg.checkpoint.shard_mb << 20, keep_last=2,
-    )  # fmt: skip
+    how = {"tokenizer_src": again.base, "shard_bytes": cfg.checkpoint.shard_mb << 20, "keep_last": 2}
+    state.save(world, out / "again", again.step, again.parts, extra, **how)
+    saver = SaveBehind(world)
+    saver.start(out / "behind", again.step, again.parts, extra, save_optimizer=True, **how)
+    with torch.no_grad():  # the training moves on while the save is written
+        for part in again.parts:
+            for p in part.model.parameters():
+                p.add_(1.0)
+            for per_param in part.optimizer.state.values():
+                for value in per_param.values():
+                    value.add_(1.0)
+    saver.wait()
+    saver.close()
     torch.distributed.destroy_process_group()
 
 
@@ -153,10 +169,13 @@ def test_checkpoint_loads_in_transformers_as_is(stepped) -> None:
     assert tok.decode(tok("Reverse: abc")["input_ids"]) == "Reverse: abc"
 
 
-def test_save_load_save_is_byte_identical(stepped) -> None:
+@pytest.mark.parametrize("again", ["again", "behind"])
+def test_save_load_save_is_byte_identical(stepped, again) -> None:
+    """The trainer's checkpoint (written behind its step) against `state.save`'s after a resume, and against
+    a save behind whose state changed while it was written."""
     run, out = stepped
     first = run.path / "checkpoints" / "step_000001"
-    second = out / "again" / "step_000001"
+    second = out / again / "step_000001"
     files = sorted(str(p.relative_to(first)) for p in first.rglob("*") if p.is_file())
     assert files == sorted(str(p.relative_to(second)) for p in second.rglob("*") if p.is_file())
     assert {"optim/.metadata", "optim/__0_0.distcp", "optim/__1_0.distcp", "run_state.json"} <= set(files)

@@ -32,7 +32,9 @@ def test_interrupt_kill_and_resume_lose_nothing(tmp_path: Path) -> None:
     Where each fault lands depends on the machine's speed; every expectation is read from the run's
     own checkpoints and records at that point, never assumed from a timing."""
     run_dir = tmp_path / "tiny-cpu"
-    proc = launch(tmp_path, "configs/tiny_cpu.toml", "--set", "run.steps=14", "--set", "checkpoint.interval=4")
+    # The periodic checkpoints are written behind the training: a kill lands while one is in flight too.
+    proc = launch(tmp_path, "configs/tiny_cpu.toml", "--set", "run.steps=14", "--set", "checkpoint.interval=4",
+                  "--set", "checkpoint.background=true")  # fmt: skip
     wait_for_step(run_dir, 2, proc)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)

@@ -9,6 +9,7 @@ rank only when the checkpoint is whole. `latest_to_resume` is the rule of which 
 
 import base64
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,16 +55,37 @@ def save_model(world: World, model: nn.Module, out: Path, tokenizer_src: Path, s
         lora.save_adapter(world, model, out, tokenizer_src)
         return
     plan = plan_buckets(model, shard_bytes)
-    weight_map: dict[str, str] = {}
-    for i, bucket in enumerate(full_buckets(model, plan, keep=world.is_main)):
-        if world.is_main:
-            weight_map.update(ck.write_shard(out, i, len(plan), bucket))
     if world.is_main:
-        ck.write_index(out, weight_map, bucket_count_bytes(model))
-        model.config.save_pretrained(str(out))
-        if getattr(model, "generation_config", None) is not None and model.can_generate():
-            model.generation_config.save_pretrained(str(out))
-        ck.copy_tokenizer_files(tokenizer_src, out)
+        write_model(model, out, full_buckets(model, plan, keep=True), tokenizer_src, len(plan))
+    else:
+        for _ in full_buckets(model, plan, keep=False):  # every rank takes part in each bucket's gather
+            pass
+
+
+def write_model(model: nn.Module, out: Path, buckets: Iterable[dict[str, torch.Tensor]], tokenizer_src: Path,
+                total: int) -> None:  # fmt: skip
+    """Write `total` gathered `buckets` of `model` in HF layout under `out` (rank 0; no collective)."""
+    weight_map: dict[str, str] = {}
+    for i, bucket in enumerate(buckets):
+        weight_map.update(ck.write_shard(out, i, total, bucket))
+    ck.write_index(out, weight_map, bucket_count_bytes(model))
+    model.config.save_pretrained(str(out))
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(str(out))
+    ck.copy_tokenizer_files(tokenizer_src, out)
+
+
+def full_run_state(world: World, step: int, parts: list[Trainable], run_state: dict[str, Any], rng: list[Any],
+                   save_optimizer: bool) -> dict[str, Any]:  # fmt: skip
+    """The run state file of a checkpoint: the task's keys and what the trainer adds (step, ranks, RNGs, schedules)."""
+    return {
+        **run_state,
+        "step": step,
+        "world_size": world.size,
+        "rng": rng,
+        "schedulers": {p.name: p.scheduler.state_dict() for p in parts},
+        "optimizer": save_optimizer,
+    }
 
 
 def save(
@@ -87,15 +109,7 @@ def save(
         dcp.save(optim, storage_writer=StableWriter(str(tmp / "optim")))
     rng = gather_all(rng_state())
     if world.is_main:
-        full_state = {
-            **run_state,
-            "step": step,
-            "world_size": world.size,
-            "rng": rng,
-            "schedulers": {p.name: p.scheduler.state_dict() for p in parts},
-            "optimizer": save_optimizer,
-        }
-        ck.write_json(tmp / ck.RUN_STATE, full_state)
+        ck.write_json(tmp / ck.RUN_STATE, full_run_state(world, step, parts, run_state, rng, save_optimizer))
         ck.write_manifest(tmp)
         ck.publish(root, tmp, step, keep_last)
     dist.barrier()

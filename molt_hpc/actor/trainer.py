@@ -24,6 +24,7 @@ import torch
 from molt_hpc.actor import state
 from molt_hpc.actor.control import Control, Requests
 from molt_hpc.actor.rl import RlTask
+from molt_hpc.actor.save_behind import SaveBehind
 from molt_hpc.actor.task import Task
 from molt_hpc.actor.world import World, from_main, run_rank
 from molt_hpc.algorithm.logprob_kernels import check_kernel
@@ -53,6 +54,7 @@ class Trainer:
         )  # fmt: skip
         self.step = 0
         self.saved_step: int | None = None
+        self.saver = SaveBehind(world) if cfg.checkpoint.background else None
         if ckpt is not None:
             rs = state.restore(world, ckpt, self.parts, cfg.run.seed)
             self.step, self.saved_step = rs["step"], rs["step"]
@@ -65,21 +67,35 @@ class Trainer:
     def version(self) -> int:
         return self.step
 
-    def checkpoint(self) -> None:
-        """Save the state at the current step boundary (once per step)."""
-        if self.saved_step == self.step:
+    def checkpoint(self, behind: bool = False) -> None:
+        """Save the state at the current step boundary (once per step). `behind`: the files are written on
+        the saver's thread (`checkpoint.background`); otherwise this returns once the save is published."""
+        if self.saved_step != self.step:
+            self.published(wait=True)  # one save in flight at a time
+            t0 = time.perf_counter()
+            run_state = {"version": self.version, **self.task.run_state(), "model": str(self.base)}
+            c = self.cfg.checkpoint
+            how = {"tokenizer_src": self.base, "shard_bytes": c.shard_mb << 20, "keep_last": c.keep_last,
+                   "save_optimizer": c.save_optimizer}  # fmt: skip
+            self.saved_step = self.step
+            if behind and self.saver is not None:
+                self.saver.start(self.rundir.checkpoints, self.step, self.parts, run_state, **how)
+                self.log.info("checkpoint of step %d started (%.2fs in the step)", self.step, time.perf_counter() - t0)
+            else:
+                path = state.save(self.world, self.rundir.checkpoints, self.step, self.parts, run_state, **how)
+                self.task.saved(run_state)
+                self.log.info("checkpoint %s (%.2fs)", path.name, time.perf_counter() - t0)
+        if not behind:
+            self.published(wait=True)
+
+    def published(self, wait: bool) -> None:
+        """Hand a finished background save's run state to the task (RL acks the groups it covers)."""
+        if self.saver is None or not (wait or self.saver.done()):
             return
-        t0 = time.perf_counter()
-        run_state = {"version": self.version, **self.task.run_state(), "model": str(self.base)}
-        c = self.cfg.checkpoint
-        path = state.save(
-            self.world, self.rundir.checkpoints, self.step, self.parts, run_state,
-            tokenizer_src=self.base, shard_bytes=c.shard_mb << 20, keep_last=c.keep_last,
-            save_optimizer=c.save_optimizer,
-        )  # fmt: skip
-        self.task.saved(run_state)
-        self.saved_step = self.step
-        self.log.info("checkpoint %s (%.2fs)", path.name, time.perf_counter() - t0)
+        done = self.saver.wait()
+        if done is not None:
+            self.task.saved(done[0])
+            self.log.info("checkpoint %s published", done[1].name)
 
     def serve(self, req: Requests) -> None:
         if req.checkpoint or req.stop:
@@ -95,6 +111,8 @@ class Trainer:
     def close(self) -> None:
         """Close what this rank opened: the task's (RL: the refit sender's connections and TCPStore), metrics."""
         self.task.close()
+        if self.saver is not None:
+            self.saver.close()
         if self.metrics is not None:
             self.metrics.close()
 
@@ -128,8 +146,9 @@ class Trainer:
         checkpoint_s = None
         if self.cfg.checkpoint.interval and self.step % self.cfg.checkpoint.interval == 0:
             t1 = time.perf_counter()
-            self.checkpoint()
+            self.checkpoint(behind=True)
             checkpoint_s = time.perf_counter() - t1
+        self.published(wait=False)
         record = {
             "step": self.step, "version": self.version, **fields, "step_s": step_s,
             "tokens_per_s": fields.get("tokens", 0) / step_s, **self.task.step_end(wait_s, checkpoint_s),

@@ -290,6 +290,11 @@ class CheckpointConfig(Section):
     """Save optimizer and scheduler state (needed for an exact resume)."""
     shard_mb: PositiveInt = 4096
     """Largest safetensors shard of the saved policy (and critic), in MiB; a bigger tensor gets a shard alone."""
+    background: bool = False
+    """Write the periodic checkpoints behind the training: a step pays for copying the weights and the
+    optimizer state into host memory, a thread writes, hashes and publishes them (the groups they cover
+    are acked once published). Costs one more host copy of the weights and optimizer state while a save
+    is in flight. Saves on request, at a stop and at the end wait until they are published."""
     resume: Literal["auto", "never", "required"] = "auto"
     """`auto`: resume when the run directory has a `latest` checkpoint; `never`: refuse a run
     directory that has one; `required`: fail unless one exists."""
