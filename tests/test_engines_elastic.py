@@ -24,7 +24,7 @@ from molt_hpc.models import load_causal_lm
 from molt_hpc.router.pool import admits
 from molt_hpc.router.ring import HashRing
 from molt_hpc.rundir import RunDir
-from tests.rollout_support import NO_STOP, teacher_forced, wait_until, with_link
+from tests.rollout_support import NO_STOP, pause_at, teacher_forced, wait_until, with_link
 from tests.test_rollout_procs import ROOT, router_metrics, shared_pool
 
 pytestmark = pytest.mark.timeout(300)
@@ -119,9 +119,9 @@ def test_a_local_pool_joins_serves_and_leaves_without_losing_a_token(pool, tiny_
         nodes = {f"engine-{e['index']}" for e in router_metrics(pool)["engines"] if e["healthy"]}
         session = session_on("engine-1000", nodes, pool.cfg.router.virtual_nodes)
         params = {"max_tokens": 200, "temperature": 1.0, "seed": 3, **NO_STOP}
-        task = asyncio.create_task(link.generate([1, 2, 3, 4], params, session))
-        await wait_until(lambda: _streamed(link, session, 12))
-        await client.pause(link.session, url, token=link.token, mode="keep")  # frozen mid-answer on the pool
+        on_tokens, paused = pause_at(link, url, 12)  # frozen mid-answer on the pool
+        task = asyncio.create_task(link.generate([1, 2, 3, 4], params, session, on_tokens=on_tokens))
+        await paused()
         kept = list(link.streaming[session].token_ids)
         removed = await asyncio.to_thread(cli, "engines", "remove", str(pool.run.path), "pool-1", "--drain-s", "0")
         return await task, kept, removed, link.take_counts()
@@ -161,9 +161,10 @@ def test_a_pool_given_slurms_warning_leaves_the_ring_and_finishes_what_it_holds(
         await wait_until(lambda: _in_ring(pool, index))
         nodes = {f"engine-{e['index']}" for e in router_metrics(pool)["engines"] if e["healthy"]}
         session = session_on(f"engine-{index}", nodes, pool.cfg.router.virtual_nodes)
-        task = asyncio.create_task(link.generate([5, 6, 7], {"max_tokens": 60, "seed": 2, **NO_STOP}, session))
-        await wait_until(lambda: _streamed(link, session, 12))
-        await client.pause(link.session, url, token=link.token, mode="keep")  # held there through the warning
+        on_tokens, paused = pause_at(link, url, 12)  # held there through the warning
+        params = {"max_tokens": 60, "seed": 2, **NO_STOP}
+        task = asyncio.create_task(link.generate([5, 6, 7], params, session, on_tokens=on_tokens))
+        await paused()
         for pid in (record.pid, engine_pid):
             os.kill(pid, signal.SIGUSR2)
         await wait_until(drained)
@@ -184,7 +185,3 @@ def test_a_pool_given_slurms_warning_leaves_the_ring_and_finishes_what_it_holds(
 
 async def _in_ring(pool, index: int) -> bool:
     return any(e["index"] == index and e["healthy"] for e in router_metrics(pool)["engines"])
-
-
-async def _streamed(link, session: str, n: int) -> bool:
-    return session in link.streaming and len(link.streaming[session].token_ids) >= n

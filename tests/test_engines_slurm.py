@@ -13,11 +13,10 @@ import re
 
 import pytest
 
-from molt_hpc.engine import client
 from molt_hpc.launch import pools
 from molt_hpc.launch.elastic import held
 from tests.conftest import molt
-from tests.rollout_support import NO_STOP, wait_until, with_link
+from tests.rollout_support import NO_STOP, pause_at, requests_held, wait_until, with_link
 from tests.test_engines_elastic import session_on
 from tests.test_rollout_procs import router_metrics, shared_pool
 
@@ -43,16 +42,14 @@ async def cut_mid_answer(pool, link, index: int, cut) -> tuple:
     nodes = {f"engine-{e['index']}" for e in router_metrics(pool)["engines"] if e["healthy"]}
     session = session_on(f"engine-{index}", nodes, pool.cfg.router.virtual_nodes)
     url = json.loads((pool.run.rendezvous / f"engine-{index}.json").read_text())["url"]
-    task = asyncio.create_task(link.generate([1, 2, 3], {"max_tokens": 150, "seed": 1, **NO_STOP}, session))
-    await wait_until(lambda: _streamed(link, session, 12), timeout=120)
-    await client.pause(link.session, url, token=link.token, mode="keep")
+    on_tokens, paused = pause_at(link, url, 12)
+    params = {"max_tokens": 150, "seed": 1, **NO_STOP}
+    task = asyncio.create_task(link.generate([1, 2, 3], params, session, on_tokens=on_tokens))
+    await paused()
     kept = list(link.streaming[session].token_ids)
+    assert await requests_held(link, [url]) == 1, "the engine no longer holds the request it was to be cut with"
     await asyncio.to_thread(cut, url)
     return await task, kept, link.take_counts()
-
-
-async def _streamed(link, session: str, n: int) -> bool:
-    return session in link.streaming and len(link.streaming[session].token_ids) >= n
 
 
 def check(result) -> None:
