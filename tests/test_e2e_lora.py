@@ -21,7 +21,7 @@ TARGETS = "['q_proj','k_proj','v_proj','o_proj','gate_proj','up_proj','down_proj
 
 
 def test_tiny_lora_run_learns_and_its_engine_serves_each_version(tmp_path: Path) -> None:
-    steps = 120
+    steps = 160  # at 120 one CI run rose 4.4 standard errors (0.049 -> 0.117), others 14-18
     proc = launch(
         tmp_path, "configs/tiny_cpu.toml", "--set", f"run.steps={steps}", "--set", "checkpoint.interval=60",
         "--set", "actor.lr=2e-3", "--set", "actor.lora.rank=16", "--set", "actor.lora.alpha=32.0",
@@ -33,7 +33,8 @@ def test_tiny_lora_run_learns_and_its_engine_serves_each_version(tmp_path: Path)
     actor = read_metrics(run_dir / "metrics.jsonl", source="actor")
     assert [r["step"] for r in actor] == list(range(1, steps + 1))
     first, last, stderr = quarters([r["reward"] for r in actor])
-    assert last - first > 5 * stderr and last > first + 0.05, (first, last, stderr)
+    curve = [round(statistics.fmean(r["reward"] for r in actor[i : i + 20]), 3) for i in range(0, steps, 20)]
+    assert last - first > 5 * stderr and last > first + 0.05, (first, last, stderr, curve)
     # the engine samples from the trainer's policy as it moves (entropy ~4.6 -> ~1): the rollout KL, which
     # also holds the policy's change over the samples' staleness, stays small (median 0.005 in one run)
     assert statistics.median(r["kl_rollout"] for r in actor) < 0.05
