@@ -44,22 +44,17 @@ def pause_at(link, url: str, n: int) -> tuple:
     """An `on_tokens` callback for `link.generate` that pauses (keep) the engine at `url` the moment the
     answer has `n` tokens, and `paused()`, which awaits that pause. Sent from the callback, not after a
     poll: under load a poll's delay outlasted the rest of a 150-token answer, which then finished before
-    the pause and left nothing to cut."""
-    calls: list[asyncio.Task] = []
+    the pause and left nothing to cut. Call it inside the running event loop."""
+    pausing: asyncio.Future = asyncio.get_running_loop().create_future()
 
     def on_tokens(token_ids: list[int], _logprobs: list[float]) -> None:
-        if len(token_ids) >= n and not calls:
-            calls.append(asyncio.ensure_future(client.pause(link.session, url, token=link.token, mode="keep")))
+        if len(token_ids) >= n and not pausing.done():
+            pausing.set_result(asyncio.ensure_future(client.pause(link.session, url, token=link.token, mode="keep")))
 
     async def paused() -> None:
-        await wait_until(lambda: _any(calls))
-        await calls[0]
+        await (await asyncio.wait_for(pausing, timeout=120))
 
     return on_tokens, paused
-
-
-async def _any(items: list) -> bool:
-    return bool(items)
 
 
 def teacher_forced(model, tokens: list[int]) -> torch.Tensor:
