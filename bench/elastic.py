@@ -11,6 +11,12 @@ each). Measured, each against its baseline in the same run:
   engine is stopped after half of it (it continues on the other engine from the kept tokens).
 
     .venv/bin/python bench/elastic.py [--streams 8] [--tokens 64] [--seconds 20] [--rounds 5]
+
+`--config` runs the engines of another config (its model, engine kind and device) instead of the tiny CPU
+model, with `--set` overrides; on one GPU the engines share it, so give each a share, e.g.
+
+    python bench/elastic.py --config configs/smollm2_gym_gpu.toml --set engines.kind='"vllm"' \
+        --set engines.gpu_memory_utilization=0.3 --rounds 1
 """
 
 import argparse
@@ -132,9 +138,20 @@ async def main_async(args, run: RunDir, cfg) -> dict:
         after = await throughput(link, args.streams, args.tokens, args.seconds)
         same, moved = await migration(link, run, cfg, args.tokens * 2, args.rounds)
         counts = link.take_counts()
-    return {"join_s": join_s, "tokens_per_s": {"before": before, "while": during, "after": after},
-            "request_s": {"same_engine": statistics.median(same), "migrated_once": statistics.median(moved)},
+    requests = {"same_engine": statistics.median(same), "migrated_once": statistics.median(moved)} if same else {}
+    return {"engine_kind": cfg.engines.kind, "model": cfg.model.path, "join_s": join_s,
+            "tokens_per_s": {"before": before, "while": during, "after": after}, "request_s": requests,
             "rounds": args.rounds, "request_tokens": args.tokens * 2, **counts}  # fmt: skip
+
+
+def bench_config(args, root: Path):
+    """The run's config: `--config` with `--set`, or the tiny CPU model with one thread per engine."""
+    fast_health = ["router.health_interval_s=0.5"]
+    if args.config is not None:
+        return load_config(args.config, [*fast_health, *args.overrides])
+    model = build_tiny(root / "model", load_config(None).model.tiny)
+    return load_config(None, [f"model.path={json.dumps(str(model))}", "engines.threads=1", *fast_health,
+                              *args.overrides])  # fmt: skip
 
 
 def main() -> None:
@@ -142,14 +159,17 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--seconds", type=float, default=20.0)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5, help="migration rounds (0: none)")
+    p.add_argument("--config", type=Path, help="engines of this config instead of the tiny CPU model")
+    p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
+    p.add_argument("--keep", type=Path, help="run in this directory and keep its logs (default: a temporary one)")
     args = p.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="molt-elastic-"))
+    print(json.dumps(vars(args), default=str), flush=True)
+    root = args.keep or Path(tempfile.mkdtemp(prefix="molt-elastic-"))
+    root.mkdir(parents=True, exist_ok=True)
     procs = []
     try:
-        model = build_tiny(root / "model", load_config(None).model.tiny)
-        cfg = load_config(None, [f"model.path={json.dumps(str(model))}", "engines.threads=1",
-                                 "router.health_interval_s=0.5"])  # fmt: skip
+        cfg = bench_config(args, root)
         run = create_run_dir(root, "run", to_toml(cfg))
         procs = [start(run, "engine", 0, "engine-0"), start(run, "router", 0, "router")]
         print(json.dumps(asyncio.run(main_async(args, run, cfg)), indent=1))
@@ -157,7 +177,8 @@ def main() -> None:
         for proc in procs:
             proc.terminate()
             proc.wait()
-        shutil.rmtree(root, ignore_errors=True)
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
