@@ -46,7 +46,7 @@ def evals(run_dir: Path, launched: float) -> list[dict]:
 def run(args) -> None:
     root = args.root.absolute()
     root.mkdir(parents=True, exist_ok=True)
-    sets = [*args.overrides, "eval.every=20"]
+    sets = [*args.overrides, "eval.every=20", "checkpoint.interval=20"]
     if args.arm == "distill":
         sets.append(f"distill.teacher={root / 'rl'}")
     print(f"{NAMES[args.arm]}: {args.config or CONFIGS[args.arm]} for {args.budget:g} s, --set {sets}", flush=True)
@@ -84,12 +84,36 @@ def report(args) -> None:
                   f"pass@8 {e.get('eval_pass@8')}, mean reward {e.get('eval_reward')}")  # fmt: skip
     if teacher is None or "distill" not in arms:
         return
+    plot(arms, teacher, root / "distill_vs_rl_gpu.png")
     goal = teacher.get("eval_pass@1") or 0.0
     reached = [e["elapsed"] for e in arms["distill"]["evals"] if (e.get("eval_pass@1") or 0.0) >= goal]
     rl_reached = [e["elapsed"] for e in arms["rl"]["evals"] if (e.get("eval_pass@1") or 0.0) >= goal]
     student = f"at {min(reached):.0f} s" if reached else "did not reach it"
     print(f"teacher (RL alone's last evaluation, version {teacher['eval_version']}): pass@1 {goal:.3f}; RL alone "
           f"reached it at {min(rl_reached):.0f} s; distillation {student}")  # fmt: skip
+
+
+def plot(arms: dict, teacher: dict, out: Path) -> None:
+    """Held-out pass@1 of both arms against seconds since their launch, the teacher's last evaluation dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for arm, colour in (("rl", "tab:blue"), ("distill", "tab:orange")):
+        points = [(e["elapsed"], e.get("eval_pass@1") or 0.0) for e in arms[arm]["evals"]]
+        ax.plot(*zip(*points, strict=True), marker="o", color=colour, label=NAMES[arm])
+    ax.axhline(teacher.get("eval_pass@1") or 0.0, color="grey", linestyle="--", linewidth=1,
+               label=f"teacher's last evaluation (RL alone, version {teacher['eval_version']})")  # fmt: skip
+    ax.set_xlabel("seconds since launch (start-up included)")
+    ax.set_ylabel("held-out pass@1 (64 prompts x 8 samples, T = 1)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    print(f"plot: {out}")
 
 
 def main() -> None:
