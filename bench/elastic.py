@@ -8,7 +8,9 @@ each). Measured, each against its baseline in the same run:
 - throughput: generated tokens/s of `--streams` concurrent sessions (`--tokens` each, streamed through
   the link with continuation) for `--seconds` before the pool, while it serves, and after its removal;
 - migration: a `--tokens` request that finishes on its engine vs the same request (same seed) whose
-  engine is stopped after half of it (it continues on the other engine from the kept tokens).
+  engine is stopped (SIGTERM) after half of it (it continues on the other engine from the kept tokens). A
+  vLLM engine finishes the requests it holds before it stops, so with `engines.kind = "vllm"` nothing migrates
+  here (`requests_migrated` says so); its SIGKILL case is `tests/test_vllm_front_stream.py`.
 
     .venv/bin/python bench/elastic.py [--streams 8] [--tokens 64] [--seconds 20] [--rounds 5]
 
@@ -112,6 +114,8 @@ async def migration(link: EngineLink, run: RunDir, cfg, tokens: int, rounds: int
             await asyncio.sleep(0.05)
         nodes = {f"engine-{e['index']}" for e in await metrics(link) if e["healthy"]}
         target = f"engine-{500 + r}"
+        # untimed first: a fresh GPU engine captures its CUDA graphs on its first requests (~1 s on an H200)
+        await one_request(link, session_on(target, nodes, cfg.router.virtual_nodes, f"w{r}"), tokens)
         same.append(await one_request(link, session_on(target, nodes, cfg.router.virtual_nodes, f"a{r}"), tokens))
         session = session_on(target, nodes, cfg.router.virtual_nodes, f"b{r}")
         moved.append(await one_request(link, session, tokens, cut=lambda p=extra: p.send_signal(signal.SIGTERM)))
