@@ -206,8 +206,9 @@ class Speed:
 
     @property
     def wait_s(self) -> float:
-        """The trainer's wait for rollouts: the step less its training and refit."""
-        return self.step_s - self.train.seconds - self.refit_s
+        """The trainer's wait for rollouts: the step less its training and refit (0 when the step is theirs alone:
+        the subtraction's rounding would otherwise print as "-0 ms")."""
+        return max(0.0, self.step_s - self.train.seconds - self.refit_s)
 
     @property
     def bound(self) -> str:
