@@ -6,6 +6,7 @@ prints them as one table. `--dry-run` runs a benchmark on the CPU with a tiny sh
 script, not to measure.
 """
 
+import gc
 import json
 import os
 import time
@@ -81,6 +82,23 @@ def timed(fn, device: torch.device | str) -> float:
     fn()
     sync(device)
     return time.perf_counter() - t0
+
+
+def free() -> None:
+    """Collect garbage and release cached GPU memory; reset the peak so the next case measures its own."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def timed_ms(fn, device: torch.device | str) -> float:
+    """Milliseconds of `fn()`, the device synchronised before and after."""
+    return 1000 * timed(fn, device)
 
 
 def hbm_bandwidth(device: torch.device | str, gib: int = 2) -> float:

@@ -14,13 +14,12 @@ state), one optimizer update per step. A case that runs out of GPU memory is rep
 
 MFU counts 6·N + 12·L·H·T FLOPs per token against 989 TFLOP/s per GPU; 2 warm-up + 4 timed steps,
 median. A last section times the loss alone on one GPU (0.5B vocabulary): cross-entropy against the
-trainer's chunked log-probs, from logits and from hidden states.
+trainer's chunked log-probs, from logits and from hidden states (`bench/gpu_loss.py`).
 
     torchrun --nproc-per-node 2 bench/gpu_train.py [--shapes 0.5b 1.5b 7b] [--out rows.jsonl] [--dry-run]
 """
 
 import argparse
-import gc
 import random
 import statistics
 import sys
@@ -30,7 +29,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from gpu_common import PEAK_BF16, build_model, flops_per_token, param_count, qwen2_config, sync, write_row
+from gpu_common import (
+    PEAK_BF16,
+    build_model,
+    flops_per_token,
+    free,
+    param_count,
+    peak_gib,
+    qwen2_config,
+    sync,
+    timed_ms,
+    write_row,
+)
+from gpu_loss import loss_kernels
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from molt_hpc.trajectory import Group, Trajectory
@@ -94,17 +105,6 @@ def ppo_loss_step(model, opt, mb, exp, cfg, count, world) -> None:
     (loss * world.size).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-
-
-def free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def peak_gib() -> float:
-    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 
 
 def run_reference(shape: str, world, mb, exp, cfg, count) -> dict[str, tuple[float, float]]:
@@ -291,84 +291,6 @@ def bench_shape(
                       value=100 * flops / (t * world.size * PEAK_BF16), unit="% MFU",
                       baseline=100 * flops / (base * world.size * PEAK_BF16), ratio=base / t,
                       target=">= 1.0x" if name.startswith("trainer") else None, note=note)  # fmt: skip
-
-
-def loss_kernels(seq: int, prompt: int, rows: int, device, out: Path | None, vocab: int, hidden: int) -> None:
-    """Forward + backward of the loss alone on `rows × seq` positions: CE vs the trainer's log-probs, from
-    logits (today's trainer: the model's full logits) and from hidden states with each chunk kernel; then
-    the bf16 gap of each against an fp32 recompute of the same inputs."""
-    from molt_hpc.algorithm import token_logprobs
-
-    torch.manual_seed(0)
-    ids = torch.randint(1, vocab, (rows, seq), device=device)
-    mask = torch.zeros(rows, seq, dtype=torch.bool, device=device)
-    mask[:, prompt:] = True
-    logits = (torch.randn(rows, seq, vocab, device=device) * 2).to(torch.bfloat16).requires_grad_()
-    hid = torch.randn(rows, seq, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
-    weight = (torch.randn(vocab, hidden, device=device) * 0.05).to(torch.bfloat16).requires_grad_()
-    kernels = ["torch"] + (["compile", "triton"] if device.type == "cuda" else [])  # compile: minutes on a CPU
-
-    def ce():
-        F.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1)).backward()
-
-    def from_logits():
-        logp, _ = token_logprobs(logits, ids, mask=mask)
-        logp.sum().backward()
-
-    def from_hidden(kernel):
-        def run():
-            logp, ent = token_logprobs(hid, ids, lm_head_weight=weight, mask=mask, kernel=kernel)
-            (logp.sum() + 0.01 * ent.sum()).backward()
-
-        return run
-
-    def hidden_ce():
-        F.cross_entropy((hid[:, :-1] @ weight.t()).float().reshape(-1, vocab), ids[:, 1:].reshape(-1)).backward()
-
-    def lm_head_then_logits():  # today's trainer: the model's LM head makes [B, T, V], then the chunked loss
-        logp, _ = token_logprobs(hid @ weight.t(), ids, mask=mask)
-        logp.sum().backward()
-
-    cases = {
-        "CE on logits (reference)": ce,
-        "chunked log-probs from logits": from_logits,
-        "lm_head + CE from hidden states": hidden_ce,
-        "lm_head -> full logits -> chunked log-probs (before)": lm_head_then_logits,
-        **{f"fused from hidden states, kernel {k}": from_hidden(k) for k in kernels},
-    }
-    times, peaks = {}, {}
-    for name, fn in cases.items():
-        runs = []
-        for _ in range(6):  # the first is a warm-up (and the compile)
-            for t in (logits, hid, weight):
-                t.grad = None
-            free()
-            runs.append(timed_ms(fn, device))
-        times[name], peaks[name] = statistics.median(runs[1:]), peak_gib()
-    base = times["CE on logits (reference)"]
-    for name, t in times.items():
-        write_row(out, bench="loss", case=f"{name}, {rows}x{seq}, V={vocab}", value=t, unit="ms fwd+bwd",
-                  baseline=base, ratio=t / base, note=f"peak {peaks[name]:.1f} GiB (inputs included)")  # fmt: skip
-    # bf16 gap: each kernel on the bf16 inputs against the torch kernel on their fp32 copies
-    hid32, w32 = hid.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
-    want, _ = token_logprobs(hid32, ids, lm_head_weight=w32, mask=mask)
-    want.sum().backward()
-    for k in kernels:
-        hid.grad = weight.grad = None
-        got, _ = token_logprobs(hid, ids, lm_head_weight=weight, mask=mask, kernel=k)
-        got.sum().backward()
-        gap = float((got.detach() - want.detach())[mask].abs().max())
-        grad_gap = float((weight.grad.float() - w32.grad).norm() / w32.grad.norm())
-        write_row(out, bench="loss", case=f"log-prob gap, bf16 inputs vs their fp32 copies, kernel {k}", value=gap,
-                  unit="max abs", note=f"LM head gradient: relative L2 gap {grad_gap:.1e}")  # fmt: skip
-
-
-def timed_ms(fn, device) -> float:
-    sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return 1000 * (time.perf_counter() - t0)
 
 
 def main() -> int:
