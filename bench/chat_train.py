@@ -8,10 +8,17 @@ mismatch on same-version tokens, the share of groups trained from older weights,
 the rollout's generated tokens/s, steps per minute and the reward's first and last quarter. Modes alternate
 over `--repeats` rounds; the table shows medians over rounds (per-step values: mean over steps 2..N).
 
+`--task calculator` runs the multi-turn tool task instead (`configs/tiny_calculator_chat_cpu.toml`): env mode
+with `envs/calculator.py` (`<calc>` turns, `rollout.max_turns = 4`), chat mode with `envs/calculator_chat.py`
+(the calculator as an OpenAI tool, `tools=[...]` and `tool` messages). `--seconds` stops each run that long
+after its launch (start-up included) instead of after `--steps`, so both modes get the same time.
+
     python bench/chat_train.py [--steps 30] [--repeats 2]
+    python bench/chat_train.py --task calculator --seconds 120 --repeats 2
 """
 
 import argparse
+import signal
 import statistics
 import subprocess
 import sys
@@ -23,18 +30,36 @@ sys.path.insert(0, str(ROOT))
 
 from molt_hpc.log import read_metrics  # noqa: E402
 
-AGENTS = {"env mode": "envs/reverse.py", "chat mode": "envs/reverse_chat.py"}
+TASKS = {
+    "reverse": ("configs/tiny_cpu.toml", {"env mode": "envs/reverse.py", "chat mode": "envs/reverse_chat.py"}, []),
+    "calculator": (
+        "configs/tiny_calculator_chat_cpu.toml",
+        {"env mode": "envs/calculator.py", "chat mode": "envs/calculator_chat.py"},
+        ["rollout.max_turns=4"],
+    ),
+}
 
 
-def one_run(agent: str, steps: int) -> dict[str, float]:
+def launch(config: str, agent: str, root: str, steps: int, seconds: float | None, sets: list[str]) -> None:
+    """One `molt-hpc run` of `agent`: to `steps` steps, or stopped (SIGINT: it ends at a step boundary) `seconds`
+    after its launch."""
+    sets = [f"run.root={root}", "run.name=bench", f"run.steps={steps if seconds is None else 100_000}",
+            f'rollout.agent="{agent}"', "checkpoint.interval=0", "logging.progress=lines", *sets]  # fmt: skip
+    cmd = [str(Path(sys.executable).parent / "molt-hpc"), "run", config, *(a for s in sets for a in ("--set", s))]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+    if proc.returncode:
+        raise SystemExit(f"molt-hpc run {config} with {agent} exited {proc.returncode}:\n{err[-3000:]}")
+
+
+def one_run(config: str, agent: str, steps: int, seconds: float | None, sets: list[str]) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="molt-bench-") as root:
-        cmd = [
-            str(Path(sys.executable).parent / "molt-hpc"), "run", "configs/tiny_cpu.toml", "--set", f"run.root={root}",
-            "--set", f"run.steps={steps}", "--set", f'rollout.agent="{agent}"', "--set", "checkpoint.interval=0",
-            "--set", "logging.progress=lines",
-        ]  # fmt: skip
-        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
-        records = read_metrics(Path(root) / "tiny-cpu" / "metrics.jsonl")
+        launch(config, agent, root, steps, seconds, sets)
+        records = read_metrics(Path(root) / "bench" / "metrics.jsonl")
     actor = [r for r in records if r["source"] == "actor"]
     rollout = [r for r in records if r["source"] == "rollout" and r.get("tokens_per_s")]
     later = actor[1:]  # step 1 trains on version-0 rollouts only
@@ -49,7 +74,9 @@ def one_run(agent: str, steps: int) -> dict[str, float]:
         "stale_share": sum(stale) / sum(groups),
         "train_tok_s": statistics.median(r["tokens_per_s"] for r in later),
         "rollout_tok_s": statistics.median(r["tokens_per_s"] for r in rollout),
+        "steps": len(actor),
         "steps_min": (len(actor) - 1) / span * 60,
+        "turns": statistics.median(r.get("turns_mean", 1.0) for r in rollout),
         "reward_first": statistics.fmean(r["reward"] for r in actor[:q]),
         "reward_last": statistics.fmean(r["reward"] for r in actor[-q:]),
     }
@@ -58,7 +85,8 @@ def one_run(agent: str, steps: int) -> dict[str, float]:
 COLUMNS = [
     ("kl_rollout", "kl_rollout", ".4f"), ("kl_rollout_max", "max", ".4f"), ("mismatch", "mismatch |d|", ".1e"),
     ("stale_share", "stale groups", ".2f"), ("train_tok_s", "train tok/s", ".0f"),
-    ("rollout_tok_s", "rollout tok/s", ".0f"), ("steps_min", "steps/min", ".1f"),
+    ("rollout_tok_s", "rollout tok/s", ".0f"), ("steps", "steps", ".0f"),
+    ("steps_min", "steps/min", ".1f"), ("turns", "turns/episode", ".2f"),
     ("reward_first", "reward q1", ".3f"), ("reward_last", "reward q4", ".3f"),
 ]  # fmt: skip
 
@@ -67,12 +95,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--task", choices=sorted(TASKS), default="reverse")
+    parser.add_argument("--seconds", type=float, help="stop each run this long after its launch instead")
     args = parser.parse_args()
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in AGENTS}
+    config, agents, sets = TASKS[args.task]
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in agents}
     for _ in range(args.repeats):
-        for name, agent in AGENTS.items():
-            results[name].append(one_run(agent, args.steps))
-    print(f"tiny config, reverse task, {args.steps} steps per run, median of {args.repeats} alternating runs")
+        for name, agent in agents.items():
+            results[name].append(one_run(config, agent, args.steps, args.seconds, sets))
+    length = f"{args.seconds:g} s" if args.seconds else f"{args.steps} steps"
+    print(f"{config}, {args.task} task, {length} per run, median of {args.repeats} alternating runs")
     print("| mode | " + " | ".join(title for _, title, _ in COLUMNS) + " |")
     print("|---" * (len(COLUMNS) + 1) + "|")
     for name, runs in results.items():
