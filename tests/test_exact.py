@@ -17,13 +17,13 @@ import torch
 
 from molt_hpc.actor.batch import policy_logprobs
 from molt_hpc.algorithm import make_experience
-from molt_hpc.config import MoltConfig
 from molt_hpc.engine.batch import ModelRunner, Row
 from molt_hpc.engine.sampling import SamplingParams
 from molt_hpc.engine.scheduler import Scheduler
 from molt_hpc.log import read_metrics
 from molt_hpc.models import load_causal_lm
-from molt_hpc.models.exact import make_exact, sequential_linear
+from molt_hpc.models.exact import make_exact
+from molt_hpc.models.exact_linear import sequential_linear
 from molt_hpc.parallel.attention import DocumentAttention, use_document_attention
 from molt_hpc.trajectory import Trajectory
 from tests.conftest import ROOT, molt
@@ -146,18 +146,42 @@ def test_what_cannot_be_exact_is_refused(extra, words):
     assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_moe_is_refused(tmp_path):
-    result = molt("config", str(ROOT / "configs/tiny_moe_cpu.toml"), *EXACT)
-    assert result.returncode == 2 and "MoE" in result.stderr, result.stderr
-    with torch.device("meta"):
-        from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("n", [1, 7, 64])
+def test_exact_moe_engine_logprobs_equal_the_trainers(tiny_moe_dir, n):
+    """The tiny MoE (8 experts, top-2): the engine's routers and experts see other batches than the trainer's
+    (one decode row, 64 rows joining mid-decode; right-padded, packed) and still give the same bits."""
+    engine = make_exact(load_causal_lm(tiny_moe_dir, device="cpu"))
+    trainer = copy.deepcopy(engine)
+    rows = _generate(engine, n, 1.0, seed=n)
+    for name, (mine, theirs) in _trainer_sides(trainer, _trajectories(rows), 1.0).items():
+        assert mine.numel() == sum(len(r.tokens) for r in rows)
+        assert torch.equal(mine, theirs), (name, float((mine - theirs).abs().max()))
 
-        from molt_hpc.models import build_tiny_tokenizer
-        from molt_hpc.models.tiny_moe import tiny_moe_config
 
-        model = AutoModelForCausalLM.from_config(tiny_moe_config(MoltConfig().model.tiny_moe, build_tiny_tokenizer()))
+def test_plain_moe_forwards_are_not_equal(tiny_moe_dir):
+    """Without `exact` the same comparison fails on the MoE model, or the test above could not."""
+    engine = load_causal_lm(tiny_moe_dir, device="cpu")
+    trainer = copy.deepcopy(engine)
+    rows = _generate(engine, 64, 1.0, seed=64)
+    sides = _trainer_sides(trainer, _trajectories(rows), 1.0)
+    assert not all(torch.equal(mine, theirs) for mine, theirs in sides.values())
+
+
+def test_exact_moe_keeps_the_parameters_and_refuses_other_expert_layouts(tiny_moe_dir):
+    plain = load_causal_lm(tiny_moe_dir, device="cpu")
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    exact = make_exact(copy.deepcopy(plain))
+    after = exact.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    experts = next(m for m in plain.modules() if hasattr(m, "gate_up_proj"))
+    experts.register_parameter("extra_proj", torch.nn.Parameter(torch.zeros(2, 2, 2)))
     with pytest.raises(ValueError, match=r"engines\.exact = false"):
-        make_exact(model)
+        make_exact(plain)
+
+
+def test_moe_config_takes_exact():
+    result = molt("config", str(ROOT / "configs/tiny_moe_cpu.toml"), *EXACT)
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.slow

@@ -203,7 +203,7 @@ def exact_token_logprobs(
     outputs as `token_logprobs`.
     """
     from molt_hpc.engine.sampling import processed_logprobs
-    from molt_hpc.models.exact import exact_linear
+    from molt_hpc.models.exact_linear import exact_linear
 
     _check(tokens, temperature, 1, "torch")
     b, t, width = source.shape

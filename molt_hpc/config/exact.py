@@ -20,9 +20,4 @@ def exact_problem(cfg) -> str | None:
         return "engines.exact runs the full model, not LoRA adapters: drop [actor.lora] or set engines.exact = false"
     if act.cp > 1:
         return "engines.exact attends one packed sample at a time on one rank: set actor.cp = 1"
-    if str(cfg.model.path) == "builtin:tiny-moe":
-        return (
-            "engines.exact: MoE expert layers have no batch-invariant form here (the experts' grouped matrix "
-            "multiplies take whatever tokens the router sends): set engines.exact = false for this model"
-        )
     return None

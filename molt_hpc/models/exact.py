@@ -7,13 +7,14 @@ tensor with scalar code. `make_exact(model)` changes a plain transformers model 
 function of the model (its modeling code is untouched; parameters, names and the state dict stay, so
 refits and checkpoints work as before):
 
-- every `nn.Linear` (the LM head included) becomes an `ExactLinear`: its rows are padded to a multiple
-  of `ROWS` and multiplied in one matrix multiply, a shape whose per-row result the CPU's BLAS computes
-  the same way wherever the row sits (checked at start by `linear_is_invariant`; where it does not
-  hold, each element is an elementwise product summed by a strictly sequential `cumsum`);
+- every `nn.Linear` (the LM head included) becomes an `ExactLinear` (`models.exact_linear`): its rows are
+  padded to a multiple of `ROWS` and multiplied in one matrix multiply, a shape whose per-row result the
+  CPU's BLAS computes the same way wherever the row sits (checked at start by `linear_is_invariant`; where
+  it does not hold, each element is an elementwise product summed by a strictly sequential `cumsum`);
 - the MLP's activation runs on a strided view of its input, so every element goes through the same
   scalar code (`ExactActivation`);
-- attention is `models.exact_attention` (`molt_exact`; packed rows: `exact_documents`).
+- attention is `models.exact_attention` (`molt_exact`; packed rows: `exact_documents`);
+- a mixture-of-experts model's routers and experts get `models.exact_moe`'s forwards.
 
 RMSNorm's mean over the hidden dimension, rotary embeddings' cos/sin, exp and log-softmax over the
 last dimension compute each row the same way whatever the row count on the CPU, and are left as they
@@ -22,53 +23,13 @@ are. The engine's sampling log-probs and the trainer's token log-probs then both
 """
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from molt_hpc.models import exact_attention
+from molt_hpc.models.exact_linear import exact_linear
 
-ROWS = 16
-"""Rows of one block of the exact matrix multiply: every multiply has a multiple of this many rows."""
 EXACT = "molt_exact"
 """Attribute set on a model `make_exact` changed."""
-_CHECKED: dict[tuple, bool] = {}
-
-
-def padded_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    n = x.shape[0]
-    out = F.linear(F.pad(x, (0, 0, 0, (-n) % ROWS)), weight, bias)
-    return out[:n]
-
-
-def sequential_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    step = max(1, (1 << 22) // max(1, weight.numel()))
-    out = torch.cat([(x[i : i + step, None, :] * weight).cumsum(-1)[..., -1] for i in range(0, x.shape[0], step)])
-    return out if bias is None else out + bias
-
-
-def linear_is_invariant(k: int, n: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the padded multiply gives each row the same bits alone and among others (cached per shape)."""
-    key = (k, n, dtype, str(device))
-    if key not in _CHECKED:
-        gen = torch.Generator().manual_seed(0)
-        w = torch.randn(n, k, generator=gen).to(device, dtype)
-        x = torch.randn(3 * ROWS + 5, k, generator=gen).to(device, dtype)
-        alone = torch.cat([padded_linear(x[i : i + 1], w, None) for i in range(0, x.shape[0], 7)])
-        among = padded_linear(x, w, None)[::7]
-        shifted = padded_linear(x[3:], w, None)[4::7]
-        _CHECKED[key] = torch.equal(alone, among) and torch.equal(alone[1:], shifted)
-    return _CHECKED[key]
-
-
-def exact_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`F.linear(x, weight, bias)` whose every row's result does not depend on the other rows."""
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, x.shape[-1])
-    if linear_is_invariant(weight.shape[1], weight.shape[0], weight.dtype, weight.device):
-        out = padded_linear(flat, weight, bias)
-    else:
-        out = sequential_linear(flat, weight, bias)
-    return out.reshape(*lead, weight.shape[0])
 
 
 class ExactLinear(nn.Linear):
@@ -96,17 +57,11 @@ class ExactActivation(nn.Module):
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
-def _check_modules(model: nn.Module) -> None:
-    """Refuse a mixture-of-experts model, and any with weights used outside `nn.Linear` and embeddings
-    (fused experts, convolutions)."""
-    text = model.config.get_text_config()
-    if any(getattr(text, f, None) for f in MOE_FIELDS):
-        raise ValueError(
-            "engines.exact: mixture-of-experts layers were not made batch-invariant (the experts' multiplies and "
-            "their combination over whatever tokens the router sends): set engines.exact = false for this model"
-        )
+def _check_modules(model: nn.Module, exact: set[int]) -> None:
+    """Refuse a model with weights used outside `nn.Linear`, embeddings and the MoE modules in `exact`
+    (ids of those already switched to exact forwards): convolutions, other expert layouts."""
     for name, mod in model.named_modules():
-        if isinstance(mod, (nn.Linear, nn.Embedding)):
+        if isinstance(mod, (nn.Linear, nn.Embedding)) or id(mod) in exact:
             continue
         for pname, p in mod.named_parameters(recurse=False):
             if p.dim() >= 2:
@@ -124,7 +79,12 @@ def make_exact(model: nn.Module) -> nn.Module:
         return model
     if getattr(model.config, "vision_config", None) is not None:
         raise ValueError("engines.exact runs text models only: set engines.exact = false for this model")
-    _check_modules(model)
+    exact = set()
+    if any(getattr(model.config.get_text_config(), f, None) for f in MOE_FIELDS):
+        from molt_hpc.models.exact_moe import make_moe_exact
+
+        exact = make_moe_exact(model)
+    _check_modules(model, exact)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:

@@ -56,7 +56,12 @@ class ReplayRouter:
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         slot = self.molt_slot
         h = hidden_states.reshape(-1, self.hidden_dim)
-        logits = F.linear(h.float(), self.weight.float())  # fp32 whatever the block computes in
+        if getattr(self, "molt_exact", False):  # engines.exact (models/exact_moe.py): batch-invariant gate logits
+            from molt_hpc.models.exact_linear import exact_linear
+
+            logits = exact_linear(h.float(), self.weight.float())
+        else:
+            logits = F.linear(h.float(), self.weight.float())  # fp32 whatever the block computes in
         probs = torch.softmax(logits, dim=-1)
         live = probs.topk(self.top_k, dim=-1).indices
         chosen, known = live, None
