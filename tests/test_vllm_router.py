@@ -75,7 +75,7 @@ def test_engines_answer_a_tokenless_health_check_with_liveness_only(pool) -> Non
         assert "index" in json.loads(resp.read())
     with pytest.raises(urllib.error.HTTPError, match="401"):
         urllib.request.urlopen(url + "/v1/models", timeout=10)
-    assert pool.run.token() not in " ".join(command(pool.cfg, 1234, ["http://127.0.0.1:1"]))
+    assert pool.run.token() not in " ".join(command(pool.cfg, 1234, ["http://127.0.0.1:1"], 1235))
 
 
 def test_sessions_stick_tokens_are_checked_and_a_restarted_engine_is_followed(pool) -> None:

@@ -83,12 +83,16 @@ def admitted(urls: list[str], current: list[str], versions: dict[str, int | None
     return [u for u in urls if u in current or (u in versions and admits(versions[u], newest))]
 
 
-def command(cfg: MoltConfig, port: int, urls: list[str]) -> list[str]:
-    """The `vllm-router` command line (no secret on it: its health checks need none)."""
+def command(cfg: MoltConfig, port: int, urls: list[str], metrics_port: int) -> list[str]:
+    """The `vllm-router` command line (no secret on it: its health checks need none). Its Prometheus exporter
+    cannot be turned off and defaults to port 29000 for every router, so two on one machine (two runs, or
+    tests in parallel) collided there and the second died: each gets its own free loopback port."""
     return [
         router_binary(),
         "--host", cfg.engines.host,
         "--port", str(port),
+        "--prometheus-host", "127.0.0.1",
+        "--prometheus-port", str(metrics_port),
         "--worker-urls", *urls,
         "--policy", "consistent_hash",
         "--health-check-endpoint", "/health",
@@ -105,6 +109,7 @@ class Supervisor:
     def __init__(self, cfg: MoltConfig, run: RunDir):
         self.cfg, self.run, self.token = cfg, run, run.token()
         self.port = free_port(cfg.engines.host)
+        self.metrics_port = free_port("127.0.0.1")
         self.urls: list[str] = []
         self.child: subprocess.Popen | None = None
         host = cfg.engines.host if cfg.engines.host not in ALL_INTERFACES else "127.0.0.1"
@@ -114,7 +119,7 @@ class Supervisor:
         self.stop()
         self.urls = urls
         log = open(self.run.logs / "vllm-router.log", "ab")  # noqa: SIM115 - the child owns it
-        self.child = subprocess.Popen(command(self.cfg, self.port, urls), stdout=log, stderr=log)
+        self.child = subprocess.Popen(command(self.cfg, self.port, urls, self.metrics_port), stdout=log, stderr=log)
         deadline = time.monotonic() + START_TIMEOUT_S
         while self._get("/health") != 200:  # it answers once a worker passed its health check
             if self.child.poll() is not None:
