@@ -12,6 +12,7 @@ is exact over plain. The exact side also checks that its log-probs equal the eng
 
     python bench/exact.py                       # the tiny model on the CPU
     python bench/exact.py --requests 128 --new 32 --repeat 5
+    python bench/exact.py --moe                 # the tiny MoE (8 experts, top-2) instead
 """
 
 import argparse
@@ -35,7 +36,7 @@ from molt_hpc.config import MoltConfig  # noqa: E402
 from molt_hpc.engine.batch import ModelRunner, Row  # noqa: E402
 from molt_hpc.engine.sampling import SamplingParams  # noqa: E402
 from molt_hpc.engine.scheduler import Scheduler  # noqa: E402
-from molt_hpc.models import build_tiny, load_causal_lm  # noqa: E402
+from molt_hpc.models import build_tiny, build_tiny_moe, load_causal_lm  # noqa: E402
 from molt_hpc.models.exact import make_exact  # noqa: E402
 from molt_hpc.parallel.attention import DocumentAttention, use_document_attention  # noqa: E402
 from molt_hpc.trajectory import Trajectory  # noqa: E402
@@ -84,9 +85,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new", type=int, default=16, help="tokens generated per request")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--moe", action="store_true", help="the tiny MoE model (builtin:tiny-moe) instead")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        base = load_causal_lm(build_tiny(tmp, MoltConfig().model.tiny), device="cpu")
+        spec = MoltConfig().model
+        built = build_tiny_moe(tmp, spec.tiny_moe) if args.moe else build_tiny(tmp, spec.tiny)
+        base = load_causal_lm(built, device="cpu")
     models = {"plain": copy.deepcopy(base), "exact": make_exact(copy.deepcopy(base))}
     trainers = {}
     for name, m in models.items():
@@ -107,7 +111,8 @@ def main() -> None:
                 times[name]["packed"].append(packed_s)
                 times[name]["padded"].append(padded_s)
     med = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}
-    print(f"tiny model, {args.requests} requests x {args.new} tokens, {torch.get_num_threads()} threads, "
+    model = "tiny MoE model" if args.moe else "tiny model"
+    print(f"{model}, {args.requests} requests x {args.new} tokens, {torch.get_num_threads()} threads, "
           f"median of {args.repeat}, CPU seconds")  # fmt: skip
     print(f"{'':32}{'plain':>10}{'exact':>10}{'exact/plain':>13}")
     p, e = tokens / med["plain"]["rollout"], tokens / med["exact"]["rollout"]
