@@ -2,13 +2,15 @@
 
 import contextlib
 import json
+import socket
+import subprocess
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from molt_hpc.router.vllm_router import command
+from molt_hpc.router.vllm_router import Supervisor, command
 from tests.test_rollout_procs import Pool, base_overrides, make_run, spawn, wait_file
 
 pytest.importorskip("vllm_router")
@@ -117,3 +119,26 @@ def test_a_worker_added_behind_the_run_stops_the_router(pool) -> None:
         urllib.request.urlopen(req, timeout=30).close()
     assert pool.router.proc.wait(timeout=60) == 1
     assert "not engines of this run" in (pool.run.logs / "router.log").read_text()
+
+
+def test_two_routers_on_one_machine_both_run(pool) -> None:
+    """vllm-router's Prometheus exporter cannot be turned off and took port 29000 in every router, so a second
+    router on the machine (another run, a test beside this one) died at start: each now has its own port."""
+    sups = [Supervisor(pool.cfg, pool.run) for _ in range(2)]
+    assert sups[0].metrics_port != sups[1].metrics_port
+    procs = [subprocess.Popen(command(s.cfg, s.port, ["http://127.0.0.1:1"], s.metrics_port),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for s in sups]  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        for s, proc in zip(sups, procs, strict=True):  # up once its exporter listens (it binds first)
+            while True:
+                assert proc.poll() is None, f"a router died at start with code {proc.returncode}"
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", s.metrics_port), 1):
+                    break
+                assert time.monotonic() < deadline, "a router's exporter never listened"
+                time.sleep(0.1)
+        assert [p.poll() for p in procs] == [None, None]
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait()
