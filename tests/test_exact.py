@@ -185,14 +185,16 @@ def test_moe_config_takes_exact():
 
 
 @pytest.mark.slow
-def test_exact_run_has_same_version_ratios_of_exactly_one(tmp_path):
-    """A real tiny run (launcher, engine pool, FSDP trainer packing its rows): every same-version token's
-    trainer log-prob equals the engine's, so the observatory's max |Δ log p| is 0 at every step that has them, and the
-    first step, all of whose tokens are of the trainer's version, has every importance ratio at 1."""
-    result = molt("run", "configs/tiny_cpu.toml", *EXACT, "--set", "run.steps=3", "--set", f"run.root={tmp_path}",
+@pytest.mark.parametrize("config", ["tiny_cpu", "tiny_moe_cpu"])
+def test_exact_run_has_same_version_ratios_of_exactly_one(tmp_path, config):
+    """A real tiny run (launcher, engine pool, FSDP trainer packing its rows; the MoE one with router replay):
+    every same-version token's trainer log-prob equals the engine's, so the observatory's max |Δ log p| is 0 at
+    every step that has them, and the first step, all of whose tokens are of the trainer's version, has every
+    importance ratio at 1."""
+    result = molt("run", f"configs/{config}.toml", *EXACT, "--set", "run.steps=3", "--set", f"run.root={tmp_path}",
                   "--set", "logging.progress=lines", timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    actor = read_metrics(tmp_path / "tiny-cpu" / "metrics.jsonl", source="actor")
+    actor = read_metrics(tmp_path / config.replace("_", "-") / "metrics.jsonl", source="actor")
     assert [r["step"] for r in actor] == [1, 2, 3]
     # a step whose groups are all one version behind has no same-version token to compare (it depends on
     # when the refits land); the first step's are all of version 0, the trainer's
@@ -201,3 +203,5 @@ def test_exact_run_has_same_version_ratios_of_exactly_one(tmp_path):
     assert all(r["mismatch_abs_max"] == 0.0 for r in same), json.dumps(actor)
     first = actor[0]
     assert first["ratio_min"] == first["ratio_max"] == 1.0 and first["kl_rollout"] == 0.0
+    if config == "tiny_moe_cpu":  # the trainer's live routing is the engine's, token for token
+        assert first["routing_agreement"] == 1.0
