@@ -33,10 +33,6 @@ CONFIGS = {"rl": "configs/smollm2_gym_gpu.toml", "distill": "configs/smollm2_dis
 NAMES = {"rl": "RL alone", "distill": "distillation"}
 
 
-def launched_at(root: Path, arm: str) -> float:
-    return json.loads((root / f"{arm}.json").read_text())["launched"]
-
-
 def evals(run_dir: Path, launched: float) -> list[dict]:
     """The run's held-out evaluations, each with `elapsed`: seconds from the launch to the record."""
     rows = read_metrics(run_dir / "metrics.jsonl", source="eval")

@@ -19,7 +19,6 @@ is the engine's anyway (same bits in, same top-k out), and the replay changes no
 import torch
 from torch import Tensor, nn
 
-from molt_hpc.models.moe import find_routers
 from molt_hpc.models.router_replay import swap_routers
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -80,6 +79,6 @@ def make_moe_exact(model: nn.Module) -> set[int]:
             )
         if not isinstance(module, ExactExperts):
             module.__class__ = _exact_class(type(module))
-    for r in find_routers(model):
+    for r in routers:
         r.module.molt_exact = True  # ReplayRouter takes its gate logits from exact_linear
     return {id(m) for m in experts} | {id(r.module) for r in routers}
