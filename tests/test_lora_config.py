@@ -18,7 +18,7 @@ def test_lora_section_parses_with_its_defaults() -> None:
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
-        (["engines.kind='vllm'", "actor.device='cuda'"], "engines.kind = 'vllm' is not supported yet"),
+        (["engines.kind='vllm'", "actor.device='cuda'", "actor.lora.rank=600"], "above vLLM's LoRA rank limit"),
         (["actor.ep=2"], "actor.ep > 1 is not supported yet"),
         (["actor.lora.rank=0"], "rank"),
         (["actor.lora.dropout=1.0"], "dropout"),

@@ -104,7 +104,13 @@ class EngineSync:
         self._layout: tuple[tuple[int, ...], set[str], list] = ((), set(), [])
         """The parameters (ids) a refit's EP-split names and metadata were computed for, and those: walking
         the modules for them each refit costs milliseconds at hundreds of tensors."""
-        if world.is_main and cfg.engines.kind == "vllm":
+        self.adapter_root = self.run.path / "refit-adapters" if cfg.engines.kind == "vllm" and cfg.actor.lora else None
+        """A LoRA run served by vLLM: each version's adapters are written here for the engines to load."""
+        if world.is_main and self.adapter_root is not None:
+            from molt_hpc.refit.vllm_lora import VllmAdapterSender
+
+            self.sender = VllmAdapterSender(self.run.token(), cfg.refit.timeout_s)
+        elif world.is_main and cfg.engines.kind == "vllm":
             from molt_hpc.refit.vllm_sender import VllmRefitSender
 
             self.sender = VllmRefitSender(cfg.refit, self.run.token(), device=world.device)
@@ -152,6 +158,9 @@ class EngineSync:
             if lora_info is not None:  # LoRA: the adapters alone (the engines keep the base), whole and fp32
                 adapters = lora.full_adapters(model, keep=self.world.is_main)
                 tensors, metas = iter(adapters.items()), [TensorMeta.of(n, t) for n, t in adapters.items()]
+                if self.adapter_root is not None:  # vLLM loads them from a PEFT directory
+                    lora_info["lora_path"] = str(self._write_adapters(model, adapters, version))
+                    tensors = iter(())
             else:
                 tensors = refit_tensors(model, dtype, _whole, self._layout[1])  # EP experts: per expert
                 metas = self._layout[2]
@@ -166,6 +175,16 @@ class EngineSync:
         if fatal is not None:
             raise RefitFailed(fatal)
         return time.perf_counter() - t0 if ok else None
+
+    def _write_adapters(self, model: nn.Module, adapters: dict[str, torch.Tensor], version: int) -> Path:
+        """Rank 0 writes `adapters` as version `version`'s PEFT directory for vLLM's engines (`refit/vllm_lora.py`)."""
+        from molt_hpc.refit.vllm_lora import version_dir
+
+        assert self.adapter_root is not None
+        out = version_dir(self.adapter_root, version)
+        if self.world.is_main:
+            lora.write_adapter(out, adapters, model.peft_config[lora.ADAPTER], Path(self.cfg.model.path))
+        return out
 
     def _push(self, engines: list[Engine], tensors, version: int, metas, extra: dict | None) -> bool:
         assert self.sender is not None

@@ -24,6 +24,7 @@ from molt_hpc.config.rollout import EnginesConfig, RolloutConfig, RouterConfig
 from molt_hpc.config.sandbox import SandboxConfig
 from molt_hpc.config.stages import RewardModelConfig, RewardTrainConfig, SftConfig
 from molt_hpc.config.train import ActorConfig, AlgorithmConfig, CheckpointConfig
+from molt_hpc.config.vllm_lora import vllm_lora_problem
 
 GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
@@ -105,11 +106,8 @@ class MoltConfig(Section):
             raise ValueError(
                 "engines.kind = 'vllm' refits over NCCL from a GPU: set actor.device = 'cuda' (or 'auto' on a GPU node)"
             )
-        if act.lora is not None and self.engines.kind == "vllm":
-            raise ValueError(
-                "[actor.lora] with engines.kind = 'vllm' is not supported yet (adapter refits reach the builtin "
-                "engine only): set engines.kind = 'builtin' or drop [actor.lora]"
-            )
+        if act.lora is not None and self.engines.kind == "vllm" and (problem := vllm_lora_problem(self)):
+            raise ValueError(problem)
         if self.engines.exact and (problem := exact_problem(self)):
             raise ValueError(problem)
         self._check_sequences()

@@ -80,6 +80,16 @@ class FinishRequest(BaseModel):
         return self.version if self.version is not None else self.weight_version
 
 
+class AdapterRequest(BaseModel):
+    """Body of the vLLM front's `POST /molt_load_adapter`: a LoRA run's refit, the adapter of `version`
+    as a PEFT directory at `path` (on a filesystem the engine's node reads)."""
+
+    model_config = STRICT
+
+    version: int = Field(ge=0)
+    path: str = Field(min_length=1)
+
+
 class RpcRequest(BaseModel):
     """Body of the vLLM front's `POST /collective_rpc` (the front then allows only the `molt_*` methods)."""
 

@@ -1,18 +1,19 @@
 """The front of a vLLM engine: our token check and weight-version stamping in front of `vllm serve`.
 
-vLLM's dev routes (/pause, the weight-transfer routes) are not token-guarded, so `vllm serve` listens
-on 127.0.0.1 only and every outside call comes through here. Generate requests get vLLM's sampling
-settings for our protocol (the sampled token's log-prob, no detokenizing) and their answers the
-weight version(s) that produced them, which vLLM does not report; `/finish_weight_update` sets that
-version. `/health` also says where vLLM's workers run (`place`, from our worker extension), so the
-trainer can pick CUDA IPC for an engine on its own GPU; `/collective_rpc` is forwarded for our
-extension's `molt_*` methods only. `/finish_weight_update` closes vLLM's native weight-transfer
-session when `/start_weight_update` opened one (the NCCL refit); a shared-memory refit loads through
-the extension and has none, so then only the version is stamped. A request with images (our `mm`
-field) becomes vLLM's render + `features` (`vllm_mm.py`). With `stream: true` vLLM's streamed answer is
-passed on in the builtin engine's events (`streamed.py`), so a dying vLLM leaves its caller every token it
-sent (under router replay a whole answer instead: `Front.routed`). Every body is checked at the edge (`http.py`,
-`requests.py`) before anything is forwarded; the rest passes as it is. No torch here: this process only relays.
+vLLM's dev routes (/pause, the weight-transfer routes) are not token-guarded, so `vllm serve` listens on
+127.0.0.1 only and every outside call comes through here. Generate requests get vLLM's sampling settings for
+our protocol (the sampled token's log-prob, no detokenizing) and their answers the weight version(s) that
+produced them, which vLLM does not report; `/finish_weight_update` sets that version. `/health` also says
+where vLLM's workers run (`place`, from our worker extension), so the trainer can pick CUDA IPC for an engine
+on its own GPU; `/collective_rpc` is forwarded for our extension's `molt_*` methods only.
+`/finish_weight_update` closes vLLM's native weight-transfer session when `/start_weight_update` opened one
+(the NCCL refit); a shared-memory refit loads through the extension and has none, so then only the version is
+stamped. A request with images (our `mm` field) becomes vLLM's render + `features` (`vllm_mm.py`). In a LoRA
+run `/molt_load_adapter` is the refit: each version's adapter loads under a name of its own and new requests
+get it (`adapters.py`). With `stream: true` vLLM's streamed answer is passed on in the builtin engine's events
+(`streamed.py`), so a dying vLLM leaves its caller every token it sent (under router replay a whole answer
+instead: `Front.routed`). Every body is checked at the edge (`http.py`, `requests.py`) before anything is
+forwarded; the rest passes as it is. No torch here: this process only relays.
 """
 
 import json
@@ -24,7 +25,9 @@ import aiohttp
 from aiohttp import web
 
 from molt_hpc.engine.vllm import mm as vllm_mm
+from molt_hpc.engine.vllm.adapters import AdapterSlots, adapter_name
 from molt_hpc.engine.vllm.streamed import relay_stream
+from molt_hpc.log import get_logger
 from molt_hpc.protocol.edge import (
     error,
     errors_middleware,
@@ -36,6 +39,7 @@ from molt_hpc.protocol.edge import (
     token_middleware,
 )
 from molt_hpc.protocol.requests import (
+    AdapterRequest,
     FinishRequest,
     GenerateRequest,
     InitRequest,
@@ -84,6 +88,8 @@ class Front:
     """vLLM captures MoE routing (router replay). vLLM joins a request's routing when it finishes and its
     streamed chunks may carry none, so a streamed request is then answered whole (its routing kept; a vLLM
     that dies mid-answer costs the request its tokens, which start again elsewhere)."""
+    adapters: AdapterSlots | None = None
+    """A LoRA run's engine: which adapter each request gets (`adapters.py`); None serves the model itself."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -192,10 +198,23 @@ async def close_session(app: web.Application) -> None:
         await app[FRONT].session.close()
 
 
-async def generate(request: web.Request) -> web.Response:
+async def generate(request: web.Request) -> web.StreamResponse:
     front, decoded = front_of(request), await read_json(request)
     parse(GenerateRequest, decoded, "the body (with 'token_ids' and 'sampling_params')")
     body = normalise_generate(decoded)
+    if front.adapters is None:
+        return await generate_with(request, front, body)
+    name = front.adapters.take()  # with the version stamp below: no await between them
+    if name is not None:
+        body["model"] = name
+    try:
+        return await generate_with(request, front, body)
+    finally:
+        for old in front.adapters.release(name):
+            await unload_adapter(front, old)
+
+
+async def generate_with(request: web.Request, front: Front, body: dict[str, Any]) -> web.StreamResponse:
     start = front.version
     mm = body.pop("mm", None)
     if mm is not None:  # images: vLLM's processor renders them, our token ids place them
@@ -261,6 +280,33 @@ async def finish(request: web.Request) -> web.Response:
     return web.json_response({**(answer if isinstance(answer, dict) else {}), "weight_version": version})
 
 
+async def load_adapter(request: web.Request) -> web.Response:
+    """A LoRA run's refit: vLLM loads the adapter of `version` under its own name, which new requests get."""
+    front, body = front_of(request), await read_json(request)
+    if front.adapters is None:
+        return error(409, "this engine serves no LoRA run: it was started without [actor.lora]")
+    req = parse(AdapterRequest, body)
+    name = adapter_name(req.version)
+    load = {"lora_name": name, "lora_path": req.path}
+    status, raw, _ = await call_upstream(front, "POST", "/v1/load_lora_adapter", json=load)
+    if status >= 300:
+        return error(status, f"vLLM did not load the adapter at {req.path}: {upstream_message(raw)}")
+    retired = front.adapters.switch(name)
+    front.version = req.version
+    if front.on_version is not None:
+        front.on_version(req.version)
+    for old in retired:
+        await unload_adapter(front, old)
+    return web.json_response({"weight_version": req.version, "adapter": name})
+
+
+async def unload_adapter(front: Front, name: str) -> None:
+    """Unload a retired adapter; one that fails to unload stays cached in vLLM, which evicts it in time."""
+    status, raw, _ = await call_upstream(front, "POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+    if status >= 300:
+        get_logger().warning("vLLM did not unload retired adapter %s: %s", name, upstream_message(raw))
+
+
 async def rpc(request: web.Request) -> web.Response:
     body = await read_json(request)
     method = parse(RpcRequest, body).method
@@ -294,6 +340,7 @@ def build_front(front: Front) -> web.Application:
     app.router.add_post("/start_weight_update", start)
     app.router.add_post("/finish_weight_update", finish)
     app.router.add_post("/collective_rpc", rpc)
+    app.router.add_post("/molt_load_adapter", load_adapter)
     for path in FORWARDED:
         app.router.add_route("*", path, forward)
     app.router.add_route("*", "/v1/{tail:.*}", forward)

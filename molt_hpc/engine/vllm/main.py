@@ -30,6 +30,7 @@ from pathlib import Path
 import aiohttp
 
 from molt_hpc.config import MoltConfig
+from molt_hpc.config.vllm_lora import configured_max_rank, vllm_max_lora_rank
 from molt_hpc.engine.main import engine_file, public_url, register_engine
 from molt_hpc.engine.vllm.span import (
     Span,
@@ -138,6 +139,7 @@ def vllm_command(cfg: MoltConfig, model_dir: str | Path, port: int, index: int, 
     cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     # The shared-memory refit to an engine on the trainer's GPU, reached through /collective_rpc.
     cmd += ["--worker-extension-cls", WORKER_EXTENSION]
+    cmd += lora_flags(cfg)
     if cfg.actor.router_replay and ROUTED_EXPERTS_FLAG not in eng.extra_args:
         cmd.append(ROUTED_EXPERTS_FLAG)  # every answer carries the experts of each token (router replay)
     # an access-log line per request costs the API server's event loop on every one of a step's thousands
@@ -147,9 +149,21 @@ def vllm_command(cfg: MoltConfig, model_dir: str | Path, port: int, index: int, 
     return cmd + list(eng.extra_args)
 
 
-def vllm_env(token: str) -> dict[str, str]:
-    """vLLM's environment: ours, plus the API key, the dev routes (pause, weight transfer), no NVLink multicast."""
+def lora_flags(cfg: MoltConfig) -> list[str]:
+    """A LoRA run's engine serves adapters: the rank it must hold (`config/vllm_lora.py`), and two adapters
+    at once (the current version's and the one it replaced, until that one's requests finish)."""
+    if cfg.actor.lora is None:
+        return []
+    rank = [] if configured_max_rank(cfg.engines.extra_args) else ["--max-lora-rank", str(vllm_max_lora_rank(cfg))]
+    return ["--enable-lora", *rank, "--max-loras", "2", "--max-cpu-loras", "2"]
+
+
+def vllm_env(token: str, lora: bool = False) -> dict[str, str]:
+    """vLLM's environment: ours, plus the API key, the dev routes (pause, weight transfer), no NVLink
+    multicast; for a LoRA run, the routes that load and unload adapters (behind our front, as the rest)."""
     env = {**os.environ, "VLLM_API_KEY": token, "VLLM_SERVER_DEV_MODE": "1", "NCCL_NVLS_ENABLE": "0"}
+    if lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # its sampler needs flashinfer, not a vLLM dependency
     # Last: what is already on the path (vLLM installed with --target, say) keeps precedence.
     path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != PACKAGE_ROOT]
@@ -230,11 +244,14 @@ async def serve_front(
     """Serve the front and stay registered until a stop (0) or vLLM's death (1)."""
     from aiohttp import web
 
+    from molt_hpc.engine.vllm.adapters import AdapterSlots
     from molt_hpc.engine.vllm.front import Front, build_front
 
     log = get_logger()
     open_health = cfg.router.kind == "vllm-router"
     front = Front(upstream, run.token(), index, open_health=open_health, routed=cfg.actor.router_replay)
+    if cfg.actor.lora is not None:
+        front.adapters = AdapterSlots()
     runner = web.AppRunner(build_front(front), handler_cancellation=True, access_log=None)
     await runner.setup()
     front.place = await worker_place(front)
@@ -301,7 +318,8 @@ async def serve(cfg: MoltConfig, run: RunDir, index: int) -> int:
     if cfg.engines.nodes_per_engine > 1:
         span = span_of(cfg.engines, 0, head_address(cfg.engines.host), free_port(""))
         publish_head(run, index, span.address, span.rpc_port)
-    proc = start_vllm(vllm_command(cfg, model_dir, port, index, span), vllm_env(run.token()), vllm_log(run, index))
+    env = vllm_env(run.token(), lora=bool(cfg.actor.lora))
+    proc = start_vllm(vllm_command(cfg, model_dir, port, index, span), env, vllm_log(run, index))
     log.info("started vLLM %s (pid %d) on %s, log %s", version, proc.pid, upstream, vllm_log(run, index))
     try:
         if not await wait_healthy(proc, upstream, vllm_log(run, index), cfg.engines.startup_timeout_s, stop):
@@ -326,7 +344,8 @@ async def serve_headless(cfg: MoltConfig, run: RunDir, index: int, rank: int) ->
         return 0
     span = span_of(cfg.engines, rank, head["address"], int(head["rpc_port"]))
     log_path = vllm_log(run, index, rank)
-    proc = start_vllm(vllm_command(cfg, model_dir, 0, index, span), vllm_env(run.token()), log_path)
+    env = vllm_env(run.token(), lora=bool(cfg.actor.lora))
+    proc = start_vllm(vllm_command(cfg, model_dir, 0, index, span), env, log_path)
     log.info("started headless vLLM %s (pid %d), data-parallel ranks %d-%d of engine %d (head %s:%d), log %s",
              version, proc.pid, span.start_rank, span.start_rank + span.local - 1, index, span.address,
              span.rpc_port, log_path)  # fmt: skip
