@@ -40,6 +40,7 @@ Q8_SETS = [
     "model.architecture='configs/models/qwen3-8b'", "model.attn_implementation='sdpa'",
     "rollout.max_new_tokens=128", "rollout.max_total_tokens=640", "engines.max_model_len=640",
     "actor.groups_per_step=8", "rollout.groups_in_flight=8", "checkpoint.interval=0", "plan.host_memory_gib=120",
+    "data.apply_chat_template=false",
 ]  # fmt: skip
 """A short-answer version of the shipped 8B recipe: the bench measures memory, refits and step rates."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
