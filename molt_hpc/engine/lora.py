@@ -2,11 +2,15 @@
 
 A LoRA refit (`update_info.lora_scaling` = alpha / rank) names adapter tensors only, by wire name
 (`model.layers.0.self_attn.q_proj.lora_A.weight`, `...lora_B.weight`). The engine keeps the base
-value of each adapted weight from its first LoRA refit (in host memory when the weights are on a GPU,
-so the GPU holds the base once) and at every refit sets `W = W_base + scaling · B·A`, computed in
+value of each adapted weight from its first LoRA refit (in pinned host memory when the weights are on a
+GPU, so the GPU holds the base once) and at every refit sets `W = W_base + scaling · B·A`, computed in
 fp32 from the base it kept and cast once to the weight's dtype: each refit starts from the same base
 (no drift), and decoding then costs exactly what the base model's costs. A weight adapted before and
 not in this refit goes back to its base.
+
+The base goes back to the GPU in its own dtype, straight into the live weight, and the fp32 sum is made
+there: a blocking copy that also changes dtype converts on the host first, and from pageable memory it
+ran at 0.04 GB/s (19 s a refit for an 8B model with every linear layer adapted).
 """
 
 import torch
@@ -75,16 +79,23 @@ class AdapterMerge:
         for target in sorted(targets):
             w = self.params[target]
             if target not in self.base:
-                self.base[target] = w.detach().to("cpu" if w.is_cuda else w.device, copy=True)
+                self.base[target] = keep(w)
             prefix = target.removesuffix(".weight")
             a, b = self.adapters[prefix + SUFFIXES[0]], self.adapters[prefix + SUFFIXES[1]]
-            merged = self.base[target].to(w.device, torch.float32) + scaling * (b @ a)
-            w.copy_(merged.to(w.dtype))
+            w.copy_(self.base[target], non_blocking=True)  # same dtype: a plain DMA from pinned memory
+            w.copy_(torch.addmm(w.float(), b, a, alpha=scaling))  # W_base exactly in fp32, then one rounding
         for target in set(self.base) - targets:  # adapted before, not now: the base again
-            self.params[target].copy_(self.base[target])
+            self.params[target].copy_(self.base[target], non_blocking=True)
         if any(w.is_cuda for w in self.params.values()):
             torch.cuda.synchronize()
         return len(targets)
+
+
+def keep(w: torch.Tensor) -> torch.Tensor:
+    """A copy of `w` in its dtype: in pinned host memory when `w` is on a GPU, beside it otherwise."""
+    if not w.is_cuda:
+        return w.detach().clone()
+    return torch.empty(w.shape, dtype=w.dtype, pin_memory=True).copy_(w.detach())
 
 
 def untie_adapted_head(model: torch.nn.Module, target_modules: list[str] | None) -> bool:

@@ -99,28 +99,42 @@ class Refit:
     buckets: int
     gather_s: float
     send_s: float
+    merge_s: float = 0.0
+    """A builtin engine's LoRA merge: the adapted weights' kept base copied back from host memory."""
 
     @property
     def seconds(self) -> float:
-        return self.gather_s + self.send_s + self.buckets * BUCKET_LATENCY_S
+        return self.gather_s + self.send_s + self.merge_s + self.buckets * BUCKET_LATENCY_S
 
 
 def refit_estimate(
-    arch: Arch, cfg: MoltConfig, ranks: int, actor_nodes: int, same_node: bool, device: str = "cuda"
+    arch: Arch,
+    cfg: MoltConfig,
+    ranks: int,
+    actor_nodes: int,
+    same_node: bool,
+    device: str = "cuda",
+    engine_device: str = "cuda",
 ) -> Refit:
     """Gather the shards (cast to the wire dtype) to rank 0, then broadcast to every engine worker; inside
     a node at the device profile's `refit_gb_per_s` (`plan.cuda` or `plan.cpu`), across nodes at
-    `plan.network_gb_per_s`. A LoRA run sends its fp32 adapters alone."""
+    `plan.network_gb_per_s`. A LoRA run sends its fp32 adapters alone; a builtin engine then copies the
+    adapted weights' base back from host memory at `host_link_gb_per_s` (on a CPU engine: a copy in memory)."""
     wire = dtype_bytes(cfg) * arch.params
+    profile = getattr(cfg.plan, "cpu" if device == "cpu" else "cuda")
+    merge = 0.0
     if cfg.actor.lora is not None and cfg.run.stage == "rl":
-        from molt_hpc.plan.lora import adapter_params
+        from molt_hpc.plan.lora import adapted_weights, adapter_params
 
         wire = 4 * adapter_params(arch, cfg.actor.lora)
-    node_bw = getattr(cfg.plan, "cpu" if device == "cpu" else "cuda").refit_gb_per_s
+        if cfg.engines.kind == "builtin":
+            p = cfg.plan.cpu.memory_gb_per_s if engine_device == "cpu" else cfg.plan.cuda.host_link_gb_per_s
+            merge = dtype_bytes(cfg) * adapted_weights(arch, cfg.actor.lora) / (p * 1e9)
+    node_bw = profile.refit_gb_per_s
     gather_bw = node_bw if actor_nodes <= 1 else cfg.plan.network_gb_per_s
     send_bw = node_bw if same_node else cfg.plan.network_gb_per_s
     gather = wire * (ranks - 1) / ranks / (gather_bw * 1e9) if ranks > 1 else 0.0
-    return Refit(wire, math.ceil(wire / (cfg.refit.bucket_mb << 20)), gather, wire / (send_bw * 1e9))
+    return Refit(wire, math.ceil(wire / (cfg.refit.bucket_mb << 20)), gather, wire / (send_bw * 1e9), merge)
 
 
 def largest_tensor(arch: Arch) -> int:

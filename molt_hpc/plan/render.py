@@ -120,7 +120,8 @@ def _refit_host_lines(plan: Plan) -> list[str]:
     if plan.cfg.run.stage != "rl":
         return ["host memory per actor node:", *(f"  {k:<34} {gib(v):>14}" for k, v in plan.host.items())]
     lines = [f"refit: {r.bytes / 1e9:,.1f} GB in {r.buckets} bucket(s) of {plan.cfg.refit.bucket_mb} MiB; "
-             f"≈ {r.seconds:,.1f} s bound by the links (gather {r.gather_s:,.1f} s + send {r.send_s:,.1f} s)",
+             f"≈ {r.seconds:,.1f} s bound by the links (gather {r.gather_s:,.1f} s + send {r.send_s:,.1f} s"
+             + (f" + LoRA merge {r.merge_s:,.1f} s)" if r.merge_s else ")"),
              "host memory per actor node:"]  # fmt: skip
     lines += [f"  {k:<34} {gib(v):>14}" for k, v in plan.host.items()]
     return lines

@@ -232,7 +232,8 @@ class Speed:
 def refit_time(cfg: MoltConfig, plan) -> float:
     """Seconds of refit per step: the plan's link-bound refit, its buckets and fixed cost, every interval."""
     p = profile(cfg, plan.placement.actor_device)
-    return (plan.refit.gather_s + plan.refit.send_s + plan.refit.buckets * BUCKET_S + p.refit_fixed_ms / 1e3) / max(
+    r = plan.refit
+    return (r.gather_s + r.send_s + r.merge_s + r.buckets * BUCKET_S + p.refit_fixed_ms / 1e3) / max(
         1, cfg.refit.interval
     )
 
