@@ -19,7 +19,6 @@ def test_lora_section_parses_with_its_defaults() -> None:
     ("sets", "message"),
     [
         (["engines.kind='vllm'", "actor.device='cuda'", "actor.lora.rank=600"], "above vLLM's LoRA rank limit"),
-        (["actor.ep=2"], "actor.ep > 1 is not supported yet"),
         (["actor.lora.rank=0"], "rank"),
         (["actor.lora.dropout=1.0"], "dropout"),
         (["actor.lora.ranks=4"], "ranks"),

@@ -265,10 +265,6 @@ class ActorConfig(Section):
 
     @model_validator(mode="after")
     def _check_ep_dispatch(self) -> "ActorConfig":
-        if self.lora is not None and self.ep > 1:
-            raise ValueError(
-                "[actor.lora] with actor.ep > 1 is not supported yet: set actor.ep = 1 or drop [actor.lora]"
-            )
         if self.ep_dispatch == "deep_ep" and self.ep == 1:
             raise ValueError("actor.ep_dispatch = 'deep_ep' moves tokens between EP ranks: set actor.ep > 1 with it")
         if self.ep_dispatch == "deep_ep" and self.device == "cpu":
