@@ -6,6 +6,7 @@ linear layer adds `x·Aᵀ·Bᵀ` (two small matmuls and an add). The base model
 baseline.
 
     python bench/lora_decode.py [--hidden 1024] [--layers 8] [--batch 16] [--rank 64] [--device cpu]
+                                [--dtype float32|bfloat16]
 """
 
 import argparse
@@ -15,7 +16,7 @@ import time
 import torch
 
 
-def build(hidden: int, layers: int, device: str):
+def build(hidden: int, layers: int, device: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     config = Qwen3Config(
@@ -23,7 +24,7 @@ def build(hidden: int, layers: int, device: str):
         num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), head_dim=64,
     )  # fmt: skip
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).to(device).eval()
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
 
 
 def step_ms(model, batch: int, device: str, repeats: int = 20) -> float:
@@ -37,11 +38,11 @@ def step_ms(model, batch: int, device: str, repeats: int = 20) -> float:
             if device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            model(input_ids=nxt, cache=cache, use_cache=True)
+            model(input_ids=nxt, past_key_values=cache, use_cache=True)
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(1000 * (time.perf_counter() - t0))
-            cache.crop(-1)  # drop the token just added: every step sees the same 128
+            cache.crop(-1)  # drop the token just added: every step attends to the same 128
     return statistics.median(times)
 
 
@@ -55,15 +56,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
-    model = build(args.hidden, args.layers, args.device)
+    print(f"arguments: {vars(args)}")
+    model = build(args.hidden, args.layers, args.device, getattr(torch, args.dtype))
     base = step_ms(model, args.batch, args.device)
     with torch.no_grad():  # merged: the same modules with the adapters' product added to their weights
         for p in model.parameters():
             p.add_(1e-3)
     merged = step_ms(model, args.batch, args.device)
     lora.inject(model, LoraConfig(rank=args.rank, alpha=2.0 * args.rank))
-    model.to(args.device)
+    model.to(args.device)  # the adapters in fp32, as the trainer sends them; their input is cast by peft
     unmerged = step_ms(model, args.batch, args.device)
     print(
         f"decode step: hidden {args.hidden}, {args.layers} layers, batch {args.batch}, rank {args.rank}, {args.device}"
