@@ -12,8 +12,9 @@
 - `blocks`: the repeated decoder blocks of a model (the language model's alone for a VLM).
 - `router_replay`: the fp32 replay forward a MoE router gets in the trainer (`swap_routers`).
 - `reward`: reward models (a one-label sequence-classification head, its score read at the last token).
-- `exact`, `exact_attention`: `engines.exact`'s batch-invariant forwards (linear layers, activations,
-  attention), applied to a plain transformers model by the engine and the trainer alike.
+- `exact`, `exact_attention`, `exact_blocks`: `engines.exact`'s batch-invariant forwards (linear layers,
+  activations, attention as block matrix multiplies), applied to a plain transformers model by the engine and
+  the trainer alike.
 - `teacher`: a distillation teacher (`distill.teacher`) resolved like `model.path`, and whether it reads the
   policy's token ids (the same tokenizer).
 """

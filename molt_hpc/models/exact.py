@@ -13,7 +13,8 @@ refits and checkpoints work as before):
   it does not hold, each element is an elementwise product summed by a strictly sequential `cumsum`);
 - the MLP's activation runs on a strided view of its input, so every element goes through the same
   scalar code (`ExactActivation`);
-- attention is `models.exact_attention` (`molt_exact`; packed rows: `exact_documents`);
+- attention is `models.exact_attention` (`molt_exact`; packed rows: `exact_documents`), as block matrix
+  multiplies (`models.exact_blocks`) where this CPU's multiplies are row-invariant;
 - a mixture-of-experts model's routers and experts get `models.exact_moe`'s forwards.
 
 RMSNorm's mean over the hidden dimension, rotary embeddings' cos/sin, exp and log-softmax over the
