@@ -158,7 +158,8 @@ def smol(args) -> None:
     from molt_hpc.config import load_config, to_toml
 
     name = f"smol-{args.mode}"
-    sets = [f"run.root='{args.root}'", f"run.name='{name}'", "run.steps=100000", "eval.every=20", *args.overrides]
+    sets = [f"run.root='{args.root}'", f"run.name='{name}'", "run.steps=100000", "eval.every=20",
+            "checkpoint.interval=20", *args.overrides]  # fmt: skip
     cfg = load_config(ROOT / "configs" / "smollm2_gym_gpu.toml", sets)
     assert (cfg.actor.lora is not None) == (args.mode == "lora"), "--mode lora takes its adapters from --set"
     config = args.root / f"{name}.toml"
