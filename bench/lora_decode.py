@@ -27,23 +27,35 @@ def build(hidden: int, layers: int, device: str, dtype: torch.dtype):
     return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
 
 
-def step_ms(model, batch: int, device: str, repeats: int = 20) -> float:
-    """Median time of one decode step (one new token per row over a 128-token cache)."""
-    ids = torch.randint(0, 32000, (batch, 128), device=device)
-    nxt = torch.randint(0, 32000, (batch, 1), device=device)
-    times = []
-    with torch.no_grad():
-        cache = model(input_ids=ids, use_cache=True).past_key_values
-        for _ in range(repeats):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            model(input_ids=nxt, past_key_values=cache, use_cache=True)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(1000 * (time.perf_counter() - t0))
-            cache.crop(-1)  # drop the token just added: every step attends to the same 128
-    return statistics.median(times)
+class DecodeStep:
+    """One decode step of `model` (one new token per row over a 128-token cache), timed again and again."""
+
+    def __init__(self, model, batch: int, device: str) -> None:
+        import inspect
+
+        self.model, self.device = model, device
+        # transformers >= 5.x renamed `past_key_values` to `cache`; take whichever this version has
+        self.kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, 32000, (batch, 128), generator=gen).to(device)
+        self.nxt = torch.randint(0, 32000, (batch, 1), generator=gen).to(device)
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=True)
+        self.cache = getattr(out, self.kw, None) or out.past_key_values
+
+    def times_ms(self, repeats: int) -> list[float]:
+        times = []
+        with torch.no_grad():
+            for _ in range(repeats):
+                if self.device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                self.model(input_ids=self.nxt, use_cache=True, **{self.kw: self.cache})
+                if self.device == "cuda":
+                    torch.cuda.synchronize()
+                times.append(1000 * (time.perf_counter() - t0))
+                self.cache.crop(-1)  # drop the token just added: every step attends to the same 128
+        return times
 
 
 def main() -> None:
@@ -57,22 +69,30 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--rounds", type=int, default=10, help="rounds of 5 steps of each form, the forms interleaved")
     args = ap.parse_args()
     print(f"arguments: {vars(args)}")
-    model = build(args.hidden, args.layers, args.device, getattr(torch, args.dtype))
-    base = step_ms(model, args.batch, args.device)
+    dtype = getattr(torch, args.dtype)
+    forms = {"base model (baseline)": build(args.hidden, args.layers, args.device, dtype)}
+    forms["merged"] = build(args.hidden, args.layers, args.device, dtype)
     with torch.no_grad():  # merged: the same modules with the adapters' product added to their weights
-        for p in model.parameters():
+        for p in forms["merged"].parameters():
             p.add_(1e-3)
-    merged = step_ms(model, args.batch, args.device)
-    lora.inject(model, LoraConfig(rank=args.rank, alpha=2.0 * args.rank))
-    model.to(args.device)  # the adapters in fp32, as the trainer sends them; their input is cast by peft
-    unmerged = step_ms(model, args.batch, args.device)
+    unmerged = build(args.hidden, args.layers, args.device, dtype)
+    lora.inject(unmerged, LoraConfig(rank=args.rank, alpha=2.0 * args.rank))
+    forms["unmerged (peft layers)"] = unmerged.to(args.device)  # fp32 adapters, as the trainer sends them
+    steps = {name: DecodeStep(model, args.batch, args.device) for name, model in forms.items()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.rounds):  # interleaved, so a slow spell of a shared machine hits every form alike
+        for name, step in steps.items():
+            times[name] += step.times_ms(5)
     print(
-        f"decode step: hidden {args.hidden}, {args.layers} layers, batch {args.batch}, rank {args.rank}, {args.device}"
+        f"decode step: hidden {args.hidden}, {args.layers} layers, batch {args.batch}, rank {args.rank}, "
+        f"{args.device}, {args.dtype}; median of {5 * args.rounds}"
     )
-    for name, ms in (("base model (baseline)", base), ("merged", merged), ("unmerged (peft layers)", unmerged)):
-        print(f"  {name:24s} {ms:8.2f} ms  {ms / base:5.2f}x")
+    base = statistics.median(times["base model (baseline)"])
+    for name, ms in times.items():
+        print(f"  {name:24s} {statistics.median(ms):8.2f} ms  {statistics.median(ms) / base:5.2f}x")
 
 
 if __name__ == "__main__":
