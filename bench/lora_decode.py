@@ -59,8 +59,8 @@ class DecodeStep:
 
 
 def main() -> None:
-    from molt_hpc.actor import lora
     from molt_hpc.config.train import LoraConfig
+    from molt_hpc.models.lora import inject
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=1024)
@@ -79,7 +79,7 @@ def main() -> None:
         for p in forms["merged"].parameters():
             p.add_(1e-3)
     unmerged = build(args.hidden, args.layers, args.device, dtype)
-    lora.inject(unmerged, LoraConfig(rank=args.rank, alpha=2.0 * args.rank))
+    inject(unmerged, LoraConfig(rank=args.rank, alpha=2.0 * args.rank))
     forms["unmerged (peft layers)"] = unmerged.to(args.device)  # fp32 adapters, as the trainer sends them
     steps = {name: DecodeStep(model, args.batch, args.device) for name, model in forms.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}

@@ -138,6 +138,11 @@ EXACT = ["--set", "engines.exact=true", "--set", "engines.device=cpu", "--set", 
         (["--set", "engines.device=auto"], "engines.device = 'cpu'"),
         (["--set", "rollout.top_p=0.9"], "rollout.top_p = 1"),
         (["--set", "actor.cp=2"], "actor.cp = 1"),
+        (["--set", "actor.lora.rank=4"], "actor.lora.engine_weights = 'separate'"),
+        (
+            ["--set", "actor.lora.engine_weights=separate", "--set", "actor.lora.target_modules=['q_proj','lm_head']"],
+            "drop lm_head",
+        ),
     ],
 )
 def test_what_cannot_be_exact_is_refused(extra, words):
@@ -184,15 +189,22 @@ def test_moe_config_takes_exact():
     assert result.returncode == 0, result.stderr
 
 
+LORA = ["--set", "actor.lora.rank=8", "--set", "actor.lora.alpha=16.0", "--set", "actor.lr=0.01",
+        "--set", "actor.lora.engine_weights=separate", "--set", "run.sync=true"]  # fmt: skip
+"""A LoRA policy whose engines keep the adapters as LoRA layers of their own, computed as the trainer's;
+synchronous, so every step's tokens come from the adapters the trainer holds (after the first, B != 0)."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["tiny_cpu", "tiny_moe_cpu"])
+@pytest.mark.parametrize("config", ["tiny_cpu", "tiny_moe_cpu", "tiny_cpu+lora"])
 def test_exact_run_has_same_version_ratios_of_exactly_one(tmp_path, config):
     """A real tiny run (launcher, engine pool, FSDP trainer packing its rows; the MoE one with router replay):
     every same-version token's trainer log-prob equals the engine's, so the observatory's max |Δ log p| is 0 at
     every step that has them, and the first step, all of whose tokens are of the trainer's version, has every
     importance ratio at 1."""
-    result = molt("run", f"configs/{config}.toml", *EXACT, "--set", "run.steps=3", "--set", f"run.root={tmp_path}",
-                  "--set", "logging.progress=lines", timeout=300)  # fmt: skip
+    config, _, lora = config.partition("+")
+    result = molt("run", f"configs/{config}.toml", *EXACT, *(LORA if lora else []), "--set", "run.steps=3",
+                  "--set", f"run.root={tmp_path}", "--set", "logging.progress=lines", timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     actor = read_metrics(tmp_path / config.replace("_", "-") / "metrics.jsonl", source="actor")
     assert [r["step"] for r in actor] == [1, 2, 3]
@@ -203,5 +215,8 @@ def test_exact_run_has_same_version_ratios_of_exactly_one(tmp_path, config):
     assert all(r["mismatch_abs_max"] == 0.0 for r in same), json.dumps(actor)
     first = actor[0]
     assert first["ratio_min"] == first["ratio_max"] == 1.0 and first["kl_rollout"] == 0.0
+    if lora:  # every step on-policy, the adapters moving: every ratio exactly 1
+        assert all(r["ratio_min"] == r["ratio_max"] == 1.0 and r["kl_rollout"] == 0.0 for r in actor), actor
+        assert len(same) == 3 and all(r["grad_norm"] > 0 for r in actor), json.dumps(actor)
     if config == "tiny_moe_cpu":  # the trainer's live routing is the engine's, token for token
         assert first["routing_agreement"] == 1.0

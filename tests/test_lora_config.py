@@ -19,6 +19,10 @@ def test_lora_section_parses_with_its_defaults() -> None:
     ("sets", "message"),
     [
         (["engines.kind='vllm'", "actor.device='cuda'", "actor.lora.rank=600"], "above vLLM's LoRA rank limit"),
+        (
+            ["engines.kind='vllm'", "actor.device='cuda'", "actor.lora.engine_weights='merged'"],
+            "vLLM engines compute the adapters separately",
+        ),
         (["actor.lora.rank=0"], "rank"),
         (["actor.lora.dropout=1.0"], "dropout"),
         (["actor.lora.ranks=4"], "ranks"),

@@ -1,6 +1,7 @@
-"""LoRA refits: the trainer sends its adapters alone; the builtin engine merges them into the base it kept.
+"""LoRA refits: the trainer sends its adapters alone; the builtin engine merges them into the base it kept,
+or receives them into LoRA layers of its own (`actor.lora.engine_weights = 'separate'`).
 
-The merge against a float64 reference; then end to end: a real engine process (`jobs/engine.py`) and a
+The merge against a float64 reference; then end to end, for both forms: a real engine process (`jobs/engine.py`) and a
 LoRA trainer (torchrun, 1 gloo rank) that refits at start and after each of two steps. After each refit
 the engine's log-probs equal those of peft's own `PeftModel` over the checkpointed adapter directory, and
 a refit that changes the base weights is refused.
@@ -38,11 +39,11 @@ def test_merge_is_the_base_plus_scaled_product_from_the_kept_base() -> None:
         "b.lora_A.weight": torch.randn(2, 3, generator=gen), "b.lora_B.weight": torch.randn(4, 2, generator=gen),
     }  # fmt: skip
     metas = [TensorMeta.of(n, t) for n, t in sent.items()]
-    assert merge.check(metas) is None
+    assert merge.check(metas, 0.5) is None
     for _ in range(3):  # every refit starts from the kept base: repeating one never drifts
         for name, buf in merge.buffers(metas).items():
             buf.copy_(sent[name])
-        assert merge.merge(0.5) == 2
+        assert merge.apply(0.5) == 2
     for target, base in (("a", w32), ("b", wbf)):
         want = base.double() + 0.5 * sent[f"{target}.lora_B.weight"].double() @ sent[f"{target}.lora_A.weight"].double()
         assert params[f"{target}.weight"].dtype == base.dtype
@@ -51,12 +52,43 @@ def test_merge_is_the_base_plus_scaled_product_from_the_kept_base() -> None:
     only_a = [m for m in metas if m.name.startswith("a.")]
     for name, buf in merge.buffers(only_a).items():
         buf.copy_(sent[name])
-    merge.merge(0.5)
+    merge.apply(0.5)
     assert torch.equal(params["b.weight"], wbf)  # adapted before, not now: its base again
-    assert "lacks" not in str(merge.check(metas[:1])) and "without" in merge.check(metas[:1])
-    assert "does not have" in merge.check([TensorMeta("z.lora_A.weight", "float32", (2, 5))])
-    assert "adapters only" in merge.check([TensorMeta("a.weight", "float32", (6, 5))])
-    assert "shape" in merge.check([TensorMeta("a.lora_A.weight", "float32", (2, 4)), metas[1]])
+    assert "lacks" not in str(merge.check(metas[:1], 0.5)) and "without" in merge.check(metas[:1], 0.5)
+    assert "does not have" in merge.check([TensorMeta("z.lora_A.weight", "float32", (2, 5))], 0.5)
+    assert "adapters only" in merge.check([TensorMeta("a.weight", "float32", (6, 5))], 0.5)
+    assert "shape" in merge.check([TensorMeta("a.lora_A.weight", "float32", (2, 4)), metas[1]], 0.5)
+
+
+def test_separate_layers_receive_the_adapters_in_place(tiny_model_dir) -> None:
+    from molt_hpc.config.train import LoraConfig
+    from molt_hpc.engine.lora import AdapterLayers, prepare
+    from molt_hpc.models import load_causal_lm
+    from molt_hpc.models.lora import wire_name
+
+    model = load_causal_lm(tiny_model_dir, dtype="float32", device="cpu")
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    scaling = prepare(model, LoraConfig(rank=4, alpha=8.0, engine_weights="separate"))
+    assert scaling == 2.0 and not any(p.requires_grad for p in model.parameters())
+    params = model.state_dict(keep_vars=True)
+    layers = AdapterLayers(params, scaling)
+    sent = {wire_name(n): t for n, t in params.items() if ".lora_" in n}
+    metas = [TensorMeta.of(n, t) for n, t in sent.items()]
+    assert layers.check(metas, 2.0) is None
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)  # B = 0: version 0 is the base
+        gen = torch.Generator().manual_seed(0)
+        for name, buf in layers.buffers(metas).items():
+            assert buf is params[name.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")]
+            buf.copy_(torch.randn(buf.shape, generator=gen))
+        assert layers.apply(2.0) == len(metas) // 2
+        assert not torch.allclose(model(input_ids=ids).logits, before, atol=1e-3)
+    assert "scale by 2.0" in layers.check(metas, 4.0)
+    assert "adapters only" in layers.check([TensorMeta("model.norm.weight", "float32", (8,))], 2.0)
+    wrong = TensorMeta(metas[0].name, "float32", (metas[0].shape[0] + 1, metas[0].shape[1]))
+    assert "LoRA layer" in layers.check([wrong], 2.0)
 
 
 def _engine(run_dir: Path) -> subprocess.Popen:
@@ -123,10 +155,13 @@ def max_diff(tables: list[dict[int, float]], rows: torch.Tensor) -> float:
     return max(abs(t[i] - float(row[i])) for t, row in zip(tables, rows, strict=True) for i in range(row.shape[0]))
 
 
-@pytest.fixture(scope="module")
-def refitted(tmp_path_factory, tiny_model_dir):
+@pytest.fixture(scope="module", params=["merged", "separate"])
+def refitted(request, tmp_path_factory, tiny_model_dir):
+    """Both forms of the engine's adapters (`actor.lora.engine_weights`): merged into its weights, and its own
+    LoRA layers."""
     torch.set_num_threads(1)
     cfg, run = make_run(tmp_path_factory.mktemp("lora-refit"), "lora-refit", tiny_model_dir, [
+        f"actor.lora.engine_weights={request.param}",
         "rollout.n_samples=4", "actor.groups_per_step=1", "run.steps=2", "checkpoint.interval=1",
         "checkpoint.keep_last=3", "engines.threads=1", "actor.lora.rank=4", "actor.lora.alpha=8.0", "actor.lr=0.01",
         f"actor.lora.target_modules={TARGETS}",

@@ -54,3 +54,14 @@ def test_a_full_fine_tune_that_does_not_fit_is_offered_lora_at_a_rank_that_fits(
     assert lora and lora[0].fits and lora[0].changes == ["actor.lora.rank=128"]  # the largest rank tried
     again, _ = plan_config(load_config(CONFIG, ["actor.lora.rank=128"]), local=True, gpus=1)
     assert again.fits
+
+
+def test_separate_engine_adapters_cost_engine_memory_not_a_merge_or_a_host_copy() -> None:
+    merged, _ = plan_config(load_config(CONFIG), local=True, gpus=1)
+    separate, _ = plan_config(load_config(CONFIG, ["actor.lora.engine_weights='separate'"]), local=True, gpus=1)
+    adapters = 4 * _llama8b_adapters(64)
+    assert separate.engines.weights == merged.engines.weights + adapters  # the engine's fp32 LoRA layers
+    assert merged.refit.merge_s > 0 and separate.refit.merge_s == 0.0
+    assert separate.refit.bytes == merged.refit.bytes == adapters
+    assert "engine: base of the adapted weights" in merged.host
+    assert "engine: base of the adapted weights" not in separate.host

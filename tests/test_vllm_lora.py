@@ -73,15 +73,16 @@ def tiny_adapters(tmp_path: Path, seed: int) -> tuple[dict[str, torch.Tensor], o
     """The trainer's adapters of a peft-adapted tiny model (B drawn non-zero, so versions differ) and peft's config."""
     from transformers import AutoModelForCausalLM
 
-    from molt_hpc.actor import lora
+    from molt_hpc.actor.lora import adapter_params
+    from molt_hpc.models.lora import ADAPTER, inject, wire_name
     from molt_hpc.models.tiny_char import tiny_config
 
     cfg = lora_cfg()
     model = AutoModelForCausalLM.from_config(tiny_config(cfg.model.tiny))
-    lora.inject(model, cfg.actor.lora)
+    inject(model, cfg.actor.lora)
     gen = torch.Generator().manual_seed(seed)
-    tensors = {lora.wire_name(n): torch.randn(p.shape, generator=gen) for n, p in lora.adapter_params(model)}
-    return tensors, model.peft_config[lora.ADAPTER]
+    tensors = {wire_name(n): torch.randn(p.shape, generator=gen) for n, p in adapter_params(model)}
+    return tensors, model.peft_config[ADAPTER]
 
 
 class StandIn:

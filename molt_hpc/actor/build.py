@@ -33,6 +33,7 @@ from molt_hpc.hf_logging import quiet_transformers
 from molt_hpc.log import get_logger
 from molt_hpc.models import check_model_dir
 from molt_hpc.models.exact import make_exact
+from molt_hpc.models.lora import inject
 from molt_hpc.models.moe import find_routers
 from molt_hpc.models.sharded import load_sharded
 from molt_hpc.parallel import parallelize
@@ -92,7 +93,7 @@ def load_model(
         if role == "policy" and act.freeze_router:
             freeze_router(model)
         if lora_policy:
-            lora.inject(model, act.lora)  # adapters fp32 and trained, the base frozen
+            inject(model, act.lora)  # adapters fp32 and trained, the base frozen
         if role == "policy" and cfg.engines.exact:  # the engines' batch-invariant forwards (models/exact.py)
             make_exact(model)
         parallelize(model, world.mesh, act, compute_dtype=compute, documents=documents)

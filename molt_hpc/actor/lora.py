@@ -1,7 +1,7 @@
 """LoRA policies (`[actor.lora]`): peft's low-rank adapters over a frozen base, in the trainer.
 
-The adapters are injected into the plain transformers model on the meta device (peft's
-`inject_adapter_in_model`: no `PeftModel` wrapper, so the base keeps its HF module paths, with
+The adapters are injected into the plain transformers model on the meta device (`models.lora.inject`,
+peft's `inject_adapter_in_model`: no `PeftModel` wrapper, so the base keeps its HF module paths, with
 `.base_layer` inserted in each adapted layer's), before FSDP2 shards it. The base is stored in
 `model.dtype` and frozen (no fp32 master copy); the adapters are fp32 and are the only trained
 parameters. The reference policy of the KL is the same model with its adapters switched off
@@ -24,95 +24,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from molt_hpc.config.train import LoraConfig
+from molt_hpc.models.lora import ADAPTER, is_adapter, wire_name
 
-ADAPTER = "default"
-"""peft's adapter name inside the trainer (never saved: PEFT files drop it)."""
 PEFT_PREFIX = "base_model.model."
 """What `PeftModel` puts before the HF module path in its saved keys."""
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-
-
-def is_adapter(name: str) -> bool:
-    """Whether parameter `name` is a LoRA adapter's (A or B)."""
-    return ".lora_A." in name or ".lora_B." in name
-
-
-def base_name(name: str) -> str:
-    """The HF name of a base tensor inside an adapted layer (`q_proj.base_layer.weight` → `q_proj.weight`)."""
-    return name.replace(".base_layer.", ".")
-
-
-def wire_name(name: str) -> str:
-    """A trainer adapter parameter's name without peft's adapter name (refits and saved files use it)."""
-    return name.replace(f".lora_A.{ADAPTER}.", ".lora_A.").replace(f".lora_B.{ADAPTER}.", ".lora_B.")
-
-
-def _excluded(name: str, routers: set[str]) -> bool:
-    """Experts and routers are adapted only when named (a fused expert is no linear layer anyway)."""
-    return ".experts." in f".{name}." or name in routers
-
-
-def target_names(model: nn.Module, cfg: LoraConfig) -> list[str]:
-    """Full module paths of the linear layers `cfg` adapts in `model`; a `ValueError` naming the fix when
-    a configured name matches none, or matches a layer peft cannot wrap here."""
-    from molt_hpc.models.blocks import language_blocks
-    from molt_hpc.models.moe import find_routers
-
-    modules = dict(model.named_modules())
-    if cfg.target_modules is None:
-        routers = {r.name for r in find_routers(model)}
-        inside = {id(m) for block in language_blocks(model) for m in block.modules()}
-        names = [
-            n for n, m in modules.items() if isinstance(m, nn.Linear) and id(m) in inside and not _excluded(n, routers)
-        ]
-        if not names:
-            raise ValueError(
-                f"{type(model).__name__} has no linear layer in its decoder blocks for LoRA to adapt; "
-                "name the layers in actor.lora.target_modules"
-            )
-        return names
-    names = []
-    for target in cfg.target_modules:
-        found = [n for n in modules if n == target or n.endswith("." + target)]
-        if not found:
-            sample = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, nn.Linear)})
-            raise ValueError(
-                f"actor.lora.target_modules: {target!r} matches no module of {type(model).__name__}; its linear "
-                f"layers are named {', '.join(sample[:12])}"
-            )
-        bad = [n for n in found if not isinstance(modules[n], nn.Linear)]
-        if bad:
-            raise ValueError(
-                f"actor.lora.target_modules: {target!r} names {bad[0]}, a {type(modules[bad[0]]).__name__}: LoRA "
-                "here adapts linear layers only (nn.Linear); name linear layers instead"
-            )
-        names += [n for n in found if n not in names]
-    return names
-
-
-def peft_config(model: nn.Module, cfg: LoraConfig):
-    """peft's `LoraConfig` for `model`: the explicit module paths of `target_names`."""
-    import peft
-
-    return peft.LoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=target_names(model, cfg),
-        bias="none", init_lora_weights=True,
-    )  # fmt: skip
-
-
-def inject(model: nn.Module, cfg: LoraConfig) -> None:
-    """Add the adapters to `model` in place (on the meta device too): base frozen, adapters fp32, trained."""
-    import peft
-
-    peft.inject_adapter_in_model(peft_config(model, cfg), model, adapter_name=ADAPTER)
-    for name, p in model.named_parameters():
-        p.requires_grad_(is_adapter(name))
-    for module in model.modules():
-        for attr in ("lora_A", "lora_B"):
-            if isinstance(getattr(module, attr, None), nn.ModuleDict):
-                getattr(module, attr).to(torch.float32)  # fp32 master adapters whatever the base's dtype
 
 
 def has_adapters(model: nn.Module) -> bool:

@@ -26,6 +26,7 @@ from molt_hpc.actor.weights import full_tensor
 from molt_hpc.actor.world import World, share
 from molt_hpc.config import MoltConfig
 from molt_hpc.log import get_logger
+from molt_hpc.models.lora import ADAPTER
 from molt_hpc.parallel.expert_gather import refit_metas, refit_split, refit_tensors
 from molt_hpc.refit.buckets import TensorMeta
 from molt_hpc.rundir import RunDir
@@ -183,7 +184,7 @@ class EngineSync:
         assert self.adapter_root is not None
         out = version_dir(self.adapter_root, version)
         if self.world.is_main:
-            lora.write_adapter(out, adapters, model.peft_config[lora.ADAPTER], Path(self.cfg.model.path))
+            lora.write_adapter(out, adapters, model.peft_config[ADAPTER], Path(self.cfg.model.path))
         return out
 
     def _push(self, engines: list[Engine], tensors, version: int, metas, extra: dict | None) -> bool:

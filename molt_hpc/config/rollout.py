@@ -153,8 +153,9 @@ class EnginesConfig(Section):
     tokens and weights, whatever the batch, and a same-version token's importance ratio is exactly 1. The
     trainer's policy runs the same ops (`actor.logprob_kernel` and `actor.logprob_chunk` are then unused).
     Needs `engines.device` and `actor.device` = `cpu`, a text model (dense, or MoE with transformers 5
-    softmax -> top-k routers and stacked experts), `rollout.top_p` = 1 and `rollout.top_k` = 0, no
-    `[actor.lora]`, `actor.cp` = 1. Costs rollout and trainer speed."""
+    softmax -> top-k routers and stacked experts), `rollout.top_p` = 1 and `rollout.top_k` = 0, with
+    `[actor.lora]` its `engine_weights = 'separate'` and no adapted LM head, `actor.cp` = 1. Costs rollout and
+    trainer speed."""
     max_restarts: NonNegativeInt = 3
     """Times one dead engine process is restarted in place by its node's pool before the pool gives up."""
     host: str = "127.0.0.1"

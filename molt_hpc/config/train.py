@@ -176,6 +176,14 @@ class LoraConfig(Section):
     """Module names to adapt, as peft matches them (a name equals a module's last name parts, e.g.
     `q_proj` or `self_attn.o_proj`). Unset: every linear layer of the decoder blocks (MoE experts,
     routers and the vision tower only when named). A name that matches no linear layer is an error."""
+    engine_weights: Literal["merged", "separate"] | None = None
+    """How a built-in engine applies the adapters. `merged`: added into its weights at each refit, so a
+    decode step costs the base model's; in bf16 the merged weight is rounded once, so the engine samples
+    from a policy a little off the trainer's (bf16 base plus fp32 adapters), more as the adapters grow.
+    `separate`: kept as fp32 LoRA layers beside the base and computed as the trainer computes them (the
+    engine's log-probs then differ from the trainer's as a full fine-tune's do, and `engines.exact` can
+    make them equal), for an extra pair of small matmuls per adapted layer. Unset: `merged`. vLLM engines
+    always keep them separate, in their own kernels (`merged` is refused there)."""
 
 
 class ActorConfig(Section):

@@ -35,6 +35,11 @@ def vllm_max_lora_rank(cfg) -> int:
 
 def vllm_lora_problem(cfg) -> str | None:
     """Why vLLM cannot serve `cfg`'s adapters, with the fix; None when it can."""
+    if cfg.actor.lora.engine_weights == "merged":
+        return (
+            "actor.lora.engine_weights = 'merged': vLLM engines compute the adapters separately, in their own "
+            "LoRA kernels; unset it (or set 'separate'), or use engines.kind = 'builtin'"
+        )
     rank, limit = cfg.actor.lora.rank, vllm_max_lora_rank(cfg)
     if limit not in VLLM_LORA_RANKS:
         return f"engines.extra_args: vLLM takes {MAX_LORA_RANK_FLAG} in {list(VLLM_LORA_RANKS)}, not {limit}"

@@ -1,4 +1,6 @@
-"""LoRA refits in the builtin engine: the adapters arrive, the engine merges them into its weights.
+"""LoRA refits in the builtin engine: the adapters arrive, and the engine merges them into its weights
+(`AdapterMerge`) or writes them into LoRA layers of its own (`AdapterLayers`, `actor.lora.engine_weights =
+'separate'`).
 
 A LoRA refit (`update_info.lora_scaling` = alpha / rank) names adapter tensors only, by wire name
 (`model.layers.0.self_attn.q_proj.lora_A.weight`, `...lora_B.weight`). The engine keeps the base
@@ -13,8 +15,12 @@ there: a blocking copy that also changes dtype converts on the host first, and f
 ran at 0.04 GB/s (19 s a refit for an 8B model with every linear layer adapted).
 """
 
+import math
+
 import torch
 
+from molt_hpc.config.train import LoraConfig
+from molt_hpc.models.lora import inject, is_adapter, live_name
 from molt_hpc.refit.buckets import TensorMeta
 
 SUFFIXES = (".lora_A.weight", ".lora_B.weight")
@@ -37,7 +43,7 @@ class AdapterMerge:
         """Each adapted weight's base value, kept from the first LoRA refit that named it."""
         self.adapters: dict[str, torch.Tensor] = {}
 
-    def check(self, metas: list[TensorMeta]) -> str | None:
+    def check(self, metas: list[TensorMeta], scaling: float) -> str | None:
         """Why the adapters `metas` cannot be merged into these weights, or None when they can."""
         shapes = {m.name: m.shape for m in metas}
         for m in metas:
@@ -73,7 +79,7 @@ class AdapterMerge:
         return out
 
     @torch.no_grad()
-    def merge(self, scaling: float) -> int:
+    def apply(self, scaling: float) -> int:
         """Set every adapted weight to `W_base + scaling · B·A` (the others back to their base); returns the count."""
         targets = {target_of(n) for n in self.adapters}
         for target in sorted(targets):
@@ -91,11 +97,54 @@ class AdapterMerge:
         return len(targets)
 
 
+class AdapterLayers:
+    """The adapters as separate LoRA layers of the engine's model (`models.lora.inject`, as the trainer's): a
+    refit receives the fp32 adapters straight into those layers' parameters and the base never changes, so
+    the engine computes each adapted layer as the trainer does (bf16 base output plus the fp32 adapters')."""
+
+    def __init__(self, params: dict[str, torch.Tensor], scaling: float):
+        self.params = params
+        self.scaling = scaling
+        """The layers' `alpha / rank`, set when they were injected: a refit must bring the same."""
+
+    def check(self, metas: list[TensorMeta], scaling: float) -> str | None:
+        """Why the adapters `metas` cannot be received into these layers, or None when they can."""
+        if not math.isclose(scaling, self.scaling, rel_tol=1e-6):
+            return f"update_info.lora_scaling = {scaling}, but this engine's LoRA layers scale by {self.scaling}"
+        for m in metas:
+            live = self.params.get(live_name(m.name)) if is_adapter(m.name) else None
+            if live is None:
+                return f"a LoRA refit sends this engine's adapters only (*{SUFFIXES[0]}, *{SUFFIXES[1]}), not {m.name}"
+            if tuple(live.shape) != m.shape:
+                return f"adapter {m.name} is {list(m.shape)}, this engine's LoRA layer {list(live.shape)}"
+        return None
+
+    def buffers(self, metas: list[TensorMeta]) -> dict[str, torch.Tensor]:
+        """The live adapter parameters, by the names the refit sends."""
+        return {m.name: self.params[live_name(m.name)] for m in metas}
+
+    def apply(self, scaling: float) -> int:
+        """Nothing to do: the adapters were received in place. Returns the count of adapted layers."""
+        return sum(".lora_A." in name for name in self.params)
+
+
 def keep(w: torch.Tensor) -> torch.Tensor:
     """A copy of `w` in its dtype: in pinned host memory when `w` is on a GPU, beside it otherwise."""
     if not w.is_cuda:
         return w.detach().clone()
     return torch.empty(w.shape, dtype=w.dtype, pin_memory=True).copy_(w.detach())
+
+
+def prepare(model: torch.nn.Module, cfg: LoraConfig) -> float | None:
+    """Ready a LoRA run's engine model for its refits, before any runner sees it. Separate adapters: LoRA
+    layers injected as the trainer injects them (B = 0: version 0 is the base), frozen; returns their
+    `alpha / rank`. Merged: an adapted LM head tied to the embeddings gets a weight of its own; None."""
+    if cfg.engine_weights == "separate":
+        inject(model, cfg)
+        model.requires_grad_(False)  # refits write the adapters in place; the engine never trains
+        return cfg.alpha / cfg.rank
+    untie_adapted_head(model, cfg.target_modules)
+    return None
 
 
 def untie_adapted_head(model: torch.nn.Module, target_modules: list[str] | None) -> bool:

@@ -95,10 +95,11 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
     if model is None:
         path = resolve_model(cfg.model, run.models)
         model = load_causal_lm(path, dtype=cfg.model.dtype, device=device, attn=cfg.model.attn_implementation)
-    if cfg.actor.lora is not None:  # an adapted LM head tied to the embeddings: merges change the head alone
-        from molt_hpc.engine.lora import untie_adapted_head
+    lora_layers = None
+    if cfg.actor.lora is not None:
+        from molt_hpc.engine.lora import prepare
 
-        untie_adapted_head(model, cfg.actor.lora.target_modules)
+        lora_layers = prepare(model, cfg.actor.lora)
     vision = Vision(resolve_model(cfg.model, run.models)) if hasattr(model.config, "vision_config") else None
     eos = model.generation_config.eos_token_id if model.generation_config else model.config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -120,7 +121,7 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
     vocab = model.config.get_text_config().vocab_size
     state = EngineState(sched, vocab, eng.max_model_len, str(cfg.model.path), index, place=place(dev), vision=vision)
     app = build_app(state, run.token(), open_health=cfg.router.kind == "vllm-router")
-    sync = WeightSync(state, model, lora_only=cfg.actor.lora is not None)
+    sync = WeightSync(state, model, lora_only=cfg.actor.lora is not None, lora_layers=lora_layers)
     sync.add_routes(app)
     return app, sched, sync
 

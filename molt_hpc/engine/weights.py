@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from aiohttp import web
 
-from molt_hpc.engine.lora import AdapterMerge
+from molt_hpc.engine.lora import AdapterLayers, AdapterMerge
 from molt_hpc.engine.server import EngineState, run_on_scheduler
 from molt_hpc.log import get_logger
 from molt_hpc.protocol.edge import error, parse, read_json
@@ -34,6 +34,7 @@ class WeightSync:
         model: torch.nn.Module,
         on_version: Callable[[int], None] | None = None,
         lora_only: bool = False,
+        lora_layers: float | None = None,
     ):
         self.state = state
         self.receiver = RefitReceiver()
@@ -42,7 +43,9 @@ class WeightSync:
         self.params = {**model.state_dict(keep_vars=True), **expert_views(model)}
         self.phase = "idle"
         self.on_version = on_version
-        self.lora = AdapterMerge(self.params)
+        self.lora = AdapterMerge(self.params) if lora_layers is None else AdapterLayers(self.params, lora_layers)
+        """Where a LoRA refit's adapters go: merged into the weights, or into the model's own LoRA layers (their
+        scaling `lora_layers`, `actor.lora.engine_weights = 'separate'`)."""
         self.lora_only = lora_only
         """A LoRA run's engine: refits bring adapters (`update_info.lora_scaling`); a base change is refused."""
 
@@ -86,7 +89,7 @@ class WeightSync:
         return web.json_response({"loaded": loaded, "seconds": time.perf_counter() - t0})
 
     def _receive(self, info: dict) -> int:
-        """Receive one update: full weights into the live parameters, or adapters merged into them (`engine.lora`)."""
+        """Receive one update: full weights into the live parameters, or adapters (`engine.lora`)."""
         scaling = info.get("lora_scaling")
         if scaling is None:
             if self.lora_only:
@@ -97,14 +100,15 @@ class WeightSync:
                 )
             return self.receiver.receive(info, self.params)
         metas = metas_from_info(info)
-        problem = self.lora.check(metas)
         if not isinstance(scaling, int | float) or isinstance(scaling, bool):
             problem = f"update_info.lora_scaling must be a number (alpha / rank), got {scaling!r}"
+        else:
+            problem = self.lora.check(metas, float(scaling))
         if problem is not None:
             self._drain(info)
             raise ValueError(problem)
         loaded = self.receiver.receive(info, self.lora.buffers(metas))
-        self.lora.merge(float(scaling))
+        self.lora.apply(float(scaling))
         return loaded
 
     def _drain(self, info: dict) -> None:

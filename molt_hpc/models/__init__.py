@@ -15,6 +15,8 @@
 - `exact`, `exact_attention`, `exact_blocks`: `engines.exact`'s batch-invariant forwards (linear layers,
   activations, attention as block matrix multiplies), applied to a plain transformers model by the engine and
   the trainer alike.
+- `lora`: LoRA adapters on a plain transformers model (which layers, peft's injection, their names), for the
+  trainer and for a builtin engine that keeps them as separate layers.
 - `teacher`: a distillation teacher (`distill.teacher`) resolved like `model.path`, and whether it reads the
   policy's token ids (the same tokenizer).
 """

@@ -81,8 +81,21 @@ def engine_memory(arch: Arch, cfg: MoltConfig, engines: int, gpu_bytes: float) -
     kv_token = arch.kv_bytes_per_token(1, b)
     cache = kv_token * eng.max_batch * eng.max_model_len
     logits = 4 * eng.max_batch * arch.vocab * 2  # fp32 sampling logits and their softmax
-    return EngineMemory("builtin", engines, 1, b * arch.params, logits, b * arch.params + logits + cache,
-                        kv_token, eng.max_model_len, wanted)  # fmt: skip
+    weights = b * arch.params
+    if builtin_adapters(cfg) == "separate":  # the engine's own fp32 LoRA layers beside the base
+        from molt_hpc.plan.lora import adapter_params
+
+        weights += 4 * adapter_params(arch, cfg.actor.lora)
+    return EngineMemory("builtin", engines, 1, weights, logits, weights + logits + cache, kv_token,
+                        eng.max_model_len, wanted)  # fmt: skip
+
+
+def builtin_adapters(cfg: MoltConfig) -> str | None:
+    """How a builtin engine holds a LoRA run's adapters (`actor.lora.engine_weights`: merged into its weights,
+    or separate layers); None without LoRA or with vLLM engines."""
+    if cfg.actor.lora is None or cfg.engines.kind != "builtin" or cfg.run.stage != "rl":
+        return None
+    return cfg.actor.lora.engine_weights or "merged"
 
 
 def vllm_params_per_gpu(arch: Arch, tp: int, dp: int) -> float:
@@ -118,8 +131,9 @@ def refit_estimate(
 ) -> Refit:
     """Gather the shards (cast to the wire dtype) to rank 0, then broadcast to every engine worker; inside
     a node at the device profile's `refit_gb_per_s` (`plan.cuda` or `plan.cpu`), across nodes at
-    `plan.network_gb_per_s`. A LoRA run sends its fp32 adapters alone; a builtin engine then copies the
-    adapted weights' base back from host memory at `host_link_gb_per_s` (on a CPU engine: a copy in memory)."""
+    `plan.network_gb_per_s`. A LoRA run sends its fp32 adapters alone; a builtin engine that merges them
+    then copies the adapted weights' base back from host memory at `host_link_gb_per_s` (on a CPU engine: a
+    copy in memory)."""
     wire = dtype_bytes(cfg) * arch.params
     profile = getattr(cfg.plan, "cpu" if device == "cpu" else "cuda")
     merge = 0.0
@@ -127,7 +141,7 @@ def refit_estimate(
         from molt_hpc.plan.lora import adapted_weights, adapter_params
 
         wire = 4 * adapter_params(arch, cfg.actor.lora)
-        if cfg.engines.kind == "builtin":
+        if builtin_adapters(cfg) == "merged":
             p = cfg.plan.cpu.memory_gb_per_s if engine_device == "cpu" else cfg.plan.cuda.host_link_gb_per_s
             merge = dtype_bytes(cfg) * adapted_weights(arch, cfg.actor.lora) / (p * 1e9)
     node_bw = profile.refit_gb_per_s

@@ -14,7 +14,15 @@ from dataclasses import dataclass, field
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.plan.arch import Arch
-from molt_hpc.plan.engine import GIB, EngineMemory, Refit, engine_memory, largest_tensor, refit_estimate
+from molt_hpc.plan.engine import (
+    GIB,
+    EngineMemory,
+    Refit,
+    builtin_adapters,
+    engine_memory,
+    largest_tensor,
+    refit_estimate,
+)
 from molt_hpc.plan.lora import adapted_weights, adapter_params
 from molt_hpc.plan.shape import shape_of
 from molt_hpc.plan.trainer import Phase, TrainerMemory, trainer_memory
@@ -169,8 +177,8 @@ def _host(arch: Arch, cfg: MoltConfig, where: Placement, trainer: TrainerMemory)
         out[f"offloaded {key}"] = per_node * value
     if where.actor_device == "cpu":
         out["trainer on the CPU"] = per_node * trainer.peak.total
-    if cfg.actor.lora is not None and where.mode == "local" and where.engine_device == "cuda":
-        # the builtin engine on this node keeps the base of every adapted weight in host memory (engine/lora.py)
+    if builtin_adapters(cfg) == "merged" and where.mode == "local" and where.engine_device == "cuda":
+        # a builtin engine that merges keeps the base of every adapted weight in host memory (engine/lora.py)
         c = 4 if cfg.model.dtype == "float32" else 2
         out["engine: base of the adapted weights"] = where.engines * c * adapted_weights(arch, cfg.actor.lora)
     return out

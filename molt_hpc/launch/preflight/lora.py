@@ -1,6 +1,6 @@
 """Pre-flight of `[actor.lora]`: peft is installed and the configured adapters fit the model.
 
-The model is built on the meta device (no memory, no weights) and `molt_hpc.actor.lora.target_names`
+The model is built on the meta device (no memory, no weights) and `molt_hpc.models.lora.target_names`
 resolves the adapted layers exactly as the trainer will: a `target_modules` name that matches nothing,
 or names a layer LoRA cannot adapt here, and a model without linear layers in its decoder blocks, each
 fail here in one line (exit 2) instead of minutes into the run.
@@ -42,7 +42,7 @@ def check_lora(cfg: MoltConfig, error: type[ConfigError]) -> None:
     model = _meta_model(cfg)
     if model is None:
         return
-    from molt_hpc.actor.lora import target_names
+    from molt_hpc.models.lora import target_names
 
     try:
         target_names(model, cfg.actor.lora)
