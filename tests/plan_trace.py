@@ -22,16 +22,41 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 HALF = (torch.bfloat16, torch.float16)
+PLAIN = (torch.Tensor, torch.nn.Parameter)  # FSDP2's unsharded parameters are plain `Parameter`s
+
+
+OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                 torch.ops.aten._grouped_mm.default,  # the MoE experts
+                 torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default})  # fmt: skip
+
+
+def _up(x):
+    return x.float() if type(x) in PLAIN and x.dtype in HALF else x
 
 
 class Fp32Matmul(TorchDispatchMode):
-    """bf16/fp16 `aten.mm` on plain CPU tensors computed in fp32 and cast back (speed only; see above)."""
+    """bf16/fp16 matmuls and CPU flash-attention backward on plain CPU tensors, computed in fp32 and cast back.
+
+    Speed only: torch's CPU kernels for these in bf16 are 7-50x slower than in fp32 (most of a trace's time
+    was the bf16 attention backward and MoE grouped matmuls). The mode sits below the tracker, so the tracker
+    sees only the results, with the dtype and shape the bf16 kernel gives; the fp32 temporaries are never
+    recorded (the traced peaks are byte-identical either way)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        a = args[0] if args else None
-        if func is torch.ops.aten.mm.default and not kwargs and type(a) is torch.Tensor and a.dtype in HALF:
-            return torch.mm(a.float(), args[1].float()).to(a.dtype)
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        half = [a.dtype for a in args if type(a) in PLAIN and a.dtype in HALF]
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if (
+            func not in OPS
+            or not half
+            or kwargs.get("out_dtype") is not None
+            or any(type(a) not in PLAIN for a in tensors)
+        ):
+            return func(*args, **kwargs)
+        out = func(*map(_up, args), **{k: _up(v) for k, v in kwargs.items()})
+        if isinstance(out, torch.Tensor):
+            return out.to(half[0])
+        return type(out)(o.to(half[0]) if isinstance(o, torch.Tensor) and o.dtype == torch.float32 else o for o in out)
 
 
 def make_batch(rows: int, seq: int, prompt: int, pad: int, vocab: int):
