@@ -97,6 +97,18 @@ def torchrun(run_dir: Path, ranks: int, *args: str, wait: bool = True, timeout: 
     return code, Path(log.name).read_text()
 
 
+def assert_same_steps(want: Path, got: Path, steps: list[int]) -> None:
+    """The runs whose metrics files are `want` and `got` trained `steps` with the same loss, KL and gradient
+    norm (within 1e-5, relative above 1): two layouts of one computation."""
+    from molt_hpc.log import read_metrics
+
+    a_steps, b_steps = read_metrics(want, "actor"), read_metrics(got, "actor")
+    assert [r["step"] for r in b_steps] == steps
+    for a, b in zip(a_steps, b_steps, strict=True):
+        for key in ("loss", "kl", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
+
+
 def test_sampled_logprobs_match_a_teacher_forced_forward(tiny_model_dir: Path) -> None:
     import torch
 

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from molt_hpc.log import read_metrics
-from tests.test_actor_support import make_run, put_groups, sample_groups, torchrun
+from tests.test_actor_support import assert_same_steps, make_run, put_groups, sample_groups, torchrun
 from tests.test_expert_parallel_actor import OVERRIDES, moe_dir  # noqa: F401 - the tiny MoE fixture
 
 LORA = ["actor.lora.rank=4", "actor.lora.alpha=8.0", "actor.lr=0.01", "model.dtype='float32'"]
@@ -35,11 +34,7 @@ def test_lora_with_expert_parallelism_matches_fsdp(tmp_path, moe_dir) -> None:  
     fsdp, _ = _run(tmp_path, "fsdp", moe_dir, groups, [])
     ep, log = _run(tmp_path, "ep", moe_dir, groups, ["actor.ep=2"])
     assert "expert parallel: 2 MoE layers' experts over EP groups of 2 (FSDP over 1)" in log
-    want, got = read_metrics(fsdp.metrics, "actor"), read_metrics(ep.metrics, "actor")
-    assert [r["step"] for r in got] == [1, 2]
-    for a, b in zip(want, got, strict=True):
-        for key in ("loss", "kl", "grad_norm"):
-            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
+    assert_same_steps(fsdp.metrics, ep.metrics, [1, 2])
     a = load_file(str(fsdp.checkpoints / "step_000002" / "policy" / "adapter_model.safetensors"))
     b = load_file(str(ep.checkpoints / "step_000002" / "policy" / "adapter_model.safetensors"))
     assert set(a) == set(b) and not any("experts" in n for n in a)
