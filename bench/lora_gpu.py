@@ -90,7 +90,7 @@ def q8_config(args) -> Path:
     """The arm's config file: the shipped 8B LoRA recipe with `Q8_SETS`, full mode without its adapters."""
     from molt_hpc.config import load_config, to_toml
 
-    name = f"q8-{args.mode}-{args.engine}"
+    name = f"q8-{args.mode}-{args.engine}" + (f"-{args.tag}" if args.tag else "")
     sets = [*Q8_SETS, f"model.path='{args.root / 'qwen3-8b'}'", f"run.root='{args.root}'", f"run.name='{name}'",
             f"run.steps={args.steps}", f"engines.kind='{args.engine}'", *args.overrides]  # fmt: skip
     if args.engine == "vllm":
@@ -201,6 +201,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--budget", type=float, default=540.0, help="seconds from launch before the run is stopped")
     p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
+    p.add_argument("--tag", default="", help="--arm q8: a suffix of the run's name, two runs of one mode and engine")
     args = p.parse_args()
     args.root = args.root.absolute()
     args.root.mkdir(parents=True, exist_ok=True)
