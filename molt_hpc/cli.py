@@ -324,8 +324,9 @@ def submit_cmd(
             raise refused
         return
     cfg = _preflight(cfg)
-    from molt_hpc.launch.slurm.checks import check_slurm_reachable
+    from molt_hpc.launch.slurm.checks import check_actor_ranks, check_slurm_reachable
 
+    check_actor_ranks(cfg)  # what the config alone decides first, on any machine
     check_slurm_reachable()  # cheap, and no plan is worth making for a job that cannot be submitted
     if not no_plan:
         _plan_first(cfg, local=False, refuse=True)

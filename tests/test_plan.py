@@ -5,6 +5,7 @@ make before anything starts (refusal in one line, exit 2; `--no-plan` skips it).
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -143,10 +144,26 @@ def test_plan_command_reports_and_exits_by_verdict() -> None:
     assert "does not fit" in bad.stdout and "changes that would help" in bad.stdout
 
 
+TIGHT = ("--set", "plan.host_memory_gib=0.0001")
+"""A host no actor fits on: the plan refuses the tiny config."""
+
+
 @pytest.mark.slow
-def test_submit_and_run_refuse_in_one_line(tmp_path: Path) -> None:
-    tight = ["--set", "plan.host_memory_gib=0.0001", "--set", f"run.root={tmp_path}"]
-    result = molt("submit", "configs/tiny_cpu.toml", *tight)
+def test_run_refuses_in_one_line_after_the_pre_flight(tmp_path: Path) -> None:
+    run = molt("run", *TIGHT, "--set", f"run.root={tmp_path}")
+    assert run.returncode == 2 and "plan: does not fit: host memory per actor node" in run.stderr
+    # The pre-flight comes first: a placeholder weights path is refused before any plan is made.
+    placeholder = molt(
+        "submit", "configs/8b_dense.toml", "--set", "plan.gpu_memory_gib=20", "--set", f"run.root={tmp_path}"
+    )
+    assert placeholder.returncode == 2 and "plan:" not in placeholder.stderr and "model.path" in placeholder.stderr
+    assert list(tmp_path.iterdir()) == []  # refused before a run directory was made
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="submit plans only where sbatch is on PATH (slurm-wlm)")
+def test_submit_refuses_in_one_line(tmp_path: Path) -> None:
+    result = molt("submit", "configs/tiny_cpu.toml", *TIGHT, "--set", f"run.root={tmp_path}")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert (
@@ -154,14 +171,7 @@ def test_submit_and_run_refuse_in_one_line(tmp_path: Path) -> None:
         and lines[0].startswith("plan: does not fit: host memory per actor node")
         and "--no-plan" in lines[1]
     )
-    # The pre-flight comes first: a placeholder weights path is refused before any plan is made.
-    placeholder = molt(
-        "submit", "configs/8b_dense.toml", "--set", "plan.gpu_memory_gib=20", "--set", f"run.root={tmp_path}"
-    )
-    assert placeholder.returncode == 2 and "plan:" not in placeholder.stderr and "model.path" in placeholder.stderr
-    run = molt("run", *tight)
-    assert run.returncode == 2 and "plan: does not fit: host memory per actor node" in run.stderr
-    assert list(tmp_path.iterdir()) == []  # refused before a run directory was made
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_dry_run_renders_and_prints_the_verdict() -> None:
