@@ -102,8 +102,7 @@ def core_round(runner, requests, max_batch: int, profile: bool = False, interval
         sched.submit(row)
     if prof:
         prof.enable()
-    while sched.rows or sched.waiting:
-        sched._step()
+    sched.drain()
     if prof:
         prof.disable()
     dt = time.perf_counter() - t0

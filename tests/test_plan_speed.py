@@ -21,7 +21,8 @@ ROOT = 2 * V * H + H  # untied embedding and head, final norm
 
 ROUND = [  # a CPU profile of round numbers
     "plan.cpu.memory_gb_per_s=10", "plan.cpu.decode_efficiency=0.5", "plan.cpu.matmul_tflops=0.1",
-    "plan.cpu.mfu_small=0.25", "plan.cpu.builtin_step_ms=2", "plan.cpu.builtin_prefill_layer_ms=1.5",
+    "plan.cpu.mfu_small=0.25", "plan.cpu.builtin_step_ms=2", "plan.cpu.builtin_row_ms=0.01",
+    "plan.cpu.builtin_prefill_layer_ms=1.5",
     "plan.cpu.train_micro_batch_ms=10",
     "plan.cpu.refit_gb_per_s=1", "plan.cpu.refit_fixed_ms=20", "actor.device='cpu'", "engines.device='cpu'",
 ]  # fmt: skip
@@ -60,7 +61,7 @@ def test_rollout_time_of_a_hand_worked_case() -> None:
     kv = rows * context * L * 2 * KV * D * 4
     mm = L * BLOCK + H + V * H
     flops = rows * (2 * mm + 4 * L * HEADS * D * context)
-    step = max((weights + kv) / (10e9 * 0.5), flops / 0.1e12) + 0.002
+    step = max((weights + kv) / (10e9 * 0.5), flops / 0.1e12) + 0.002 + rows * 0.01e-3  # fixed + per row
     assert s.rollout.rows == rows
     assert s.rollout.decode_step_s == pytest.approx(step, rel=1e-9)
     assert s.rollout.decode_s == pytest.approx(64 / rows * 6 * step, rel=1e-9)  # 64 samples, 6 tokens each
@@ -124,7 +125,7 @@ def test_a_moe_decode_reads_the_experts_its_rows_touch() -> None:
     memory = (dense + expert_bytes * (1 - (1 - 2 / 8) ** 1) + kv) / (10e9 * 0.5)
     mm = arch.params - arch.expert_params + arch.expert_params * 2 / 8 - V * H
     compute = (2 * mm + 4 * L * HEADS * D * 67) / 0.1e12
-    assert one.rollout.decode_step_s == pytest.approx(max(memory, compute) + 0.002, rel=1e-9)
+    assert one.rollout.decode_step_s == pytest.approx(max(memory, compute) + 0.002 + 0.01e-3, rel=1e-9)  # one row
 
 
 def test_the_plan_report_ends_with_the_speed_block() -> None:
@@ -147,6 +148,7 @@ def test_calibration_measures_this_cpu_and_its_output_is_a_config() -> None:
         "memory_gb_per_s",
         "matmul_tflops",
         "builtin_step_ms",
+        "builtin_row_ms",
         "builtin_prefill_layer_ms",
         "mfu_small",
         "train_micro_batch_ms",
@@ -155,6 +157,7 @@ def test_calibration_measures_this_cpu_and_its_output_is_a_config() -> None:
     assert all(float(values[k]) > 0 for k in rates) and float(values["mfu_small"]) <= 1, out.stdout
     # host times are what is left beside the memory and compute time: none left is a measurement too
     assert float(values["builtin_step_ms"]) >= 0 and float(values["train_micro_batch_ms"]) > 0, out.stdout
+    assert float(values["builtin_row_ms"]) >= 0, out.stdout
     assert float(values["builtin_prefill_layer_ms"]) > 0, out.stdout
     sets = re.search(r"^# or: (.*)$", out.stdout, re.M).group(1).split()
     cfg = load_config("configs/tiny_cpu.toml", [s for s in sets if s != "--set"])  # the config tree takes them

@@ -215,6 +215,10 @@ class SpeedProfile(Section):
     builtin_step_ms: NonNegativeFloat = 3.0
     """Host and launch time of one decode step of the built-in engine, beyond its memory and compute time
     (dominant for small models)."""
+    builtin_row_ms: NonNegativeFloat = 0.0
+    """Host time per decoding row of one built-in engine step, beyond `builtin_step_ms` (each row's token
+    read back, appended and checked for its stop: the step grows with the rows in flight). Not known
+    before a calibration of the machine: 0."""
     builtin_prefill_layer_ms: NonNegativeFloat = 0.8
     """Host time of one prefill call of the built-in engine per model layer, beyond its FLOPs (an eager
     forward launched from Python: ~26 ms for SmolLM2-135M's 30 layers on an H200's host)."""

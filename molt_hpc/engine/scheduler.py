@@ -151,6 +151,15 @@ class Scheduler:
             "steps": self.steps,
         }
 
+    def drain(self) -> int:
+        """Step on the calling thread until every submitted row has finished; the number of steps. For a
+        scheduler whose thread was never started (calibration and benchmarks time its steps this way)."""
+        assert not self._thread.is_alive(), "the scheduler thread steps this scheduler"
+        start = self.steps
+        while self.rows or self.waiting:
+            self._step()
+        return self.steps - start
+
     # -- the loop --------------------------------------------------------------------------------
 
     def _paused_for_new(self) -> bool:

@@ -4,10 +4,12 @@ Four small measurements on the device (a GPU when there is one, else the CPU):
 
 - a copy of a large tensor: `memory_gb_per_s` (bytes read plus written per second);
 - a square matmul in the model dtype: `matmul_tflops`;
-- decode steps of the built-in engine's runner on the configured model (random weights, the engine's
-  own runner: the slot cache and CUDA graphs on a GPU): the step time less its memory time at the
-  measured bandwidth is `builtin_step_ms`; a prefill of one short row, over the layers, is
-  `builtin_prefill_layer_ms`;
+- rounds of the built-in engine's own scheduler on the configured model (random weights, the engine's
+  runner: the slot cache and CUDA graphs on a GPU), every row decoding at once: a step's time less its
+  memory time at the measured bandwidth, at a few rows and at a full batch, is a fixed part
+  (`builtin_step_ms`: launches, the graph replay's host side) and a part per row (`builtin_row_ms`: each
+  row's token read back, appended and checked for its stop); a prefill of one short row, over the
+  layers, is `builtin_prefill_layer_ms`;
 - training steps (forward, backward, AdamW) of the same model: one of a single short row is host time
   (`train_micro_batch_ms`, half of it: one micro-batch and one update); one of full rows adds its FLOPs
   at the achieved rate, over `matmul_tflops` the MFU of the model's shape class.
@@ -68,29 +70,49 @@ def _model(cfg: MoltConfig, device):
     return model, arch_from_config(config)
 
 
-def decode_step_s(model, cfg: MoltConfig, device, sync, rows: int, context: int) -> float:
-    """Seconds of one decode step of the engine's runner with `rows` rows at `context` tokens."""
+def engine_step_s(model, cfg: MoltConfig, device, sync, rows: int, context: int) -> float:
+    """Seconds of one step of the engine's scheduler with `rows` rows decoding at about `context` tokens:
+    the whole step (sampling, the read-back, each row's bookkeeping), from two rounds of different lengths
+    whose difference leaves their prefill out."""
+    from concurrent.futures import Future
+
     import torch
 
-    from molt_hpc.engine.batch import ModelRunner
-    from molt_hpc.engine.slots import SlotRunner
+    from molt_hpc.engine.batch import Row
+    from molt_hpc.engine.main import model_runner
+    from molt_hpc.engine.sampling import SamplingParams
+    from molt_hpc.engine.scheduler import Scheduler
 
-    model.eval()
-    if device.type == "cuda":
-        runner = SlotRunner(model, device, max_batch=rows, max_model_len=context + 64, graphs=True)
-    else:
-        runner = ModelRunner(model, device)
+    short, long = 8, 40
+    eng = cfg.engines.model_copy(update={"max_batch": rows, "max_model_len": context + long + 8})
+    runner = model_runner(model.eval(), device, eng, None, graphs=True)
     vocab = model.config.get_text_config().vocab_size
     g = torch.Generator().manual_seed(0)
-    contexts = torch.randint(4, vocab, (rows, context), generator=g).tolist()
-    _, part = runner.prefill(contexts)
-    batch = runner.join(None, part)
-    last, pos = [5] * rows, [context] * rows
+    prompts = torch.randint(4, vocab, (rows, context), generator=g).tolist()
 
-    def step():
-        runner.decode(batch, last, pos)  # the cache grows by one token a step: a few dozen steps, not thousands
+    def round_s(tokens: int) -> float:
+        sched = Scheduler(runner, eos_ids=set(), max_batch=rows, max_model_len=eng.max_model_len, seed=0)
+        for p in prompts:
+            sched.submit(Row(list(p), SamplingParams(max_tokens=tokens, ignore_eos=True, top_k=0), Future()))
+        return _timed(sched.drain, sync, 1, warmup=0)
 
-    return _timed(step, sync, 16, warmup=3)
+    round_s(long)  # captures the graphs, warms the allocator
+    return (min(round_s(long) for _ in range(3)) - min(round_s(short) for _ in range(3))) / (long - short)
+
+
+def engine_overhead_ms(model, cfg: MoltConfig, arch, device, sync, bandwidth: float) -> tuple[float, float]:
+    """(fixed ms, ms per row) of an engine step beyond its memory time, fitted through a step of a few rows
+    and one of a full batch."""
+    b = 4 if cfg.model.dtype == "float32" else 2
+    eff = cfg.plan.cuda.decode_efficiency if device.type == "cuda" else cfg.plan.cpu.decode_efficiency
+    context = 64
+    few, full = 4, max(8, min(cfg.engines.max_batch, 128 if device.type == "cuda" else 32))
+    over = {}
+    for rows in (few, full):
+        memory = b * (arch.params + rows * context * arch.kv_bytes_per_token(1, b)) / (bandwidth * 1e9 * eff)
+        over[rows] = max(0.0, engine_step_s(model, cfg, device, sync, rows, context) - memory) * 1e3
+    per_row = max(0.0, (over[full] - over[few]) / (full - few))
+    return max(0.0, over[few] - few * per_row), per_row
 
 
 def prefill_host_s(model, device, sync) -> float:
@@ -129,12 +151,8 @@ def calibrate(cfg: MoltConfig, device_kind: str) -> dict[str, float]:
     out = {"memory_gb_per_s": copy_gb_per_s(device, sync, 2048 if gpu else 64)}
     out["matmul_tflops"] = matmul_tflops(device, sync, 8192 if gpu else 512, torch.bfloat16 if gpu else torch.float32)
     model, arch = _model(cfg, device)
-    b = 4 if cfg.model.dtype == "float32" else 2
-    rows, context = min(cfg.engines.max_batch, 32), 64
-    step = decode_step_s(model, cfg, device, sync, rows, context)
-    eff = cfg.plan.cuda.decode_efficiency if gpu else cfg.plan.cpu.decode_efficiency
-    memory = b * (arch.params + rows * context * arch.kv_bytes_per_token(1, b)) / (out["memory_gb_per_s"] * 1e9 * eff)
-    out["builtin_step_ms"] = max(0.0, step - memory) * 1e3
+    fixed, per_row = engine_overhead_ms(model, cfg, arch, device, sync, out["memory_gb_per_s"])
+    out["builtin_step_ms"], out["builtin_row_ms"] = fixed, per_row
     out["builtin_prefill_layer_ms"] = prefill_host_s(model, device, sync) * 1e3 / arch.layers
     # a step of one short row is host time alone; a step of many full rows adds its FLOPs at the achieved rate
     idle = train_step_s(model, device, sync, 1, 16)

@@ -5,10 +5,11 @@ Each pool runs on the speed profile of its device (`plan.cuda` or `plan.cpu`, `S
 - rollout: a decode step of one engine replica with `r` rows in flight at mean context `c` reads its
   weights (the routed experts the rows touch) and `r·c` tokens of KV cache, and runs `2·N_mm·r`
   FLOPs plus attention; it takes `max(bytes / (bandwidth · decode_efficiency), FLOPs / matmul rate) +
-  the engine's per-step overhead`. Rows in flight are the rollout's
-  `min(groups_in_flight, (max_staleness + 1) · groups_per_step) · n_samples` over the replicas, at
-  most what one replica holds (`max_batch`, or vLLM's 256 sequences and its KV cache). A step's worth
-  of samples (over the fraction of groups accepted, when dynamic sampling drops some) takes
+  the engine's per-step overhead` (the built-in engine's: `builtin_step_ms + r · builtin_row_ms`). Rows in
+  flight are the rollout's `min(groups_in_flight, (max_staleness + 1) · groups_per_step) · n_samples`
+  over the replicas, at most what one replica holds (`max_batch`, or vLLM's 256 sequences and its KV
+  cache). A step's worth of samples (over the fraction of groups accepted, when dynamic sampling drops
+  some) takes
   `samples / (replicas · r)` rounds of `response` decode steps; prefill runs the prompts against
   compute (at the trainer's MFU class), and the built-in engine adds the host time of its prefill calls
   (`builtin_prefill_layer_ms` a layer; a call every `engines.prefill_interval` decode steps, at least
@@ -137,7 +138,7 @@ def rollout_time(arch: Arch, cfg: MoltConfig, plan, w: Workload) -> Rollout:
     weights = b * (dense / tp + arch.expert_params * touched / (tp * mem.replicas))
     kv = rows * context * arch.kv_bytes_per_token(tp, b)
     flops = rows * (2 * matmul_params(arch) + attention_flops(arch, context)) / tp
-    overhead = p.builtin_step_ms if eng.kind == "builtin" else p.vllm_step_ms
+    overhead = p.builtin_step_ms + rows * p.builtin_row_ms if eng.kind == "builtin" else p.vllm_step_ms
     step_s, bound = decode_step(p, weights, kv, flops, overhead)
     rounds = w.samples / w.accepted / (replicas * rows)
     prefill_flops = w.samples / w.accepted * w.prompt * (2 * matmul_params(arch) + attention_flops(arch, w.prompt / 2))
