@@ -152,16 +152,67 @@ def test_calibration_measures_this_cpu_and_its_output_is_a_config() -> None:
         "builtin_prefill_layer_ms",
         "mfu_small",
         "train_micro_batch_ms",
+        "train_sample_ms",
     }
     rates = ("memory_gb_per_s", "matmul_tflops", "mfu_small")
     assert all(float(values[k]) > 0 for k in rates) and float(values["mfu_small"]) <= 1, out.stdout
     # host times are what is left beside the memory and compute time: none left is a measurement too
     assert float(values["builtin_step_ms"]) >= 0 and float(values["train_micro_batch_ms"]) > 0, out.stdout
-    assert float(values["builtin_row_ms"]) >= 0, out.stdout
+    assert float(values["builtin_row_ms"]) >= 0 and float(values["train_sample_ms"]) >= 0, out.stdout
     assert float(values["builtin_prefill_layer_ms"]) > 0, out.stdout
     sets = re.search(r"^# or: (.*)$", out.stdout, re.M).group(1).split()
     cfg = load_config("configs/tiny_cpu.toml", [s for s in sets if s != "--set"])  # the config tree takes them
     assert cfg.plan.cpu.matmul_tflops == pytest.approx(float(values["matmul_tflops"]), rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [[], ["actor.packing='off'"], ["actor.mini_batches=2", "actor.ppo_epochs=2"]],
+    ids=["packed", "padded", "2x2"],
+)
+def test_calibration_host_steps_run_the_micro_batches_they_are_charged_for(sets: list[str]) -> None:
+    """The calibration solves its two host steps' times for the speed model's parts by what each step is
+    charged for; the trainer's own micro-batching of each step (a world of one) must run exactly that."""
+    from molt_hpc.actor.batch import mini_batch_rows
+    from molt_hpc.actor.packing import rank_micro_batches, token_budget
+    from molt_hpc.actor.world import init_world
+    from molt_hpc.algorithm import experience_from_groups
+    from molt_hpc.config.train import ActorConfig
+    from molt_hpc.plan.calibrate_train import HOST_SEQ, host_steps, synthetic_groups
+    from molt_hpc.plan.shape import packs
+
+    cfg = load_config("configs/tiny_cpu.toml", sets)
+    world = init_world(ActorConfig(device="cpu"))
+    act = cfg.actor
+    for host in host_steps(cfg):
+        groups = synthetic_groups(act.mini_batches, host.samples, HOST_SEQ, 64)
+        exp = experience_from_groups(groups, max_len=HOST_SEQ, pad_id=0)
+        budget = token_budget(host.cfg) if packs(host.cfg) else None
+        size = host.cfg.actor.micro_batch_size
+        micro = [len(rank_micro_batches(exp, r, size, budget, world)) for r in mini_batch_rows(exp, act.mini_batches)]
+        assert host.micro_units == act.ppo_epochs * sum(m + 1 for m in micro)
+        assert host.sample_units == act.ppo_epochs * exp.num_samples
+    a, b = host_steps(cfg)
+    assert a.micro_units * b.sample_units != b.micro_units * a.sample_units  # the two steps separate the parts
+
+
+def test_calibration_host_parts_solve_the_two_steps() -> None:
+    from molt_hpc.plan.calibrate_train import HostStep, host_parts
+
+    a, b = HostStep(None, 4, 5, 4), HostStep(None, 16, 2, 16)
+    micro, sample = 0.007, 0.0004
+    assert host_parts(a, 5 * micro + 4 * sample, b, 2 * micro + 16 * sample) == pytest.approx((micro, sample))
+    # noise that would make the per-sample part negative: the micro-batches alone explain both steps
+    assert host_parts(a, 0.05, b, 0.01) == pytest.approx((0.06 / 7, 0.0))
+
+
+def test_train_host_time_of_a_hand_worked_case() -> None:
+    """Per micro-batch and update, and per sample each epoch, on each data-parallel rank."""
+    cfg = cfg_with("plan.cpu.train_sample_ms=0.5", "actor.ppo_epochs=2", "actor.mini_batches=2",
+                   "actor.packing='off'", "actor.micro_batch_size=8")  # fmt: skip
+    t = predict(make_plan(cfg, toy_arch(), local=True, gpus=0)).train
+    # 64 samples, 2 mini-batches of 32 rows, 8 a micro-batch: 4 micro-batches and an update, 4 updates a step
+    assert t.overhead_s == pytest.approx((2 * 2 * (4 + 1) * 10 + 2 * 64 * 0.5) / 1e3, rel=1e-9)
 
 
 def test_balance_searches_whole_node_splits_of_a_multi_node_config() -> None:

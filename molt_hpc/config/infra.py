@@ -227,6 +227,10 @@ class SpeedProfile(Section):
     train_micro_batch_ms: NonNegativeFloat = 30.0
     """Host time of one trainer micro-batch (forward, backward, FSDP hooks) beyond its FLOPs, and of one
     optimizer update."""
+    train_sample_ms: NonNegativeFloat = 0.0
+    """Host time per trained sample per epoch beyond `train_micro_batch_ms` (the step's tensors built from its
+    samples; packed rows attended a sample at a time where there is no variable-length kernel, as on CPUs).
+    Not known before a calibration of the machine: 0."""
     refit_gb_per_s: PositiveFloat = 250.0
     """Bandwidth of a refit inside one node (NCCL over NVLink; a host copy on CPU), GB/s."""
     refit_fixed_ms: NonNegativeFloat = 50.0

@@ -10,9 +10,9 @@ Four small measurements on the device (a GPU when there is one, else the CPU):
   (`builtin_step_ms`: launches, the graph replay's host side) and a part per row (`builtin_row_ms`: each
   row's token read back, appended and checked for its stop); a prefill of one short row, over the
   layers, is `builtin_prefill_layer_ms`;
-- training steps (forward, backward, AdamW) of the same model: one of a single short row is host time
-  (`train_micro_batch_ms`, half of it: one micro-batch and one update); one of full rows adds its FLOPs
-  at the achieved rate, over `matmul_tflops` the MFU of the model's shape class.
+- the trainer's own steps of the same model (`calibrate_train.py`): two of short rows are host time
+  (`train_micro_batch_ms`, `train_sample_ms`), one of full rows adds its FLOPs at the achieved rate, over
+  `matmul_tflops` the MFU of the model's shape class.
 
 The model is built from its config alone, so calibrate with a config whose model fits one device (the
 SmolLM2 recipe, or the 0.5B shape on a GPU; the tiny configs on a CPU): seconds on a CPU.
@@ -22,7 +22,7 @@ import time
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.plan.arch import arch_from_config, load_hf_config
-from molt_hpc.plan.speed import attention_flops, matmul_params
+from molt_hpc.plan.calibrate_train import trainer_profile
 
 SHAPE_CLASS = {0: "mfu_small", 2048: "mfu_medium", 6144: "mfu_large"}
 
@@ -124,23 +124,6 @@ def prefill_host_s(model, device, sync) -> float:
     return _timed(lambda: runner.prefill([[5] * 8]), sync, 8, warmup=2)
 
 
-def train_step_s(model, device, sync, rows: int, seq: int) -> float:
-    import torch
-
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    vocab = model.config.get_text_config().vocab_size
-    ids = torch.randint(4, vocab, (rows, seq), generator=torch.Generator().manual_seed(1)).to(device)
-
-    def step():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return _timed(step, sync, 5, warmup=3)
-
-
 def calibrate(cfg: MoltConfig, device_kind: str) -> dict[str, float]:
     """The measured `[plan.<device_kind>]` numbers of this machine for `cfg`'s model."""
     import torch
@@ -151,18 +134,13 @@ def calibrate(cfg: MoltConfig, device_kind: str) -> dict[str, float]:
     out = {"memory_gb_per_s": copy_gb_per_s(device, sync, 2048 if gpu else 64)}
     out["matmul_tflops"] = matmul_tflops(device, sync, 8192 if gpu else 512, torch.bfloat16 if gpu else torch.float32)
     model, arch = _model(cfg, device)
-    # a step of one short row is host time alone; a step of many full rows adds its FLOPs at the achieved rate
-    idle = train_step_s(model, device, sync, 1, 16)
-    rows, seq = (8, 512) if gpu else (8, 128)
-    busy = train_step_s(model, device, sync, rows, seq)
-    flops = 6 * (matmul_params(arch) + attention_flops(arch, seq / 2)) * rows * seq
-    key = SHAPE_CLASS[max(k for k in SHAPE_CLASS if arch.hidden >= k)]
-    # the engine's part last: its runner on a GPU fuses the model's projections in place, as the engine does
+    # the trainer's part first: the engine's runner on a GPU fuses the model's projections in place
+    micro_ms, sample_ms, mfu = trainer_profile(cfg, model, arch, device, sync, out["matmul_tflops"])
     fixed, per_row = engine_overhead_ms(model, cfg, arch, device, sync, out["memory_gb_per_s"])
     out["builtin_step_ms"], out["builtin_row_ms"] = fixed, per_row
     out["builtin_prefill_layer_ms"] = prefill_host_s(model, device, sync) * 1e3 / arch.layers
-    out[key] = min(1.0, flops / max(busy - idle, 1e-9) / (out["matmul_tflops"] * 1e12))
-    out["train_micro_batch_ms"] = idle * 1e3 / 2  # one micro-batch and one optimizer update
+    out[SHAPE_CLASS[max(k for k in SHAPE_CLASS if arch.hidden >= k)]] = mfu
+    out["train_micro_batch_ms"], out["train_sample_ms"] = micro_ms, sample_ms
     return out
 
 

@@ -17,7 +17,8 @@ Each pool runs on the speed profile of its device (`plan.cuda` or `plan.cpu`, `S
 - train: `(6 + 2 with activation checkpointing)·N_mm` FLOPs per token per epoch, attention, the
   log-prob head over the response positions (`8·V·h` fused: forward, its recompute, two gradients),
   the reference forward (`2·N_mm`), a critic (its forward and training), over `ranks × matmul rate ×
-  MFU` of the hidden size's class; plus `train_micro_batch_ms` per micro-batch and per update, and
+  MFU` of the hidden size's class; plus `train_micro_batch_ms` per micro-batch and per update,
+  `train_sample_ms` per sample a data-parallel rank trains in each epoch, and
   offloaded state over the host link each update.
 - refit: `plan.refit` (bytes over the links, 2 ms a bucket) plus `refit_fixed_ms`, every
   `refit.interval` steps.
@@ -184,6 +185,7 @@ def train_time(arch: Arch, cfg: MoltConfig, plan, w: Workload) -> Train:
     compute = flops / (ranks * p.matmul_tflops * 1e12 * mfu(p, arch.hidden))
     updates = act.ppo_epochs * act.mini_batches
     overhead = updates * (shape.micro_batches + 1) * p.train_micro_batch_ms / 1e3
+    overhead += act.ppo_epochs * math.ceil(w.samples / max(1, ranks // act.cp)) * p.train_sample_ms / 1e3
     moved = sum(plan.trainer.host.values())  # bytes each rank keeps on the host: to the GPU and back per update
     offload = updates * 2 * moved / (p.host_link_gb_per_s * 1e9)
     return Train(flops, compute, overhead, offload)
