@@ -40,21 +40,23 @@ def with_link(pool, fn):
     return asyncio.run(main())
 
 
-def pause_at(link, url: str, n: int) -> tuple:
-    """An `on_tokens` callback for `link.generate` that pauses (keep) the engine at `url` the moment the
-    answer has `n` tokens, and `paused()`, which awaits that pause. Sent from the callback, not after a
-    poll: under load a poll's delay outlasted the rest of a 150-token answer, which then finished before
-    the pause and left nothing to cut. Call it inside the running event loop."""
-    pausing: asyncio.Future = asyncio.get_running_loop().create_future()
+async def freeze_mid_answer(link, url: str, session: str, start, n: int = 12) -> tuple[asyncio.Task, list[int]]:
+    """(the request's task, its first `n` tokens): the request `start()` starts (a coroutine) is held by the
+    engine at `url` after exactly `n` tokens. The engine is frozen before the request reaches it and runs
+    `n - 1` steps for it (its first prefills one token and decodes one: `resume(steps=...)`), so it holds the
+    request mid-answer whatever the timing of the calls; a pause sent when the client saw the 12th token once
+    raced the decode on a loaded machine and lost (the answer ended first). Fails, saying so, when the request
+    is not held at `url` (the router sent it elsewhere)."""
+    await client.pause(link.session, url, token=link.token, mode="keep")
+    task = asyncio.create_task(start())
+    await wait_until(lambda: _holds(link, url), what=f"the engine at {url} to hold the request (routed elsewhere?)")
+    await client.resume(link.session, url, token=link.token, steps=n - 1)
+    await wait_until(lambda: _all_streamed(link, 1, n, [session]), what=f"{n} tokens streamed from {url}")
+    return task, list(link.streaming[session].token_ids)
 
-    def on_tokens(token_ids: list[int], _logprobs: list[float]) -> None:
-        if len(token_ids) >= n and not pausing.done():
-            pausing.set_result(asyncio.ensure_future(client.pause(link.session, url, token=link.token, mode="keep")))
 
-    async def paused() -> None:
-        await (await asyncio.wait_for(pausing, timeout=120))
-
-    return on_tokens, paused
+async def _holds(link, url: str) -> bool:
+    return await requests_held(link, [url]) == 1
 
 
 def teacher_forced(model, tokens: list[int]) -> torch.Tensor:
@@ -82,11 +84,11 @@ def env_file(tmp_path: Path, body: str) -> str:
     return str(path)
 
 
-async def wait_until(condition, timeout: float = 60.0) -> None:
+async def wait_until(condition, timeout: float = 60.0, what: str = "the condition") -> None:
     """Poll the coroutine `condition()` until it is true (a test waits for what it needs, not a time)."""
     deadline = time.monotonic() + timeout
     while not await condition():
-        assert time.monotonic() < deadline, "the condition was not reached in time"
+        assert time.monotonic() < deadline, f"{what}: not reached in {timeout:.0f} s"
         await asyncio.sleep(0.05)
 
 
@@ -123,10 +125,9 @@ def long_group(pool, tok, dataset, during, streamed: int = 0) -> Held:
         task = asyncio.create_task(run_group(runner, dataset[2], Position(0, 2), cfg))
         try:
             await wait_until(lambda: _all_held(link, urls, cfg.n_samples))
-            if streamed:
-                await _resume_all(link, urls)
+            if streamed:  # each engine runs exactly the steps that make `streamed` tokens, then freezes again
+                await _resume_all(link, urls, steps=streamed - 1)
                 await wait_until(lambda: _all_streamed(link, cfg.n_samples, streamed))
-                await _pause_all(link, urls)
             seen = {s: copy.deepcopy(p) for s, p in link.streaming.items()}
             await during(link)
         finally:
@@ -141,14 +142,15 @@ async def _pause_all(link, urls: list[str]) -> None:
         await client.pause(link.session, url, token=link.token, mode="keep")
 
 
-async def _resume_all(link, urls: list[str]) -> None:
+async def _resume_all(link, urls: list[str], steps: int | None = None) -> None:
     for url in urls:  # a killed engine does not answer: the others go on
         with contextlib.suppress(aiohttp.ClientError, OSError, RuntimeError):
-            await client.resume(link.session, url, token=link.token, timeout=5)
+            await client.resume(link.session, url, token=link.token, timeout=5, steps=steps)
 
 
-async def _all_streamed(link, n: int, tokens: int) -> bool:
-    return len(link.streaming) == n and all(len(p.token_ids) >= tokens for p in link.streaming.values())
+async def _all_streamed(link, n: int, tokens: int, sessions: list[str] | None = None) -> bool:
+    parts = [link.streaming.get(s) for s in sessions] if sessions else list(link.streaming.values())
+    return len(parts) == n and all(p is not None and len(p.token_ids) >= tokens for p in parts)
 
 
 async def _all_held(link, urls: list[str], n: int) -> bool:

@@ -49,6 +49,9 @@ BAD_CONTROL = [  # stateful routes: refused before they act
     ("/pause", b'{"mode": 7}', "mode"),
     ("/pause", b"\xff", "UTF-8"),
     ("/resume", b"{", "JSON"),
+    ("/resume", b'{"steps": 0}', "steps"),
+    ("/resume", b'{"steps": "3"}', "steps"),
+    ("/resume", b'{"now": true}', "now"),
     ("/start_weight_update", b"{", "JSON"),
 ]
 BAD_ROUTER_PATHS = ["/v1/../is_paused", "/v1/%2e%2e/is_paused", "/v1/%2E%2E/pause", "/v1/.%2fhealth", "/v1//models"]
@@ -327,6 +330,7 @@ BAD_FRONT = [  # (path, body, reason): refused at the front, never forwarded to 
     *BAD_CONTROL,
     ("/init_weight_transfer_engine", b'{"init_info": {"backend": "ipc"}}', "ipc"),
     ("/init_weight_transfer_engine", b'{"init_info": null}', "init_info"),
+    ("/resume", b'{"steps": 3}', "vLLM"),  # a built-in engine's control only: refused, never relayed
     ("/collective_rpc", b'{"method": 5}', "method"),
     ("/collective_rpc", b'{"method": "molt_place", "timeout": Infinity}', "finite"),
     ("/collective_rpc", b'{"method": "molt_place", "args": null}', "args"),

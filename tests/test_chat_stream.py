@@ -116,9 +116,8 @@ def test_a_streamed_reply_arrives_while_it_is_sampled(pool, tok, abort: bool) ->
                 model="policy", messages=ASK, seed=11, max_tokens=200, stream=True, logprobs=True
             )
             await wait_until(lambda: held(link, urls, 1))
-            await resume_all(link, urls)
+            await resume_all(link, urls, steps=2)  # three tokens (a prefill and two decodes), then frozen again
             await wait_until(lambda: streamed(link, "live", 3))
-            await pause_all(link, urls)
             early = []
             async for chunk in stream:
                 early.append(chunk)
@@ -187,9 +186,9 @@ async def pause_all(link, urls: list[str], mode: str = "keep") -> None:
         await client.pause(link.session, url, token=link.token, mode=mode)
 
 
-async def resume_all(link, urls: list[str]) -> None:
+async def resume_all(link, urls: list[str], steps: int | None = None) -> None:
     for url in urls:
-        await client.resume(link.session, url, token=link.token)
+        await client.resume(link.session, url, token=link.token, steps=steps)
 
 
 def test_a_stream_in_process(pool, tok) -> None:

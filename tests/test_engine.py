@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 import torch
 
-from molt_hpc.engine.client import EngineHTTPError, generate, health
+from molt_hpc.engine.client import EngineHTTPError, generate, health, pause, resume
 from molt_hpc.engine.sampling import processed_logprobs
 from molt_hpc.models import load_causal_lm
 from tests.test_engine_procs import arun, make_run, start_engines
@@ -267,6 +267,42 @@ def test_pause_keep_abort_wait(engine) -> None:
     assert aborted.finish_reason == "abort" and len(aborted.token_ids) < 500
     assert held_waits and after.finish_reason == "length" and len(after.token_ids) == 4
     assert drained and waited.finish_reason == "length" and len(waited.token_ids) == 40
+
+
+def test_resume_for_a_number_of_steps_freezes_the_requests_again(engine) -> None:
+    """`resume(steps=n)` runs exactly n scheduler steps and pauses itself: a newcomer holds n + 1 tokens (its
+    first step prefills, sampling one, then decodes one), a running request n more; whatever the timing of
+    the calls that follow."""
+    url, token = engine
+    sp = {"ignore_eos": True, "max_tokens": 500}
+
+    async def frozen(s) -> dict:
+        while not (h := await health(s, url, token=token))["paused"]:
+            await asyncio.sleep(0.005)
+        return h
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            await pause(s, url, token=token, mode="keep")
+            task = asyncio.create_task(generate(s, url, [3, 4], sp, token=token))
+            while (await health(s, url, token=token))["waiting"] < 1:  # held by the paused engine
+                await asyncio.sleep(0.005)
+            start = (await health(s, url, token=token))["steps"]
+            await resume(s, url, token=token, steps=7)
+            first = await frozen(s)
+            await asyncio.sleep(0.3)  # frozen: no step runs until the next call
+            still = await health(s, url, token=token)
+            await resume(s, url, token=token, steps=5)
+            second = await frozen(s)
+            await pause(s, url, token=token, mode="abort")  # the answer so far: the tokens the steps made
+            out = await task
+            await resume(s, url, token=token)
+            return start, first, still, second, out
+
+    start, first, still, second, out = arun(go())
+    assert first["steps"] - start == 7 and first["running"] == 1 and still["steps"] == first["steps"]
+    assert second["steps"] - start == 12 and second["running"] == 1
+    assert out.finish_reason == "abort" and len(out.token_ids) == 12 + 1
 
 
 def test_a_client_that_leaves_frees_its_row(engine) -> None:

@@ -180,11 +180,15 @@ def test_refit_pushes_exact_weights_to_both_engines(pool, tiny_model_dir) -> Non
         async with aiohttp.ClientSession() as s:
             before = [await engine_logprobs(s, p.url, token) for p in engines]
             sp = {"max_tokens": 300, "ignore_eos": True}
+            # Frozen mid-request (tokens of version 0 made), so the push lands inside it however slow it is:
+            # held by the paused engine, then run for 5 steps (6 tokens) and frozen again, whatever the timing.
+            await pause(s, engines[0].url, token=token, mode="keep")
             long = asyncio.create_task(generate(s, engines[0].url, PROMPT, sp, token=token))
-            while (await health(s, engines[0].url, token=token))["running"] < 1:
+            while (await health(s, engines[0].url, token=token))["waiting"] < 1:
                 await asyncio.sleep(0.005)
-            # Frozen mid-request (tokens of version 0 made), so the push lands inside it however slow it is.
-            frozen = await pause(s, engines[0].url, token=token, mode="keep")
+            await resume(s, engines[0].url, token=token, steps=5)
+            while not (frozen := await health(s, engines[0].url, token=token))["paused"]:
+                await asyncio.sleep(0.005)
             stats = await asyncio.to_thread(sender.push, new.named_parameters(), 5)
             await resume(s, engines[0].url, token=token)
             # Measured alone: a prompt prefilled in one batch with the re-prefilled frozen row (left-padded to

@@ -24,7 +24,7 @@ from molt_hpc.models import load_causal_lm
 from molt_hpc.router.pool import admits
 from molt_hpc.router.ring import HashRing
 from molt_hpc.rundir import RunDir
-from tests.rollout_support import NO_STOP, pause_at, teacher_forced, wait_until, with_link
+from tests.rollout_support import NO_STOP, freeze_mid_answer, teacher_forced, wait_until, with_link
 from tests.test_rollout_procs import ROOT, router_metrics, shared_pool
 
 pytestmark = pytest.mark.timeout(300)
@@ -119,10 +119,7 @@ def test_a_local_pool_joins_serves_and_leaves_without_losing_a_token(pool, tiny_
         nodes = {f"engine-{e['index']}" for e in router_metrics(pool)["engines"] if e["healthy"]}
         session = session_on("engine-1000", nodes, pool.cfg.router.virtual_nodes)
         params = {"max_tokens": 200, "temperature": 1.0, "seed": 3, **NO_STOP}
-        on_tokens, paused = pause_at(link, url, 12)  # frozen mid-answer on the pool
-        task = asyncio.create_task(link.generate([1, 2, 3, 4], params, session, on_tokens=on_tokens))
-        await paused()
-        kept = list(link.streaming[session].token_ids)
+        task, kept = await freeze_mid_answer(link, url, session, lambda: link.generate([1, 2, 3, 4], params, session))
         removed = await asyncio.to_thread(cli, "engines", "remove", str(pool.run.path), "pool-1", "--drain-s", "0")
         return await task, kept, removed, link.take_counts()
 
@@ -133,7 +130,7 @@ def test_a_local_pool_joins_serves_and_leaves_without_losing_a_token(pool, tiny_
     assert line.startswith(f"pool pool-1 (local, pid {record.pid}): 1 engine(s), ") and line.endswith("serving")
     out, kept, removed, counts = with_link(pool, go)
     assert removed.returncode == 0 and "pool-1: removed" in removed.stdout, removed.stderr
-    assert len(out.token_ids) == 200 and out.token_ids[: len(kept)] == kept and len(kept) >= 12
+    assert len(out.token_ids) == 200 and out.token_ids[: len(kept)] == kept and len(kept) == 12
     assert counts["requests_migrated"] == 1 and counts["tokens_migrated"] >= len(kept)
     model = load_causal_lm(tiny_model_dir)
     forced = teacher_forced(model, [1, 2, 3, 4, *out.token_ids])[3:]  # both engines' tokens: exact log-probs
@@ -161,10 +158,8 @@ def test_a_pool_given_slurms_warning_leaves_the_ring_and_finishes_what_it_holds(
         await wait_until(lambda: _in_ring(pool, index))
         nodes = {f"engine-{e['index']}" for e in router_metrics(pool)["engines"] if e["healthy"]}
         session = session_on(f"engine-{index}", nodes, pool.cfg.router.virtual_nodes)
-        on_tokens, paused = pause_at(link, url, 12)  # held there through the warning
-        params = {"max_tokens": 60, "seed": 2, **NO_STOP}
-        task = asyncio.create_task(link.generate([5, 6, 7], params, session, on_tokens=on_tokens))
-        await paused()
+        params = {"max_tokens": 60, "seed": 2, **NO_STOP}  # held there through the warning
+        task, _ = await freeze_mid_answer(link, url, session, lambda: link.generate([5, 6, 7], params, session))
         for pid in (record.pid, engine_pid):
             os.kill(pid, signal.SIGUSR2)
         await wait_until(drained)

@@ -161,7 +161,9 @@ async def pause(
 
 
 async def resume(
-    session: aiohttp.ClientSession, url: str, *, token: str, timeout: float | None = None
+    session: aiohttp.ClientSession, url: str, *, token: str, timeout: float | None = None, steps: int | None = None
 ) -> dict[str, Any]:
-    """Resume generation after `pause` (frozen requests continue, held ones start)."""
-    return await request_json(session, "POST", url.rstrip("/") + "/resume", token=token, timeout=timeout)
+    """Resume generation after `pause` (frozen requests continue, held ones start); with `steps` (built-in
+    engines), freeze them again after that many steps."""
+    body = None if steps is None else {"steps": steps}
+    return await request_json(session, "POST", url.rstrip("/") + "/resume", token=token, timeout=timeout, json=body)

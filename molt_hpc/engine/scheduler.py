@@ -7,7 +7,8 @@ then one decode step of the whole batch; finished rows leave between steps.
 
 Pause modes follow vLLM: `abort` ends every in-flight request now (`finish_reason: abort`),
 `wait` lets them finish, `keep` freezes them to continue after `resume`. Requests that arrive
-while paused are held until `resume`. A refit pauses with `keep` (`begin_refit`); `end_refit`
+while paused are held until `resume`; `resume(steps=n)` runs n steps and freezes them again (a
+request held at a chosen token, whatever the caller's timing). A refit pauses with `keep` (`begin_refit`); `end_refit`
 bumps the version and drops the KV cache: frozen rows are re-prefilled under the new weights, so
 every token after the update is exactly what the new policy gives for its context.
 """
@@ -66,6 +67,8 @@ class Scheduler:
         self.waiting: list[Row] = []  # admissible, not yet prefilled
         self.held: list[Row] = []  # arrived while paused; admitted on resume
         self.pause_mode: str | None = None  # None, "wait" (draining), "paused"
+        self.steps_left: int | None = None
+        """Steps until the scheduler pauses itself (`resume(steps=...)`); None: runs until paused."""
         self.refitting = False
         self.steps = 0
         self.on_tokens: Callable[[list[Row]], None] | None = None
@@ -109,6 +112,7 @@ class Scheduler:
             self._drop([i for i, r in enumerate(self.rows) if r is not row])
 
     def pause(self, mode: str, done: Future) -> None:
+        self.steps_left = None
         if mode == "abort":
             for row in self.rows + self.waiting + self.held:
                 self._finish(row, "abort")
@@ -122,7 +126,11 @@ class Scheduler:
         self.pause_mode = "paused"
         done.set_result(self.status())
 
-    def resume(self) -> dict[str, Any]:
+    def resume(self, steps: int | None = None) -> dict[str, Any]:
+        """Continue frozen and held requests; with `steps`, freeze them again (as `keep`) after that many
+        steps, so each running request advances by exactly that many tokens whatever the caller's timing."""
+        assert steps is None or steps > 0
+        self.steps_left = steps
         self.pause_mode = None
         self._resolve_drained()
         self.waiting.extend(self.held)
@@ -216,6 +224,10 @@ class Scheduler:
         if self.pause_mode == "wait" and not (self.rows or self.waiting):
             self.pause_mode = "paused"
             self._resolve_drained()
+        if self.steps_left is not None:
+            self.steps_left -= 1
+            if self.steps_left == 0:
+                self.steps_left, self.pause_mode = None, "paused"
         return prefilled, decoded
 
     def _admit(self) -> int:

@@ -22,7 +22,7 @@ from molt_hpc.engine.sampling import parse_generate
 from molt_hpc.engine.scheduler import Scheduler
 from molt_hpc.engine.vision import check_no_pads, row_images
 from molt_hpc.protocol.edge import errors_middleware, parse, read_json, token_middleware
-from molt_hpc.protocol.requests import PAUSE_MODES, PauseRequest
+from molt_hpc.protocol.requests import PAUSE_MODES, PauseRequest, ResumeRequest
 
 
 @dataclass
@@ -183,8 +183,8 @@ async def pause(request: web.Request) -> web.Response:
 
 async def resume(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    await read_json(request)  # a body, if any, must at least be JSON: a malformed one resumes nothing
-    return web.json_response(await run_on_scheduler(state, state.scheduler.resume))
+    body = parse(ResumeRequest, await read_json(request))  # a malformed body resumes nothing
+    return web.json_response(await run_on_scheduler(state, lambda: state.scheduler.resume(body.steps)))
 
 
 async def is_paused(request: web.Request) -> web.Response:

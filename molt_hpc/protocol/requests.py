@@ -21,6 +21,18 @@ class PauseRequest(BaseModel):
     mode: Literal["abort", "wait", "keep"] | None = None
 
 
+class ResumeRequest(BaseModel):
+    """Body of `POST /resume` (optional)."""
+
+    model_config = STRICT
+
+    steps: int | None = Field(None, ge=1)
+    """Built-in engine: run this many scheduler steps, then freeze the requests again (as `pause` with
+    `keep`): every running request advances by exactly that many tokens (a newcomer's first step adds its
+    prefill's token too). For tests and debugging: what a request holds at a given token, independent of
+    when the caller's next call arrives. vLLM engines refuse it."""
+
+
 class InitInfo(BaseModel):
     """`init_info` of `POST /init_weight_transfer_engine`: a broadcast group to join, or shared slots."""
 

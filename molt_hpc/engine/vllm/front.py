@@ -29,6 +29,7 @@ from molt_hpc.engine.vllm.adapters import AdapterSlots, adapter_name
 from molt_hpc.engine.vllm.streamed import relay_stream
 from molt_hpc.log import get_logger
 from molt_hpc.protocol.edge import (
+    BadRequest,
     error,
     errors_middleware,
     forwardable_path,
@@ -44,6 +45,7 @@ from molt_hpc.protocol.requests import (
     GenerateRequest,
     InitRequest,
     PauseRequest,
+    ResumeRequest,
     RpcRequest,
     UpdateRequest,
 )
@@ -62,7 +64,12 @@ FORWARDED = (
 # The builtin engine's default (engine/sampling.py); vLLM's server would default to the rest of max_model_len.
 DEFAULT_MAX_TOKENS = 16
 HEALTH_TIMEOUT_S = 10.0
-BODY_MODELS = {"/init_weight_transfer_engine": InitRequest, "/update_weights": UpdateRequest, "/pause": PauseRequest}
+BODY_MODELS = {
+    "/init_weight_transfer_engine": InitRequest,
+    "/update_weights": UpdateRequest,
+    "/pause": PauseRequest,
+    "/resume": ResumeRequest,
+}
 """Forwarded routes whose bodies are typed: refused here, they never reach vLLM (nor drop its refit channel)."""
 RPC_PREFIX = "molt_"
 """`/collective_rpc` reaches only our worker extension's methods, never the worker's own."""
@@ -322,8 +329,9 @@ async def forward(request: web.Request) -> web.Response:
     raw = await read_body(request)
     decoded = loads(raw)
     model = BODY_MODELS.get(request.path)
-    if model is not None:
-        parse(model, decoded)
+    if model is not None and getattr(parse(model, decoded), "steps", None) is not None:
+        raise BadRequest("steps: vLLM cannot stop itself after a number of steps (a built-in engine's /resume "
+                         "can); resume without it", "steps")  # fmt: skip
     ctype = request.headers.get("Content-Type") if raw else None
     return relay(*await call_upstream(front_of(request), request.method, request.path_qs, ctype, data=raw))
 
