@@ -11,8 +11,8 @@ refits and checkpoints work as before):
   padded to a multiple of `ROWS` and multiplied in one matrix multiply, a shape whose per-row result the
   CPU's BLAS computes the same way wherever the row sits (checked at start by `linear_is_invariant`; where
   it does not hold, each element is an elementwise product summed by a strictly sequential `cumsum`);
-- the MLP's activation runs on a strided view of its input, so every element goes through the same
-  scalar code (`ExactActivation`);
+- the MLP's activation computes every element with the same code (`ExactActivation`: torch's vector code
+  in aligned calls where a check says that holds, else its scalar code on a strided view);
 - attention is `models.exact_attention` (`molt_exact`; packed rows: `exact_documents`), as block matrix
   multiplies (`models.exact_blocks`) where this CPU's multiplies are row-invariant;
 - a mixture-of-experts model's routers and experts get `models.exact_moe`'s forwards.
@@ -24,6 +24,7 @@ are. The engine's sampling log-probs and the trainer's token log-probs then both
 """
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from molt_hpc.models import exact_attention
@@ -41,18 +42,59 @@ class ExactLinear(nn.Linear):
 
 
 class ExactActivation(nn.Module):
-    """An elementwise activation computed on a strided view of its input: torch's CPU kernels then run
-    their scalar code for every element (a contiguous tensor gets vector code, and scalar code for the
-    tail, whose results can differ in the last bit)."""
+    """An elementwise activation that computes every element with the same code wherever it sits.
+
+    A contiguous tensor gets torch's vector code for its bulk and scalar code for its tail (and each
+    thread's share has its own tail), whose results can differ in the last bit. Where the check
+    `activation_is_invariant` passes, the input is cut into calls of `SPAN` elements (one thread each,
+    under torch's parallel grain), every call starting at and spanning a multiple of `ALIGN`: every element
+    then goes through the vector code. Elsewhere it runs on a strided view of its input, which torch
+    computes with scalar code throughout."""
 
     def __init__(self, fn: nn.Module):
         super().__init__()
         self.fn = fn
 
     def forward(self, x: Tensor) -> Tensor:
-        spread = x.new_empty(*x.shape, 2)
-        spread[..., 0] = x
-        return self.fn(spread[..., 0])
+        if activation_is_invariant(self.fn, x.dtype, x.device):
+            return aligned_apply(self.fn, x)
+        return strided_apply(self.fn, x)
+
+
+SPAN, ALIGN = 1 << 14, 64
+"""Elements per call of `aligned_apply` (under torch's parallel grain of 32,768: one thread runs a call
+from its start), and the multiple every call starts at and spans (no element left for the vector loop's
+scalar tail: twice the widest vector of the narrowest dtype)."""
+_ACTIVATIONS: dict[tuple, bool] = {}
+
+
+def aligned_apply(fn: nn.Module, x: Tensor) -> Tensor:
+    flat = x.reshape(-1)
+    n = flat.numel()
+    if n % ALIGN:
+        flat = F.pad(flat, (0, (-n) % ALIGN))
+    if flat.numel() <= SPAN:
+        return fn(flat)[:n].view(x.shape)
+    return torch.cat([fn(flat[lo : lo + SPAN]) for lo in range(0, flat.numel(), SPAN)])[:n].view(x.shape)
+
+
+def strided_apply(fn: nn.Module, x: Tensor) -> Tensor:
+    spread = x.new_empty(*x.shape, 2)
+    spread[..., 0] = x
+    return fn(spread[..., 0])
+
+
+def activation_is_invariant(fn: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `aligned_apply` gives an element the same bits wherever it sits: alone, among rows of other
+    counts and offsets, across a call boundary (cached per activation, dtype and device)."""
+    key = (type(fn), dtype, str(device))
+    if key not in _ACTIVATIONS:
+        gen = torch.Generator().manual_seed(0)
+        x = (4 * torch.randn(3 * SPAN + 3 * ALIGN + 7, generator=gen)).to(device, dtype)
+        full = aligned_apply(fn, x)
+        cuts = [(0, 1), (5, 37), (ALIGN - 3, 2 * ALIGN + 1), (SPAN - 9, 3 * ALIGN), (SPAN + 1, 2 * SPAN + 11)]
+        _ACTIVATIONS[key] = all(torch.equal(aligned_apply(fn, x[lo:hi]), full[lo:hi]) for lo, hi in cuts)
+    return _ACTIVATIONS[key]
 
 
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")

@@ -16,8 +16,9 @@ _CHECKED: dict[tuple, bool] = {}
 
 def padded_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     n = x.shape[0]
-    out = F.linear(F.pad(x, (0, 0, 0, (-n) % ROWS)), weight, bias)
-    return out[:n]
+    if n % ROWS == 0 and x.is_contiguous():  # already a padded shape: no copy
+        return F.linear(x, weight, bias)
+    return F.linear(F.pad(x, (0, 0, 0, (-n) % ROWS)), weight, bias)[:n]
 
 
 def sequential_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -36,7 +37,8 @@ def linear_is_invariant(k: int, n: int, dtype: torch.dtype, device: torch.device
         alone = torch.cat([padded_linear(x[i : i + 1], w, None) for i in range(0, x.shape[0], 7)])
         among = padded_linear(x, w, None)[::7]
         shifted = padded_linear(x[3:], w, None)[4::7]
-        _CHECKED[key] = torch.equal(alone, among) and torch.equal(alone[1:], shifted)
+        whole = padded_linear(x[7 : 7 + 2 * ROWS], w, None)[::7]  # a multiple of ROWS rows: not padded
+        _CHECKED[key] = torch.equal(alone, among) and torch.equal(alone[1:], shifted) and torch.equal(alone[1:6], whole)
     return _CHECKED[key]
 
 
