@@ -73,9 +73,9 @@ def aligned_apply(fn: nn.Module, x: Tensor) -> Tensor:
     n = flat.numel()
     if n % ALIGN:
         flat = F.pad(flat, (0, (-n) % ALIGN))
-    if flat.numel() <= SPAN:
-        return fn(flat)[:n].view(x.shape)
-    return torch.cat([fn(flat[lo : lo + SPAN]) for lo in range(0, flat.numel(), SPAN)])[:n].view(x.shape)
+    # `split`, not slices: its backward is one concatenation (a slice's allocates and fills the whole input)
+    out = fn(flat) if flat.numel() <= SPAN else torch.cat([fn(part) for part in flat.split(SPAN)])
+    return (out if out.numel() == n else out[:n]).view(x.shape)
 
 
 def strided_apply(fn: nn.Module, x: Tensor) -> Tensor:
