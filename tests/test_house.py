@@ -6,6 +6,7 @@ counts as importing `pkg` (its `__init__` runs) and `pkg.name` when that is a mo
 """
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -177,6 +178,33 @@ def test_no_private_names_imported_across_modules():
                 if alias.name.startswith("_") and not alias.name.startswith("__"):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} from {source} import {alias.name}")
     assert not found, "private names imported from another module:\n" + "\n".join(found)
+
+
+def packages() -> list[Path]:
+    """Every package directory of the library, sub-packages included."""
+    return sorted(path.parent for path in (ROOT / PACKAGE).rglob("__init__.py"))
+
+
+def direct_names(package: Path) -> list[str]:
+    """The modules (file stems, `__init__` aside) and sub-packages directly inside one package."""
+    modules = [p.stem for p in package.glob("*.py") if p.name != "__init__.py"]
+    subpackages = [p.name for p in package.iterdir() if (p / "__init__.py").is_file()]
+    return sorted(modules + subpackages)
+
+
+def unmapped(package: Path) -> list[str]:
+    """The direct names a package's `__init__` docstring does not mention as a whole word."""
+    init = package / "__init__.py"
+    doc = ast.get_docstring(ast.parse(init.read_text(), str(init))) or ""
+    return [name for name in direct_names(package) if not re.search(rf"\b{re.escape(name)}\b", doc)]
+
+
+def test_every_package_docstring_maps_its_files():
+    missing = {package.relative_to(ROOT).as_posix(): unmapped(package) for package in packages()}
+    missing = {package: names for package, names in missing.items() if names}
+    assert not missing, "names missing from the package's __init__ docstring:\n" + "\n".join(
+        f"{package}: {', '.join(names)}" for package, names in missing.items()
+    )
 
 
 def test_the_graph_sees_every_kind_of_import(tmp_path):

@@ -11,6 +11,8 @@ env_workers.py   ... or worker processes (rollout.env_workers); env_worker.py is
 observation.py   an observation as the tokens that follow an action (chat-template glue)
 grading.py       the math grader; arith.py the safe arithmetic evaluator of the calculator env
 shapes.py        the synthetic visual task's images and reward (envs/color*.py)
+routing.py       a trajectory's MoE routing, assembled turn by turn from the engine's `routed_experts`
+openai_client.py ready OpenAI clients for chat-mode agents: one HTTP client per rollout process
 """
 
 from typing import TYPE_CHECKING, Any

@@ -3,7 +3,8 @@
 - `experience`: `make_experience(trajectories) -> Experience` (padded or packed tensors, action mask,
   rollout log-probs, versions, rewards) and the alignment conventions everything here shares;
 - `advantage`: GRPO, Dr.GRPO, RLOO, REINFORCE++(-baseline), GAE, batch whitening; `compute_advantages(exp, cfg)`;
-- `logprobs`: chunked per-token log-probs and entropy from hidden states or logits;
+- `logprobs`: chunked per-token log-probs and entropy from hidden states or logits; `logprob_kernels`: the
+  per-chunk math in three implementations (`actor.logprob_kernel`), `logprob_triton` its Triton kernels;
 - `loss`: PPO / GSPO / CISPO policy loss with a decoupled IS correction, KL and entropy, aggregated
   over the global batch (`LossScale`, `global_loss_scale`; `global_token_count` for the token mean);
   clipped value loss;
@@ -13,6 +14,9 @@
   multimodal positions of a batch; `distill`: on-policy distillation's per-token advantages (teacher -
   student log-prob, alone or added to the env's) and its metrics; `reward_model`: a reward model's score
   combined with the env's reward.
+- `mismatch`: the train–inference mismatch observatory (the trainer's log-probs against the engine's for the
+  same tokens and the same weights);
+- `supervised`: the losses of the stages beyond RL, SFT's token mean and Bradley-Terry.
 """
 
 from molt_hpc.algorithm.advantage import ADVANTAGES, compute_advantages

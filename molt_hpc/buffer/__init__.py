@@ -11,7 +11,9 @@
 The `fs` backend spools in `RUN_DIR/buffer/` (a shared filesystem); `shm` in a directory under
 `/dev/shm` named after the run, with `RUN_DIR/buffer/location` pointing at it. Both take the same
 code paths. After any crash, reopening yields exactly the groups put and not acked: see
-`producer.py` (idempotent put), `consumer.py` (claim/commit) and `spool.py` (the layout).
+`producer.py` (idempotent put), `consumer.py` (claim/commit) and `spool.py` (the layout), with
+`codec.py` (one `Group` as one safetensors file), `lease.py` (consumer leases: how a dead consumer's
+claims come back) and `cleanup.py` (removing a run's `/dev/shm` spool).
 """
 
 from collections.abc import Iterable

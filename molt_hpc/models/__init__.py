@@ -10,11 +10,13 @@
 - `sharded`: the trainer's loading: a model built on the meta device, sharded, each rank reading only its
   slices of the safetensors files (`slices`: names, fused MoE experts, region reads).
 - `blocks`: the repeated decoder blocks of a model (the language model's alone for a VLM).
+- `moe`: the MoE layout of a transformers model (its routers, their decoder-layer ids, their routing rule).
 - `router_replay`: the fp32 replay forward a MoE router gets in the trainer (`swap_routers`).
 - `reward`: reward models (a one-label sequence-classification head, its score read at the last token).
 - `exact`, `exact_attention`, `exact_blocks`: `engines.exact`'s batch-invariant forwards (linear layers,
   activations, attention as block matrix multiplies), applied to a plain transformers model by the engine and
-  the trainer alike.
+  the trainer alike; `exact_linear`: its batch-invariant matrix multiply; `exact_moe`: its batch-invariant
+  mixture-of-experts layers.
 - `lora`: LoRA adapters on a plain transformers model (which layers, peft's injection, their names), for the
   trainer and for a builtin engine that keeps them as separate layers.
 - `teacher`: a distillation teacher (`distill.teacher`) resolved like `model.path`, and whether it reads the

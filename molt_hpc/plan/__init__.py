@@ -1,10 +1,22 @@
 """`molt-hpc plan`: does a config fit, on paper, before anything runs or queues.
 
-- `arch`: the model's shape and exact parameter counts from its config on the meta device;
+- `arch`: the model's shape and exact parameter counts from its config on the meta device; `arch_types`:
+  what the plan knows of a model (`Arch` and its per-block `Block`); `closed_form`: the parameter counts of
+  the common decoder families from their config fields alone (no transformers, no torch);
+- `lora`: how many adapter parameters `[actor.lora]` adds to a model of shape `Arch`;
 - `activations`: bytes per token each part of an HF decoder keeps for backward;
 - `shape`: what one trainer rank processes (rows, tokens, micro-batches) from the config;
-- `trainer`: per-GPU trainer memory by category and by phase of a step;
-- `engine`: engine memory and KV-cache capacity, refit bytes and time;
+- `trainer`: per-GPU trainer memory by category and by phase of a step; `logprobs`: the trainer's log-prob
+  working sets (what is alive at each moment of `policy_logprobs` and its backward);
+- `engine`: engine memory and KV-cache capacity, refit bytes and time; `extra`: what an extra engine pool
+  (`molt-hpc engines add`) adds to a planned run;
+- `speed`: the speed of one RL training step, predicted from the model's shape, the config and the hardware;
+  `speed_text`: the speed block of the report, and predicted against measured for `molt-hpc status`;
+  `step_split`: where a run's training steps spend their time, from its `metrics.jsonl` actor records;
+- `calibrate`: `molt-hpc plan --calibrate`, this machine's speed profile measured; `calibrate_train`: the
+  trainer's own step, timed for it;
+- `balance`: `molt-hpc plan --balance`, the engine:trainer GPU split and `rollout.groups_in_flight` that train
+  the most tokens per second on the config's GPUs;
 - `verdict`: placement, host memory, the checks against the hardware, blockers;
 - `suggest`: ranked changes with their re-planned effect; `render`: the report and the one-line verdict.
 """

@@ -6,6 +6,7 @@ data.py    a prompt file's first rows: keys, chat template, images, `data.max_pr
 stages.py  a supervised stage's own files and rows; a `[reward_model]` against the policy
 distill.py a `[distill]` teacher against the policy (a causal LM, the same tokenizer), an env-mode agent
 model.py   a model directory the run loads (`model.path`, `distill.teacher`)
+lora.py    `[actor.lora]`: peft is installed and the configured adapters fit the model
 files.py   `PreflightError` (the one failure: the key, what is wrong, the fix) and the configured-file check
 """
 
