@@ -32,6 +32,10 @@ from molt_hpc.rundir import RunDir, atomic_write
 from molt_hpc.trajectory import FINISHED_REWARDS, Group
 
 POLL_S = 0.25
+IDLE_FIRST_S = 0.005
+"""An idle orchestrator's first look for a refit: the looks then double up to `POLL_S`, so the refit that
+ends a synchronous step is seen within a few ms of the trainer's push (a fixed `POLL_S` cost such a step
+up to 250 ms), and a long idle costs a look every `POLL_S`."""
 FAILURE_RECORD_S = 10.0
 """While groups fail, a rollout record goes out at least this often, so the console counts the errors."""
 
@@ -122,6 +126,8 @@ class Orchestrator:
         self.first_failure: str | None = None
         """The first failed group's cause in this start, quoted by every record and by the breaker."""
         self.last_record = time.monotonic()
+        self.idle_s = IDLE_FIRST_S
+        """The next idle look's wait (`idle`)."""
 
     # -- the loop ---------------------------------------------------------------------------------
     async def run_loop(self) -> None:
@@ -196,13 +202,15 @@ class Orchestrator:
         return admits(self.state.groups_accepted, len(self.tasks), self.link.version, self.max_staleness, gps)
 
     async def idle(self) -> None:
-        """Nothing in flight and admission closed: wait for a refit (poll the engines) or a stop."""
+        """Nothing in flight and admission closed: wait for a refit (poll the engines, soon at first) or a stop."""
         try:
-            await asyncio.wait_for(self.stop.wait(), POLL_S)
+            await asyncio.wait_for(self.stop.wait(), self.idle_s)
         except TimeoutError:
+            self.idle_s = min(2 * self.idle_s, POLL_S)
             await self.link.poll_version()
 
     def issue(self) -> None:
+        self.idle_s = IDLE_FIRST_S  # the next idle spell starts looking soon again
         if self.reissue:
             pos = self.reissue.pop(0)
             prompt = self.cursor.at(pos)
