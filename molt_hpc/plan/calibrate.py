@@ -18,28 +18,11 @@ The model is built from its config alone, so calibrate with a config whose model
 SmolLM2 recipe, or the 0.5B shape on a GPU; the tiny configs on a CPU): seconds on a CPU.
 """
 
-import time
-
 from molt_hpc.config import MoltConfig
 from molt_hpc.plan.arch import arch_from_config, load_hf_config
-from molt_hpc.plan.calibrate_train import trainer_profile
+from molt_hpc.plan.calibrate_train import fastest_s, trainer_profile
 
 SHAPE_CLASS = {0: "mfu_small", 2048: "mfu_medium", 6144: "mfu_large"}
-
-
-def _timed(fn, sync, repeats: int, warmup: int = 1) -> float:
-    """Fastest seconds of `fn` over `repeats` runs after `warmup` runs (first calls allocate and pick kernels):
-    what the device does undisturbed, the least sensitive to other work on the machine."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        out.append(time.perf_counter() - t0)
-    return min(out)
 
 
 def copy_gb_per_s(device, sync, mib: int) -> float:
@@ -47,7 +30,7 @@ def copy_gb_per_s(device, sync, mib: int) -> float:
 
     src = torch.ones(mib << 18, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.nbytes / _timed(lambda: dst.copy_(src), sync, 10) / 1e9
+    return 2 * src.nbytes / fastest_s(lambda: dst.copy_(src), sync, 10) / 1e9
 
 
 def matmul_tflops(device, sync, n: int, dtype) -> float:
@@ -55,7 +38,7 @@ def matmul_tflops(device, sync, n: int, dtype) -> float:
 
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n**3 / _timed(lambda: a @ b, sync, 10, warmup=2) / 1e12
+    return 2 * n**3 / fastest_s(lambda: a @ b, sync, 10, warmup=2) / 1e12
 
 
 def _model(cfg: MoltConfig, device):
@@ -94,7 +77,7 @@ def engine_step_s(model, cfg: MoltConfig, device, sync, rows: int, context: int)
         sched = Scheduler(runner, eos_ids=set(), max_batch=rows, max_model_len=eng.max_model_len, seed=0)
         for p in prompts:
             sched.submit(Row(list(p), SamplingParams(max_tokens=tokens, ignore_eos=True, top_k=0), Future()))
-        return _timed(sched.drain, sync, 1, warmup=0)
+        return fastest_s(sched.drain, sync, 1, warmup=0)
 
     round_s(long)  # captures the graphs, warms the allocator
     return (min(round_s(long) for _ in range(3)) - min(round_s(short) for _ in range(3))) / (long - short)
@@ -121,7 +104,7 @@ def prefill_host_s(model, device, sync) -> float:
 
     model.eval()
     runner = ModelRunner(model, device)
-    return _timed(lambda: runner.prefill([[5] * 8]), sync, 8, warmup=2)
+    return fastest_s(lambda: runner.prefill([[5] * 8]), sync, 8, warmup=2)
 
 
 def calibrate(cfg: MoltConfig, device_kind: str) -> dict[str, float]:

@@ -62,20 +62,26 @@ def synthetic_groups(groups: int, samples: int, seq: int, vocab: int) -> list[Gr
     return out
 
 
-def step_s(cfg: MoltConfig, models, world, groups: list[Group], sync, repeats: int = 3) -> float:
-    """Fastest seconds of the trainer's step on `groups` over `repeats` after one warm-up (the optimizer's
-    state is created by the first)."""
+def fastest_s(fn, sync, repeats: int, warmup: int = 1) -> float:
+    """Fastest seconds of `fn` over `repeats` runs after `warmup` runs (first calls allocate and pick kernels):
+    what the device does undisturbed, the least sensitive to other work on the machine."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t0)
+    return min(out)
+
+
+def step_s(cfg: MoltConfig, models, world, groups: list[Group], sync) -> float:
+    """Fastest seconds of the trainer's step on `groups` (after a warm-up, which creates the optimizer's state)."""
     from molt_hpc.actor.step import train_step
 
-    out = []
-    for i in range(repeats + 1):
-        sync()
-        t0 = time.perf_counter()
-        train_step(groups, cfg, models, world, pad_id=0)
-        sync()
-        if i:
-            out.append(time.perf_counter() - t0)
-    return min(out)
+    return fastest_s(lambda: train_step(groups, cfg, models, world, pad_id=0), sync, 3)
 
 
 @dataclass(frozen=True)
