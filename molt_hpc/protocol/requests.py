@@ -33,6 +33,17 @@ class ResumeRequest(BaseModel):
     when the caller's next call arrives. vLLM engines refuse it."""
 
 
+class VllmResumeRequest(ResumeRequest):
+    """Body of `POST /resume` at a vLLM front: vLLM cannot stop itself after a number of steps."""
+
+    @model_validator(mode="after")
+    def _no_steps(self) -> "VllmResumeRequest":
+        if self.steps is not None:
+            raise ValueError("steps: vLLM cannot stop itself after a number of steps (a built-in engine's "
+                             "/resume can); resume without it")  # fmt: skip
+        return self
+
+
 class InitInfo(BaseModel):
     """`init_info` of `POST /init_weight_transfer_engine`: a broadcast group to join, or shared slots."""
 

@@ -29,7 +29,6 @@ from molt_hpc.engine.vllm.adapters import AdapterSlots, adapter_name
 from molt_hpc.engine.vllm.streamed import relay_stream
 from molt_hpc.log import get_logger
 from molt_hpc.protocol.edge import (
-    BadRequest,
     error,
     errors_middleware,
     forwardable_path,
@@ -45,9 +44,9 @@ from molt_hpc.protocol.requests import (
     GenerateRequest,
     InitRequest,
     PauseRequest,
-    ResumeRequest,
     RpcRequest,
     UpdateRequest,
+    VllmResumeRequest,
 )
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -68,7 +67,7 @@ BODY_MODELS = {
     "/init_weight_transfer_engine": InitRequest,
     "/update_weights": UpdateRequest,
     "/pause": PauseRequest,
-    "/resume": ResumeRequest,
+    "/resume": VllmResumeRequest,
 }
 """Forwarded routes whose bodies are typed: refused here, they never reach vLLM (nor drop its refit channel)."""
 RPC_PREFIX = "molt_"
@@ -329,9 +328,8 @@ async def forward(request: web.Request) -> web.Response:
     raw = await read_body(request)
     decoded = loads(raw)
     model = BODY_MODELS.get(request.path)
-    if model is not None and getattr(parse(model, decoded), "steps", None) is not None:
-        raise BadRequest("steps: vLLM cannot stop itself after a number of steps (a built-in engine's /resume "
-                         "can); resume without it", "steps")  # fmt: skip
+    if model is not None:
+        parse(model, decoded)
     ctype = request.headers.get("Content-Type") if raw else None
     return relay(*await call_upstream(front_of(request), request.method, request.path_qs, ctype, data=raw))
 
