@@ -120,29 +120,29 @@ def long_group(pool, tok, dataset, during, streamed: int = 0) -> Held:
 
     async def go(link):
         urls = [pool.engine_url(i) for i in range(len(pool.engines)) if pool.engines[i].proc.poll() is None]
-        await _pause_all(link, urls)
+        await pause_all(link, urls)
         runner = StepEnvRunner(env_cls, tok, cfg, _ignore_eos(link.generate))
         task = asyncio.create_task(run_group(runner, dataset[2], Position(0, 2), cfg))
         try:
             await wait_until(lambda: _all_held(link, urls, cfg.n_samples))
             if streamed:  # each engine runs exactly the steps that make `streamed` tokens, then freezes again
-                await _resume_all(link, urls, steps=streamed - 1)
+                await resume_all(link, urls, steps=streamed - 1)
                 await wait_until(lambda: _all_streamed(link, cfg.n_samples, streamed))
             seen = {s: copy.deepcopy(p) for s, p in link.streaming.items()}
             await during(link)
         finally:
-            await _resume_all(link, urls)
+            await resume_all(link, urls)
         return Held(await task, seen, link.take_counts())
 
     return with_link(pool, go)
 
 
-async def _pause_all(link, urls: list[str]) -> None:
+async def pause_all(link, urls: list[str], mode: str = "keep") -> None:
     for url in urls:
-        await client.pause(link.session, url, token=link.token, mode="keep")
+        await client.pause(link.session, url, token=link.token, mode=mode)
 
 
-async def _resume_all(link, urls: list[str], steps: int | None = None) -> None:
+async def resume_all(link, urls: list[str], steps: int | None = None) -> None:
     for url in urls:  # a killed engine does not answer: the others go on
         with contextlib.suppress(aiohttp.ClientError, OSError, RuntimeError):
             await client.resume(link.session, url, token=link.token, timeout=5, steps=steps)

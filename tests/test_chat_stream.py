@@ -15,11 +15,10 @@ import torch
 from molt_hpc.agents.chat_trace import trajectory_from_calls
 from molt_hpc.agents.openai_client import OpenAIPool
 from molt_hpc.config import load_config
-from molt_hpc.engine import client
 from molt_hpc.rollout.chat_server import ChatServer
 from molt_hpc.rollout.engines import EngineLink
 from molt_hpc.rundir import RunDir
-from tests.rollout_support import NO_STOP, check_logprobs, requests_held, wait_until, with_link
+from tests.rollout_support import NO_STOP, check_logprobs, pause_all, requests_held, resume_all, wait_until, with_link
 
 openai = pytest.importorskip("openai")  # the `chat` extra; `make test` installs it (dev extra)
 pytestmark = pytest.mark.timeout(300)
@@ -179,16 +178,6 @@ async def held(link, urls: list[str], n: int) -> bool:
 async def streamed(link, session: str, n: int) -> bool:
     partial = link.streaming.get(session)
     return partial is not None and len(partial.token_ids) >= n
-
-
-async def pause_all(link, urls: list[str], mode: str = "keep") -> None:
-    for url in urls:
-        await client.pause(link.session, url, token=link.token, mode=mode)
-
-
-async def resume_all(link, urls: list[str], steps: int | None = None) -> None:
-    for url in urls:
-        await client.resume(link.session, url, token=link.token, steps=steps)
 
 
 def test_a_stream_in_process(pool, tok) -> None:
