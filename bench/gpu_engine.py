@@ -155,10 +155,84 @@ def logprob_diff(model, prompts, outs, device, chunk: int = 16) -> tuple[float, 
     return float(d.max()), float(d.mean())
 
 
+VARIANTS = {
+    "eager": {},
+    "CUDA graphs, sampling outside (before)": {"graphs": True},
+    "CUDA graphs + sampling in the graph": {"graphs": True, "sampling": True},
+    "CUDA graphs + sampling in the graph + fused projections": {"graphs": True, "sampling": True, "fuse": True},
+    "the above + compiled step (engines.compile_decode)": {
+        "graphs": True,
+        "sampling": True,
+        "fuse": True,
+        "compile": "inductor",
+    },
+}
+"""Each change on top of the one before (the fused variants change the model's modules in place, for good)."""
+
+
+def in_process(model, prompts, new: int, device, bandwidth: float, hf_s: float, out, dry: bool) -> None:
+    """The scheduler in this process, each variant in turn: tokens/s against HF generate and the decode
+    step against its floor."""
+    from molt_hpc.engine.slots import SlotRunner
+
+    n, prompt_len, tokens = len(prompts), len(prompts[0]), len(prompts) * new
+    base_step = None
+    for name, flags in ({"eager": {}} if dry else VARIANTS).items():
+        runner = SlotRunner(model, device, max_batch=n, max_model_len=512, **flags)
+        t0 = time.perf_counter()
+        core_round(runner, prompts, 8 if not flags else new)  # warm-up (graphs: records every bucket)
+        warm = time.perf_counter() - t0
+        dt, steps = core_round(runner, prompts, new)
+        last = "compile" in flags or (dry and not flags)
+        write_row(out, bench="engine", case=f"engine scheduler in-process, {name}", value=tokens / dt,
+                  unit="tok/s", baseline=n * new / hf_s, ratio=hf_s / dt, target=">= 25x" if last else None,
+                  note=f"warm-up round (compile, captures) {warm:.1f} s")  # fmt: skip
+        floor = step_floor(model, n, prompt_len + new // 2, bandwidth)  # at the mean attended width
+        step = statistics.median(steps)
+        base_step = base_step if base_step is not None or not flags else step
+        write_row(out, bench="engine", case=f"decode step, {n} rows, {name} (baseline: the floor)",
+                  value=1000 * step, unit="ms", baseline=1000 * floor, ratio=step / floor,
+                  target="<= 5x" if last else None,
+                  note=f"copy bandwidth {bandwidth / 1e12:.2f} TB/s r+w; "
+                  + (f"{base_step / step:.2f}x faster than graphs before" if base_step else ""))  # fmt: skip
+        if flags == {"graphs": True}:
+            replay, sampling = step_parts(runner, n, prompt_len + new - 1, device)
+            floor_full = step_floor(model, n, prompt_len + new, bandwidth)
+            case = f"decode step, {n} rows at {prompt_len + new} columns: the graph replay alone (floor)"
+            write_row(out, bench="engine", case=case, value=1000 * replay, unit="ms", baseline=1000 * floor_full,
+                      ratio=replay / floor_full, note=f"then sampling: {1000 * sampling:.2f} ms")  # fmt: skip
+        del runner
+
+
+def batch_sweep(model, prompt_len: int, device, bandwidth: float, rows: list[int], out) -> None:
+    """The decode step at each batch size, fused graphs without and with the compiled step (the model is
+    already fused by `in_process`), against the floor at that batch."""
+    from molt_hpc.engine.slots import SlotRunner
+
+    rng, new = random.Random(1), 64
+    vocab = model.config.vocab_size
+    for compile_ in (None, "inductor"):
+        most = max(rows)
+        runner = SlotRunner(model, device, max_batch=most, max_model_len=512, graphs=True, sampling=True,
+                            fuse=True, compile=compile_)  # fmt: skip
+        for n in rows:
+            prompts = [[rng.randrange(1, vocab) for _ in range(prompt_len)] for _ in range(n)]
+            core_round(runner, prompts, 8)  # records this batch's buckets
+            _, steps = core_round(runner, prompts, new)
+            floor = step_floor(model, n, prompt_len + new // 2, bandwidth)
+            step = statistics.median(steps)
+            label = "compiled" if compile_ else "not compiled"
+            write_row(out, bench="engine", case=f"decode step, {n} rows, fused graphs, {label} (baseline: the floor)",
+                      value=1000 * step, unit="ms", baseline=1000 * floor, ratio=step / floor,
+                      target="<= 5x" if compile_ and n == 64 else None)  # fmt: skip
+        del runner
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU: checks the script")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256], help="batch sizes of the step sweep")
     args = ap.parse_args()
     dry = args.dry_run
     gpus = torch.cuda.device_count()
@@ -175,7 +249,8 @@ def main() -> int:
     prompts = [[rng.randrange(1, vocab) for _ in range(prompt_len)] for _ in range(n)]
     model.save_pretrained(tmp / "model", safe_serialization=True)
     sets = [f"model.path={json.dumps(str(tmp / 'model'))}", f"model.dtype='{str(dtype)[6:]}'",
-            f"engines.max_batch={n}", "engines.max_model_len=512", f"engines.device='{device.type}'"]  # fmt: skip
+            f"engines.max_batch={n}", "engines.max_model_len=512", f"engines.device='{device.type}'",
+            "engines.compile_decode=true"]  # fmt: skip
     run = create_run_dir(tmp, "run", to_toml(load_config(None, sets)))
     # The engine's own GPU when there are two; with one it shares it (it only loads while HF runs).
     proc = start_engine(run, {**gpu_env(), "CUDA_VISIBLE_DEVICES": "1" if gpus > 1 else "0"} if not dry else gpu_env())
@@ -196,39 +271,10 @@ def main() -> int:
     write_row(args.out, bench="engine", case=f"engine process, HTTP, {n} concurrent, {mode}", value=tokens / http_s,
               unit="tok/s", baseline=hf_tps, ratio=hf_s / http_s, target=">= 25x")  # fmt: skip
 
-    from molt_hpc.engine.slots import SlotRunner
-
     bandwidth = hbm_bandwidth(device) if not dry else 50e9
-    # today's path first (the fused variant changes the model's modules in place, for good)
-    variants = {"eager": {}} if dry else {
-        "eager": {},
-        "CUDA graphs, sampling outside (before)": {"graphs": True},
-        "CUDA graphs + sampling in the graph": {"graphs": True, "sampling": True},
-        "CUDA graphs + sampling in the graph + fused projections": {"graphs": True, "sampling": True, "fuse": True},
-    }  # fmt: skip
-    base_step = None
-    for name, flags in variants.items():
-        runner = SlotRunner(model, device, max_batch=n, max_model_len=512, **flags)
-        core_round(runner, prompts, 8 if not flags else new)  # warm-up (graphs: records every bucket)
-        dt, steps = core_round(runner, prompts, new)
-        target = ">= 25x" if flags.get("fuse") else None
-        write_row(args.out, bench="engine", case=f"engine scheduler in-process, {name}", value=tokens / dt,
-                  unit="tok/s", baseline=hf_tps, ratio=hf_s / dt, target=target)  # fmt: skip
-        floor = step_floor(model, n, prompt_len + new // 2, bandwidth)  # at the mean attended width
-        step = statistics.median(steps)
-        base_step = base_step if base_step is not None or not flags else step
-        write_row(args.out, bench="engine", case=f"decode step, {n} rows, {name} (baseline: the floor)",
-                  value=1000 * step, unit="ms", baseline=1000 * floor, ratio=step / floor,
-                  target="<= 5x" if flags.get("fuse") else None,
-                  note=f"copy bandwidth {bandwidth / 1e12:.2f} TB/s r+w; "
-                  + (f"{base_step / step:.2f}x faster than graphs before" if base_step else ""))  # fmt: skip
-        if flags == {"graphs": True}:
-            replay, sampling = step_parts(runner, n, prompt_len + new - 1, device)
-            floor_full = step_floor(model, n, prompt_len + new, bandwidth)
-            case = f"decode step, {n} rows at {prompt_len + new} columns: the graph replay alone (floor)"
-            write_row(args.out, bench="engine", case=case, value=1000 * replay, unit="ms", baseline=1000 * floor_full,
-                      ratio=replay / floor_full, note=f"then sampling: {1000 * sampling:.2f} ms")  # fmt: skip
-        del runner
+    in_process(model, prompts, new, device, bandwidth, hf_s, args.out, dry)
+    if not dry:
+        batch_sweep(model, prompt_len, device, bandwidth, args.rows, args.out)
     mx, mean = logprob_diff(model, prompts, rounds[-1][1], device)
     write_row(args.out, bench="engine", case=f"log-probs, engine vs trainer recompute ({str(dtype)[6:]})",
               value=mx, unit="max abs", note=f"mean abs {mean:.2e} over {tokens} tokens")  # fmt: skip

@@ -3,8 +3,9 @@
 One scripted run drives several runners over one model through the same steps: rows that leave and
 join (other batch buckets), contexts that grow past a width bucket, and weights replaced in place as a
 refit does. Every step's logits must agree across runners and match a teacher-forced forward of each
-context. On the CPU: the slot cache (eager) against the growing `DynamicCache` runner; on a GPU
-(`make test-gpu`): CUDA graphs against the eager slot cache.
+context. On the CPU: the slot cache (eager) against the growing `DynamicCache` runner, and the step traced
+by `torch.compile` against the eager one; on a GPU (`make test-gpu`): CUDA graphs, then graphs of the
+inductor-compiled step, against the eager slot cache.
 """
 
 import random
@@ -58,6 +59,27 @@ def test_slot_cache_decodes_as_the_growing_cache(tiny_model_dir) -> None:
     assert drive(model, runners, "cpu", 40) < 1e-5
 
 
+def test_compiled_step_is_one_dynamic_trace_that_decodes_as_the_eager_one(tiny_model_dir) -> None:
+    """The trace, not the kernels: a backend that runs dynamo's graph as it is (inductor's kernels are the
+    GPU test's). Every batch and width bucket of the script reuses the graph, except the step whose width
+    reaches the cache's capacity (the attended view is then the whole cache: one more specialisation)."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = load_causal_lm(tiny_model_dir)
+    cpu = torch.device("cpu")
+    # fused projections too: their groups must hold no tensor between forwards, or the trace guards on it
+    # (compiled first: it then runs right after the other runner's prefills)
+    runners = [SlotRunner(model, cpu, max_batch=8, max_model_len=128, fuse=True, compile=counting),
+               SlotRunner(model, cpu, max_batch=8, max_model_len=128)]  # fmt: skip
+    assert drive(model, runners, "cpu", 80) < 1e-5  # batches of 3, 2 and 4 rows; widths past 64 up to 128
+    assert 1 <= len(graphs) <= 2, f"{len(graphs)} traces: the compiled step recompiles per shape"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_graph_decode_matches_eager_and_a_full_forward(tiny_model_dir) -> None:
@@ -69,3 +91,14 @@ def test_graph_decode_matches_eager_and_a_full_forward(tiny_model_dir) -> None:
     assert graphs.graphs is not None, "the capture failed and the runner fell back to eager decoding"
     captured = graphs.graphs.graphs
     assert {b for b, _ in captured} >= {2, 4} and {w for _, w in captured} >= {128, 256}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_graphs_of_the_compiled_step_match_eager_and_a_full_forward(tiny_model_dir) -> None:
+    model = load_causal_lm(tiny_model_dir, device="cuda")
+    dev = torch.device("cuda")
+    eager = SlotRunner(model, dev, max_batch=8, max_model_len=512)
+    compiled = SlotRunner(model, dev, max_batch=8, max_model_len=512, graphs=True, fuse=True, compile="inductor")
+    assert drive(model, [eager, compiled], "cuda", 110) < 1e-4
+    assert compiled.graphs is not None, "the capture failed and the runner fell back to eager decoding"

@@ -132,6 +132,11 @@ class EnginesConfig(Section):
     fuse_projections: bool = True
     """Builtin engine on a GPU: one matmul per layer for q/k/v and one for gate/up (same parameters and
     names; refits write the fused weights)."""
+    compile_decode: bool = False
+    """Builtin engine on a GPU: compile the decode step with `torch.compile` (inductor, dynamic shapes) before
+    its CUDA graphs record it, so each layer's norms, rotary, residuals and activation run as a few fused
+    kernels instead of ~30 small ones. Costs one compile when the engine starts (cached on disk for the next
+    start); off under `enforce_eager`."""
     prefill_interval: PositiveInt = 8
     """Builtin engine: decode steps between two prefills while rows decode, unless the newcomers would fill
     half of `max_batch` (then at once; with nothing decoding, at once too). A prefill of a few rows costs

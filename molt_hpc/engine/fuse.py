@@ -39,7 +39,10 @@ class FusedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         g = self.group
         if g.input is x and self.index in g.outputs:
-            return g.outputs.pop(self.index)
+            out = g.outputs.pop(self.index)
+            if not g.outputs:  # the group is done: hold no tensor between forwards (a compiled step
+                g.input = None  # would guard on the last one's shape, a prefill's, and recompile)
+            return out
         if self.index != 0:  # not the group's first call on this input: the plain projection
             return F.linear(x, self.weight, self.bias)
         parts = F.linear(x, g.weight, g.bias).split(g.sizes, dim=-1)

@@ -66,6 +66,8 @@ def model_runner(model, dev, eng, vision, *, graphs: bool):
             graphs=not eng.enforce_eager and graphs,
             sampling=eng.sample_in_graph,
             fuse=eng.fuse_projections,
+            # router replay (graphs=False) records from Python hooks, which a compiled step would trace away
+            compile="inductor" if eng.compile_decode and graphs and not eng.enforce_eager else None,
         )
     return ModelRunner(model, dev)
 

@@ -17,6 +17,8 @@ switches the model to `decode_attention`, which folds the query heads that share
 query length instead of copying K/V once per query head (what transformers' SDPA path does with a mask).
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -177,7 +179,9 @@ class SlotCache:
 class SlotRunner(ModelRunner):
     """A `ModelRunner` whose running batch lives in a `SlotCache`; on a GPU its decode steps may replay
     CUDA graphs (`graphs=True`), with plain sampling inside them (`sampling=True`); `fuse=True` fuses
-    each layer's q/k/v and gate/up projections (`fuse.py`). Prefill is the plain runner's."""
+    each layer's q/k/v and gate/up projections (`fuse.py`); `compile` (a `torch.compile` backend,
+    "inductor" in the engine) compiles the decode step with dynamic shapes, and the graphs then record
+    its fused kernels. Prefill is the plain runner's."""
 
     def __init__(
         self,
@@ -189,6 +193,7 @@ class SlotRunner(ModelRunner):
         graphs: bool = False,
         sampling: bool = False,
         fuse: bool = False,
+        compile: str | Callable | None = None,
     ):
         super().__init__(model, device)
         if fuse:  # before anything reads the parameters: the fused weights are what refits write
@@ -202,6 +207,12 @@ class SlotRunner(ModelRunner):
 
         AttentionInterface.register(DECODE_ATTENTION, decode_attention)
         self.slots = SlotCache(model.config, max_batch, max_model_len, model.dtype, device)
+        # The per-layer elementwise work (norms, rotary, residuals, the activation) is ~30 small kernels a
+        # layer eager; compiled, each chain is one kernel, so a recorded step replays a fraction of the
+        # launches. Dynamic shapes: one compile serves every (batch, width) bucket (plus width = capacity).
+        self._forward = self._step
+        if compile is not None:
+            self._forward = torch.compile(self._step, backend=compile, dynamic=True, fullgraph=True)
         self.graphs = None
         if graphs:
             from molt_hpc.engine.graphs import DecodeGraphs
@@ -231,6 +242,9 @@ class SlotRunner(ModelRunner):
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
         """One decode forward of rows [0, b): `ids [b, 1]` at `positions [b]`; next-token logits [b, V]."""
+        return self._forward(ids, positions, width)
+
+    def _step(self, ids: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
         mask = self.slots.begin_step(positions, width)
         config = self.model.config
         prefill_attention = config._attn_implementation
