@@ -13,7 +13,7 @@ weights never stop on their own) and reports tokens/s for:
 The baseline of every row is HF `generate` on the same model: one left-padded batch of 128 prompts,
 64 new tokens each, sampled.
 
-    python bench/gpu_rollout.py [--out rows.jsonl] [--requests 256] [--dry-run]
+    python bench/gpu_rollout.py [--out rows.jsonl] [--requests 256] [--compile] [--dry-run]
 """
 
 import argparse
@@ -170,6 +170,7 @@ def main() -> int:
     ap.add_argument("--interval", type=int, default=8, help="engines.prefill_interval of the engine process")
     ap.add_argument("--profile", type=Path, help="write the in-process round's cProfile here")
     ap.add_argument("--no-http", action="store_true", help="leave out the engine process rows")
+    ap.add_argument("--compile", action="store_true", help="the compiled decode step (engines.compile_decode)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU: checks the script")
     args = ap.parse_args()
     dry = args.dry_run
@@ -192,6 +193,8 @@ def main() -> int:
     from molt_hpc.engine.slots import SlotRunner
 
     flags = {} if dry else {"graphs": True, "sampling": True, "fuse": True}
+    if args.compile:
+        flags["compile"] = "inductor"
     runner = SlotRunner(model, device, max_batch=args.max_batch, max_model_len=256, **flags)
     t0 = time.perf_counter()
     core_round(runner, requests, args.max_batch)  # warm-up: records the decode graphs
@@ -231,7 +234,8 @@ def main() -> int:
     model.save_pretrained(tmp / "model", safe_serialization=True)
     sets = [f"model.path={json.dumps(str(tmp / 'model'))}", f"model.dtype='{str(dtype)[6:]}'",
             f"engines.max_batch={args.max_batch}", "engines.max_model_len=256", f"engines.device='{device.type}'",
-            "engines.gpu_memory_utilization=0.3", f"engines.prefill_interval={args.interval}"]  # fmt: skip
+            "engines.gpu_memory_utilization=0.3", f"engines.prefill_interval={args.interval}",
+            f"engines.compile_decode={str(args.compile).lower()}"]  # fmt: skip
     run = create_run_dir(tmp, "run", to_toml(load_config(None, sets)))
     proc = start_engine(run, gpu_env())
     try:
