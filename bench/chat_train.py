@@ -15,6 +15,10 @@ after its launch (start-up included) instead of after `--steps`, so both modes g
 
     python bench/chat_train.py [--steps 30] [--repeats 2]
     python bench/chat_train.py --task calculator --seconds 120 --repeats 2
+    python bench/chat_train.py --task calculator --seconds 120 --set model.path=runs/tiny-calculator-sft
+
+The last starts both modes from the model `molt-hpc sft configs/tiny_calculator_sft.toml` writes, which calls
+the calculator in either form (the untrained tiny model calls none, so neither mode has anything to learn).
 """
 
 import argparse
@@ -97,14 +101,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--task", choices=sorted(TASKS), default="reverse")
     parser.add_argument("--seconds", type=float, help="stop each run this long after its launch instead")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for both modes' runs (repeatable)")  # fmt: skip
     args = parser.parse_args()
     config, agents, sets = TASKS[args.task]
+    sets = [*sets, *args.sets]
     results: dict[str, list[dict[str, float]]] = {name: [] for name in agents}
     for _ in range(args.repeats):
         for name, agent in agents.items():
             results[name].append(one_run(config, agent, args.steps, args.seconds, sets))
     length = f"{args.seconds:g} s" if args.seconds else f"{args.steps} steps"
     print(f"{config}, {args.task} task, {length} per run, median of {args.repeats} alternating runs")
+    print("overrides: " + " ".join(sets) if sets else "no overrides")
     print("| mode | " + " | ".join(title for _, title, _ in COLUMNS) + " |")
     print("|---" * (len(COLUMNS) + 1) + "|")
     for name, runs in results.items():

@@ -12,6 +12,11 @@
   neighbours swapped, a letter dropped or one added: the mistakes a policy learning the task makes).
   Every kind of near miss once per string (a tiny reward model only learns to compare the two orders
   of the letters when it meets them side by side for the same prompt).
+- `calculator_sft_train.jsonl` / `calculator_sft_eval.jsonl`: demonstrations of the calculator task for
+  `molt-hpc sft` (`configs/tiny_calculator_sft.toml`), half in env mode's form (`<calc>expr</calc>`, the
+  `<result>` turn, `<answer>`) and half in chat mode's (the calculator offered as a tool, a `tool_calls`
+  reply, the `tool` message, `<answer>`), the results written by the calculator itself; the expressions
+  (`+ - *`) are never those of `math_train.jsonl` (the RL prompts), and the eval ones never the train ones.
 - `color_train.jsonl` / `color_eval.jsonl` + `shapes/*.png`: "What colour is the shape?" over 56 x 56
   PNGs of a red, green or blue circle, square or triangle (`molt_hpc.agents.shapes`), `COLOR_VARIANTS`
   jittered drawings of each for training and `COLOR_EVAL_VARIANTS` other ones for evaluation; the image
@@ -32,6 +37,7 @@ REVERSE_LENGTHS = (2, 3, 4)
 REVERSE_TRAIN_ROWS = 1024
 REVERSE_EVAL_PER_LENGTH = {2: 4, 3: 12, 4: 16}
 MATH_ROWS = 300
+CALC_SFT_ROWS = {"train": 1024, "eval": 64}
 COLOR_VARIANTS = 8
 COLOR_EVAL_VARIANTS = 4
 COLOR_QUESTION = "What colour is the shape?"
@@ -75,10 +81,47 @@ def math_rows(rng: random.Random) -> list[dict]:
         else:
             text, value = f"{a} / {c}", Fraction(a, c)
         label = str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
-        # An example of the format lifts SmolLM2-135M's well-formed answers from ~2% to ~9% of samples.
-        prompt = f"Compute {text}. Write the final answer as <answer>number</answer>, e.g. <answer>12</answer>."
-        rows.append({"id": f"math-train-{i:05d}", "prompt": prompt, "label": label})
+        rows.append({"id": f"math-train-{i:05d}", "prompt": math_prompt(text), "label": label})
     return rows
+
+
+def math_prompt(text: str) -> str:
+    # An example of the format lifts SmolLM2-135M's well-formed answers from ~2% to ~9% of samples.
+    return f"Compute {text}. Write the final answer as <answer>number</answer>, e.g. <answer>12</answer>."
+
+
+def calculator_demo(i: int, kind: str, text: str, chat: bool) -> dict:
+    """One solved calculator episode: call the tool with the expression, answer with its result."""
+    from molt_hpc.agents.arith import CALCULATOR_TOOL, calculate
+
+    value = calculate(text)
+    ask, answer = (
+        {"role": "user", "content": math_prompt(text)},
+        {"role": "assistant", "content": f"<answer>{value}</answer>"},
+    )
+    row_id = f"calculator-sft-{kind}-{i:05d}"
+    if not chat:
+        call = {"role": "assistant", "content": f"<calc>{text}</calc>"}
+        return {"id": row_id, "messages": [ask, call, {"role": "user", "content": f"<result>{value}</result>"}, answer]}
+    call = {"type": "function", "id": "call_0", "function": {"name": "calculate", "arguments": {"expression": text}}}
+    return {"id": row_id, "tools": [CALCULATOR_TOOL], "messages": [
+        ask, {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": value}, answer]}  # fmt: skip
+
+
+def calculator_sft_rows(rng: random.Random, taken: set[str]) -> dict[str, list[dict]]:
+    """Train and eval demonstrations (alternating env and chat form) over expressions not in `taken`."""
+    out = {}
+    for kind, n in CALC_SFT_ROWS.items():
+        texts = []
+        while len(texts) < n:
+            a, b, c = rng.randint(1, 20), rng.randint(1, 20), rng.randint(1, 9)
+            text = rng.choice([f"{a} + {b}", f"{a} - {b}", f"{a} * {c}", f"{a} + {b} * {c}"])
+            if text not in taken:
+                taken.add(text)
+                texts.append(text)
+        out[kind] = [calculator_demo(i, kind, t, chat=i % 2 == 1) for i, t in enumerate(texts)]
+    return out
 
 
 def sft_rows(rows: list[dict], kind: str) -> list[dict]:
@@ -145,7 +188,11 @@ def main(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_jsonl(out_dir / "reverse_train.jsonl", train)
     write_jsonl(out_dir / "reverse_eval.jsonl", evaluation)
-    write_jsonl(out_dir / "math_train.jsonl", math_rows(random.Random(SEED + 1)))
+    math = math_rows(random.Random(SEED + 1))
+    write_jsonl(out_dir / "math_train.jsonl", math)
+    taken = {r["prompt"].removeprefix("Compute ").split(". Write")[0] for r in math}
+    for kind, rows in calculator_sft_rows(random.Random(SEED + 3), taken).items():
+        write_jsonl(out_dir / f"calculator_sft_{kind}.jsonl", rows)
     write_jsonl(out_dir / "reverse_sft_train.jsonl", sft_rows(train, "train"))
     write_jsonl(out_dir / "reverse_sft_eval.jsonl", sft_rows(evaluation, "eval"))
     prefs = random.Random(SEED + 2)

@@ -18,24 +18,11 @@ import json
 import openai
 
 from molt_hpc.agents import ChatAgent, Result
-from molt_hpc.agents.arith import calculate
+from molt_hpc.agents.arith import CALCULATOR_TOOL, calculate
 from molt_hpc.agents.grading import grade
 
 MAX_CALLS = 3
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculate",
-            "description": "Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string", "description": "e.g. 12 * (3 + 4)"}},
-                "required": ["expression"],
-            },
-        },
-    }
-]
+TOOLS = [CALCULATOR_TOOL]
 
 
 def run_tool(name: str, arguments: str) -> str:

@@ -112,3 +112,55 @@ def test_the_chat_calculators_tool_answers_calls_and_errors() -> None:
     assert run_tool("calculate", '{"expr": "1"}').startswith("error: pass")
     assert run_tool("calculate", "[1]").startswith("error: pass")
     assert run_tool("search", "{}") == "error: no tool named 'search'; call calculate"
+
+
+def integer_value(expr: str) -> int:
+    """The value of the demonstrations' forms (`a + b`, `a - b`, `a * b`, `a + b * c`), computed directly."""
+    parts = expr.split()
+    nums, ops = [int(p) for p in parts[::2]], parts[1::2]
+    if ops == ["+", "*"]:
+        return nums[0] + nums[1] * nums[2]
+    (op,) = ops
+    return {"+": nums[0] + nums[1], "-": nums[0] - nums[1], "*": nums[0] * nums[1]}[op]
+
+
+def test_the_tool_calling_demonstrations_solve_the_task_in_both_modes() -> None:
+    """data/calculator_sft_*.jsonl (configs/tiny_calculator_sft.toml): each env-form episode, replayed through
+    the env, gets the demonstrated observation and reward 1; each chat-form reply, rendered by the tiny model's
+    chat template and parsed as the chat endpoint parses it, calls the calculator with the prompt's expression,
+    and the tool's answer is the demonstrated `tool` message. Values come from Python's own integer arithmetic."""
+    import json
+    import sys
+
+    from molt_hpc.models.tiny_char import build_tiny_tokenizer
+    from molt_hpc.rollout.tool_calls import parse_hermes
+
+    agent = load_agent(str(ROOT / "envs" / "calculator_chat.py"))
+    run_tool = sys.modules[agent.__module__].run_tool
+    tok = build_tiny_tokenizer()
+
+    def rows(name: str) -> list[dict]:
+        return [json.loads(line) for line in (ROOT / "data" / name).read_text().splitlines()]
+
+    seen = {}
+    for kind in ("train", "eval"):
+        for row in rows(f"calculator_sft_{kind}.jsonl"):
+            ask, call, result, answer = row["messages"]
+            expr = ask["content"].removeprefix("Compute ").split(". Write")[0]
+            value = str(integer_value(expr))
+            assert answer == {"role": "assistant", "content": f"<answer>{value}</answer>"}
+            seen.setdefault(kind, set()).add(expr)
+            if "tools" not in row:  # env form: the env's own protocol
+                env = Calculator()
+                first = step(env, call["content"], label=value)
+                assert result == {"role": "user", "content": first.observation} and not first.terminated
+                assert step(env, answer["content"], label=value, turn=1).reward == 1.0
+                continue
+            text = tok.apply_chat_template([ask, call], tools=row["tools"], tokenize=False)
+            reply = text.rsplit("<|im_start|>assistant\n", 1)[1].removesuffix("<|im_end|>\n")
+            _, (parsed,) = parse_hermes(reply)
+            assert (parsed.name, json.loads(parsed.arguments)) == ("calculate", {"expression": expr})
+            assert result["content"] == run_tool(parsed.name, parsed.arguments) == value
+    assert len(seen["train"]) == 1024 and len(seen["eval"]) == 64 and not seen["train"] & seen["eval"]
+    rl_prompts = {r["prompt"].removeprefix("Compute ").split(". Write")[0] for r in rows("math_train.jsonl")}
+    assert not (seen["train"] | seen["eval"]) & rl_prompts, "the RL prompts are not demonstrated"

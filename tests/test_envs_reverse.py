@@ -76,5 +76,11 @@ def test_shipped_data_shape() -> None:
 
 def test_generator_is_deterministic(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(DATA / "make_datasets.py"), str(tmp_path)], check=True, timeout=60)
-    for name in ("reverse_train.jsonl", "reverse_eval.jsonl", "math_train.jsonl"):
+    for name in (
+        "reverse_train.jsonl",
+        "reverse_eval.jsonl",
+        "math_train.jsonl",
+        "calculator_sft_train.jsonl",
+        "calculator_sft_eval.jsonl",
+    ):
         assert filecmp.cmp(tmp_path / name, DATA / name, shallow=False), name

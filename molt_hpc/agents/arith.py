@@ -4,7 +4,9 @@ Model-written text is parsed into a Python AST and only number literals, the ari
 and unary signs are walked; anything else (names, calls, attributes) is refused. It never calls
 `eval`. Results are exact `Fraction`s (a non-integer power falls back to float), and sizes are
 bounded so `9**9**9` or a 10,000-digit literal is refused instead of hanging the process.
-`calculate` is the calculator tool both calculator envs offer: the value as text, or the error.
+`calculate` is the calculator tool both calculator envs offer: the value as text, or the error;
+`CALCULATOR_TOOL` is its OpenAI tool schema (chat mode, and the tool-calling demonstrations of
+`data/make_datasets.py`).
 """
 
 import ast
@@ -17,6 +19,18 @@ MAX_EXPONENT = 64
 MAX_BITS = 4096
 
 Number = Fraction | float
+CALCULATOR_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculate",
+        "description": "Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "e.g. 12 * (3 + 4)"}},
+            "required": ["expression"],
+        },
+    },
+}
 
 _BINARY = {
     ast.Add: operator.add,
