@@ -82,23 +82,13 @@ def test_compiled_step_is_one_dynamic_trace_that_decodes_as_the_eager_one(tiny_m
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_graph_decode_matches_eager_and_a_full_forward(tiny_model_dir) -> None:
+@pytest.mark.parametrize("flags", [{}, {"fuse": True, "compile": "inductor"}], ids=["graphs", "compiled-step graphs"])
+def test_graph_decode_matches_eager_and_a_full_forward(tiny_model_dir, flags) -> None:
     model = load_causal_lm(tiny_model_dir, device="cuda")
     dev = torch.device("cuda")
     eager = SlotRunner(model, dev, max_batch=8, max_model_len=512)
-    graphs = SlotRunner(model, dev, max_batch=8, max_model_len=512, graphs=True)
+    graphs = SlotRunner(model, dev, max_batch=8, max_model_len=512, graphs=True, **flags)
     assert drive(model, [eager, graphs], "cuda", 110) < 1e-4  # row 1 grows past 128 columns
     assert graphs.graphs is not None, "the capture failed and the runner fell back to eager decoding"
     captured = graphs.graphs.graphs
     assert {b for b, _ in captured} >= {2, 4} and {w for _, w in captured} >= {128, 256}
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_graphs_of_the_compiled_step_match_eager_and_a_full_forward(tiny_model_dir) -> None:
-    model = load_causal_lm(tiny_model_dir, device="cuda")
-    dev = torch.device("cuda")
-    eager = SlotRunner(model, dev, max_batch=8, max_model_len=512)
-    compiled = SlotRunner(model, dev, max_batch=8, max_model_len=512, graphs=True, fuse=True, compile="inductor")
-    assert drive(model, [eager, compiled], "cuda", 110) < 1e-4
-    assert compiled.graphs is not None, "the capture failed and the runner fell back to eager decoding"
