@@ -211,12 +211,11 @@ def batch_sweep(model, prompt_len: int, device, bandwidth: float, rows: list[int
 
     rng, new = random.Random(1), 64
     vocab = model.config.vocab_size
-    for compile_ in (None, "inductor"):
-        most = max(rows)
-        runner = SlotRunner(model, device, max_batch=most, max_model_len=512, graphs=True, sampling=True,
+    batches = {n: [[rng.randrange(1, vocab) for _ in range(prompt_len)] for _ in range(n)] for n in rows}
+    for compile_ in (None, "inductor"):  # the same prompts for both
+        runner = SlotRunner(model, device, max_batch=max(rows), max_model_len=512, graphs=True, sampling=True,
                             fuse=True, compile=compile_)  # fmt: skip
-        for n in rows:
-            prompts = [[rng.randrange(1, vocab) for _ in range(prompt_len)] for _ in range(n)]
+        for n, prompts in batches.items():
             core_round(runner, prompts, 8)  # records this batch's buckets
             _, steps = core_round(runner, prompts, new)
             floor = step_floor(model, n, prompt_len + new // 2, bandwidth)

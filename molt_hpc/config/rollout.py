@@ -136,7 +136,7 @@ class EnginesConfig(Section):
     """Builtin engine on a GPU: compile the decode step with `torch.compile` (inductor, dynamic shapes) before
     its CUDA graphs record it, so each layer's norms, rotary, residuals and activation run as a few fused
     kernels instead of ~30 small ones. Costs one compile when the engine starts (cached on disk for the next
-    start); off under `enforce_eager`."""
+    start); off under `enforce_eager` and with router replay (it records from Python hooks)."""
     prefill_interval: PositiveInt = 8
     """Builtin engine: decode steps between two prefills while rows decode, unless the newcomers would fill
     half of `max_batch` (then at once; with nothing decoding, at once too). A prefill of a few rows costs

@@ -56,6 +56,7 @@ def model_runner(model, dev, eng, vision, *, graphs: bool):
     if dev.type == "cuda" and getattr(model.config, "_attn_implementation", "sdpa") in ATTENTION:
         # On a GPU: a preallocated KV cache, and decode steps replayed as CUDA graphs unless enforce_eager.
         # On a CPU the step costs what its ops cost either way; the growing cache stays.
+        graphs = graphs and not eng.enforce_eager
         fraction = eng.gpu_memory_utilization
         check_slot_cache_fits(model.config, dev, eng.max_batch, eng.max_model_len, model.dtype, fraction)
         return SlotRunner(
@@ -63,11 +64,11 @@ def model_runner(model, dev, eng, vision, *, graphs: bool):
             dev,
             max_batch=eng.max_batch,
             max_model_len=eng.max_model_len,
-            graphs=not eng.enforce_eager and graphs,
+            graphs=graphs,
             sampling=eng.sample_in_graph,
             fuse=eng.fuse_projections,
             # router replay (graphs=False) records from Python hooks, which a compiled step would trace away
-            compile="inductor" if eng.compile_decode and graphs and not eng.enforce_eager else None,
+            compile="inductor" if eng.compile_decode and graphs else None,
         )
     return ModelRunner(model, dev)
 
