@@ -7,13 +7,15 @@ weights, built from `configs/models/smollm2-135m`; answer lengths drawn from the
 weights never stop on their own) and reports tokens/s for:
 
 - the scheduler in this process (no HTTP), with the time of each part of its steps: prefill, joining the
-  slot cache, the decode step (graph replay and read-back), rows leaving, and the rest (Python);
+  slot cache, the decode step (graph replay and read-back), rows leaving, and the rest (Python), for each
+  prefill path (`--prefill`): `dynamic` (a `DynamicCache` forward copied into the slots, the path before
+  the slot prefill) and `slots` (straight into the slot cache, from CUDA graphs);
 - the engine process over HTTP on loopback, whole answers and streamed answers (what the rollout sends).
 
 The baseline of every row is HF `generate` on the same model: one left-padded batch of 128 prompts,
 64 new tokens each, sampled.
 
-    python bench/gpu_rollout.py [--out rows.jsonl] [--requests 256] [--compile] [--dry-run]
+    python bench/gpu_rollout.py [--out rows.jsonl] [--requests 256] [--prefill dynamic,slots] [--compile] [--dry-run]
 """
 
 import argparse
@@ -69,10 +71,15 @@ class PartTimer:
     def __init__(self, runner, device):
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
-        for obj, name, part in ((runner, "prefill", "prefill"), (runner, "join", "join"),
-                                (runner, "decode_sampled", "decode"), (runner, "decode", "decode"),
-                                (runner.slots, "keep", "leave")):  # fmt: skip
+        self.wrapped = ((runner, "prefill", "prefill"), (runner, "join", "join"), (runner, "decode_sampled", "decode"),
+                        (runner, "decode", "decode"), (runner.slots, "keep", "leave"))  # fmt: skip
+        for obj, name, part in self.wrapped:
             setattr(obj, name, self._wrap(getattr(obj, name), part, device))
+
+    def remove(self) -> None:
+        """Back to the untimed methods (the class's, which the instance's wrappers shadowed)."""
+        for obj, name, _ in self.wrapped:
+            delattr(obj, name)
 
     def _wrap(self, fn, part, device):
         def timed(*args, **kwargs):
@@ -162,6 +169,55 @@ async def http_round(url: str, token: str, requests, streamed: bool) -> tuple[fl
     return dt, sum(m for _, m in requests)
 
 
+PREFILL_PATHS = {
+    "dynamic": {"slot_prefill": False},  # a DynamicCache forward with a 2-D mask, copied into the slots at join
+    "slots": {"slot_prefill": True},  # straight into the slot cache, CUDA graphs where the decode has them
+}
+
+
+def engine_rows(args, model, device, flags: dict, path: str, requests, hf_tps: float) -> None:
+    """The in-process rows of one prefill path: rounds with each part timed, untimed rounds, the closed loop.
+    Every round runs once untimed first: the runs are deterministic, so that records every graph they replay."""
+    from molt_hpc.engine.slots import SlotRunner
+
+    tokens, vocab = sum(m for _, m in requests), model.config.vocab_size
+    intervals = [int(i) for i in args.intervals.split(",")]
+    runner = SlotRunner(model, device, max_batch=args.max_batch, max_model_len=256, **flags)
+    t0 = time.perf_counter()
+    for interval in intervals:
+        core_round(runner, requests, args.max_batch, interval=interval)
+    for interval in (1, 8):
+        closed_loop(runner, vocab, args.max_batch, interval)
+    warm = f"warm-up rounds (graph capture) {time.perf_counter() - t0:.1f} s"
+    timer = PartTimer(runner, device)
+    for interval in intervals:
+        timer.seconds.clear()
+        timer.calls.clear()
+        dt, _, steps, _ = core_round(runner, requests, args.max_batch, interval=interval)
+        parts = ", ".join(f"{k} {1000 * v / steps:.2f} ms ({timer.calls[k]} calls)" for k, v in timer.seconds.items())
+        rest = dt - sum(timer.seconds.values())
+        case = f"{path} prefill: in-process, prefill_interval {interval}, parts timed"
+        write_row(args.out, bench="rollout", case=case,
+                  value=tokens / dt, unit="tok/s", baseline=hf_tps, ratio=tokens / dt / hf_tps,
+                  note=f"{steps} steps, {1000 * dt / steps:.2f} ms/step: {parts}, rest {1000 * rest / steps:.2f} ms; "
+                  f"{warm}")  # fmt: skip
+    timer.remove()
+    for interval in intervals:
+        profile = args.profile is not None and interval == args.interval
+        dt, _, steps, prof = core_round(runner, requests, args.max_batch, profile=profile, interval=interval)
+        if prof and args.profile:
+            args.profile.with_name(f"{args.profile.stem}-{path}{args.profile.suffix}").write_text(prof)
+        write_row(args.out, bench="rollout", case=f"{path} prefill: in-process, prefill_interval {interval}",
+                  value=tokens / dt, unit="tok/s", baseline=hf_tps, ratio=tokens / dt / hf_tps,
+                  note=f"{steps} steps, {1000 * dt / steps:.2f} ms/step")  # fmt: skip
+    for interval in (1, 8):
+        dt, done, steps = closed_loop(runner, vocab, args.max_batch, interval)
+        case = f"{path} prefill: closed loop (16 groups of 8, 4-20 tokens), prefill_interval {interval}"
+        write_row(args.out, bench="rollout", case=case, value=done / dt, unit="tok/s", baseline=hf_tps,
+                  ratio=done / dt / hf_tps,
+                  note=f"{steps} steps, {1000 * dt / steps:.2f} ms/step, {400 * 8 / dt:.0f} requests/s")  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
@@ -171,6 +227,8 @@ def main() -> int:
     ap.add_argument("--profile", type=Path, help="write the in-process round's cProfile here")
     ap.add_argument("--no-http", action="store_true", help="leave out the engine process rows")
     ap.add_argument("--compile", action="store_true", help="the compiled decode step (engines.compile_decode)")
+    ap.add_argument("--prefill", default="dynamic,slots", help=f"prefill paths in turn: {','.join(PREFILL_PATHS)}")
+    ap.add_argument("--intervals", default="1,4,8,16", help="prefill_interval values of the in-process rounds")
     ap.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU: checks the script")
     args = ap.parse_args()
     dry = args.dry_run
@@ -190,43 +248,11 @@ def main() -> int:
     write_row(args.out, bench="rollout", case=f"HF generate, {len(prompts)} x 64 new tokens (baseline)",
               value=hf_tps, unit="tok/s", note=f"{hf_s:.2f} s")  # fmt: skip
 
-    from molt_hpc.engine.slots import SlotRunner
-
     flags = {} if dry else {"graphs": True, "sampling": True, "fuse": True}
     if args.compile:
         flags["compile"] = "inductor"
-    runner = SlotRunner(model, device, max_batch=args.max_batch, max_model_len=256, **flags)
-    t0 = time.perf_counter()
-    core_round(runner, requests, args.max_batch)  # warm-up: records the decode graphs
-    warm = time.perf_counter() - t0
-    timer = PartTimer(runner, device)
-    for interval in (1, 4, 8, 16):
-        timer.seconds.clear()
-        timer.calls.clear()
-        dt, _, steps, _ = core_round(runner, requests, args.max_batch, interval=interval)
-        parts = ", ".join(f"{k} {1000 * v / steps:.2f} ms ({timer.calls[k]} calls)" for k, v in timer.seconds.items())
-        rest = dt - sum(timer.seconds.values())
-        write_row(args.out, bench="rollout", case=f"scheduler in-process, prefill_interval {interval}, parts timed",
-                  value=tokens / dt, unit="tok/s", baseline=hf_tps, ratio=tokens / dt / hf_tps,
-                  note=f"{steps} steps, {1000 * dt / steps:.2f} ms/step: {parts}, rest {1000 * rest / steps:.2f} ms; "
-                  f"first round (graph capture) {warm:.1f} s")  # fmt: skip
-    runner = SlotRunner(model, device, max_batch=args.max_batch, max_model_len=256, **flags)
-    core_round(runner, requests, args.max_batch)
-    for interval in (1, 4, 8, 16):
-        profile = args.profile is not None and interval == args.interval
-        dt, _, steps, prof = core_round(runner, requests, args.max_batch, profile=profile, interval=interval)
-        if prof and args.profile:
-            args.profile.write_text(prof)
-        write_row(args.out, bench="rollout", case=f"scheduler in-process, prefill_interval {interval}",
-                  value=tokens / dt, unit="tok/s", baseline=hf_tps, ratio=tokens / dt / hf_tps,
-                  note=f"{steps} steps, {1000 * dt / steps:.2f} ms/step")  # fmt: skip
-    for interval in (1, 8):
-        dt, done, steps = closed_loop(runner, model.config.vocab_size, args.max_batch, interval)
-        case = f"closed loop (16 groups of 8, 4-20 tokens), prefill_interval {interval}"
-        write_row(args.out, bench="rollout", case=case, value=done / dt, unit="tok/s", baseline=hf_tps,
-                  ratio=done / dt / hf_tps,
-                  note=f"{steps} steps, {1000 * dt / steps:.2f} ms/step, {400 * 8 / dt:.0f} requests/s")  # fmt: skip
-    del runner
+    for path in args.prefill.split(","):
+        engine_rows(args, model, device, {**flags, **PREFILL_PATHS[path]}, path, requests, hf_tps)
     if args.no_http:
         return 0
 

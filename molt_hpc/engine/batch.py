@@ -98,6 +98,10 @@ class ModelRunner:
         batch.merge(part)
         return batch
 
+    def release(self) -> None:
+        """The scheduler dropped its running batch (all rows done, a refit, a failed step): a runner
+        that prefills into its own storage starts over from its first row."""
+
     def decode_sampled(self, batch, rows: list[Row], last: list[int], positions: list[int], generator):
         """(tokens, log-probs) of a decode step that also sampled, when this runner can (`SlotRunner`
         with sampling graphs), else None: the caller samples `decode`'s logits."""

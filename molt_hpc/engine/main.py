@@ -56,6 +56,8 @@ def model_runner(model, dev, eng, vision, *, graphs: bool):
     if dev.type == "cuda" and getattr(model.config, "_attn_implementation", "sdpa") in ATTENTION:
         # On a GPU: a preallocated KV cache, and decode steps replayed as CUDA graphs unless enforce_eager.
         # On a CPU the step costs what its ops cost either way; the growing cache stays.
+        # Router replay (graphs=False here) reads the plain prefill's left-padded rows: it keeps that prefill.
+        slot_prefill = graphs
         graphs = graphs and not eng.enforce_eager
         fraction = eng.gpu_memory_utilization
         check_slot_cache_fits(model.config, dev, eng.max_batch, eng.max_model_len, model.dtype, fraction)
@@ -69,6 +71,7 @@ def model_runner(model, dev, eng, vision, *, graphs: bool):
             fuse=eng.fuse_projections,
             # router replay (graphs=False) records from Python hooks, which a compiled step would trace away
             compile="inductor" if eng.compile_decode and graphs else None,
+            slot_prefill=slot_prefill,
         )
     return ModelRunner(model, dev)
 

@@ -145,6 +145,7 @@ class Scheduler:
         self.version = version
         self.refitting = False
         self._batch = None  # stale KV: the running rows are re-prefilled under the new weights
+        self.runner.release()
         self.waiting[:0] = self.rows
         self.rows = []
         return self.status()
@@ -200,6 +201,7 @@ class Scheduler:
                     if not row.future.done():
                         row.future.set_exception(RuntimeError(f"engine step failed: {err}"))
                 self.rows, self.waiting, self._batch = [], [], None
+                self.runner.release()
 
     def _run_command(self, fn: Callable[[], Any], fut: Future) -> None:
         try:
@@ -329,6 +331,7 @@ class Scheduler:
         self.rows = [self.rows[i] for i in order]
         if not order:
             self._batch = None
+            self.runner.release()
         elif self._batch is not None:
             self._batch.keep(order, max(r.length for r in self.rows))
 

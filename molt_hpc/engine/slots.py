@@ -6,8 +6,10 @@ V of `[max_batch · max_model_len, kv_heads, head_dim]` (slot-major): row i of t
 in slot i, its token j at column j, so a row's column is its position id. A decode step writes each
 row's new K/V at (slot, position) with one `index_copy_` per layer and attends over the first
 `width` columns under an additive mask that hides each row's columns past its own length. Rows join
-by copying their prefill K/V into the next free slots and leave by moving later rows into the holes,
-so the batch is always slots `[0, rows)`. Fixed addresses and shapes are what lets `graphs.py` record
+by having their prefill write its K/V straight into the next free slots (`prefill.py`; the plain
+prefill's `DynamicCache` is copied in instead) and leave by moving later rows into the holes, so the
+batch is always slots `[0, rows)`. One scratch slot past the last takes the writes of a graphed
+prefill's dummy rows. Fixed addresses and shapes are what lets `graphs.py` record
 the decode step as a CUDA graph.
 
 The model sees `SlotCache` only through the one method transformers' attention layers call on a
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 
 from molt_hpc.engine.batch import ModelRunner, plain_rows
 from molt_hpc.engine.kvcache import BatchCache
+from molt_hpc.engine.prefill import PREFILL_ATTENTION, SlotPart, SlotPrefill, prefill_attention
 
 ATTENTION = ("sdpa", "eager")
 """Attention kernels that take a 4-D additive mask (flash-attention 2 takes none)."""
@@ -55,8 +58,8 @@ def kv_shape(config, slots: int, capacity: int) -> tuple[int, int, int]:
 
 
 def slot_cache_bytes(config, slots: int, capacity: int, dtype: torch.dtype) -> int:
-    """Bytes a `SlotCache` of this shape allocates (K and V of every layer)."""
-    rows, kv_heads, head_dim = kv_shape(config, slots, capacity)
+    """Bytes a `SlotCache` of this shape allocates (K and V of every layer, the scratch slot too)."""
+    rows, kv_heads, head_dim = kv_shape(config, slots + 1, capacity)
     return 2 * config.num_hidden_layers * rows * kv_heads * head_dim * dtype.itemsize
 
 
@@ -87,7 +90,7 @@ class SlotCache:
     """K/V of every running row in fixed slots, plus the write indices of the step in flight."""
 
     def __init__(self, config, slots: int, capacity: int, dtype: torch.dtype, device: torch.device):
-        rows, kv_heads, head_dim = kv_shape(config, slots, capacity)
+        rows, kv_heads, head_dim = kv_shape(config, slots + 1, capacity)  # + the scratch slot
         layers = config.num_hidden_layers
         # One tensor for every layer's K and V: rows joining or leaving move all layers in one copy
         # (a copy per layer is 2 x layers launches, which cost more than the bytes at a small model).
@@ -108,7 +111,7 @@ class SlotCache:
         return self.kv.numel() * self.kv.element_size()
 
     def _view(self, t: torch.Tensor) -> torch.Tensor:
-        return t.view(self.slots, self.capacity, *t.shape[1:])
+        return t.view(self.slots + 1, self.capacity, *t.shape[1:])
 
     # -- the running batch ----------------------------------------------------------------------
 
@@ -139,14 +142,26 @@ class SlotCache:
     def keep(self, order: list[int], width: int) -> None:
         """Keep the rows `order` lists (old slot per new slot), moving those whose slot changes; only their first
         `width` columns hold anything (the longest running row's length)."""
-        moves = [(new, old) for new, old in enumerate(order) if new != old]
+        self._move(list(enumerate(order)), width)
+        self.rows = len(order)
+
+    def place(self, part: "SlotPart") -> None:
+        """Append the rows of a slot prefill (written from slot `part.start`) after the running rows: row j
+        comes from slot `part.start + part.index[j]`, moved or copied where that is not its slot."""
+        k = len(part.index)
+        assert self.rows + k <= self.slots, "more rows than slots; the scheduler admits at most max_batch"
+        self._move([(self.rows + j, part.start + i) for j, i in enumerate(part.index)], max(part.lengths))
+        self.rows += k
+
+    def _move(self, pairs: list[tuple[int, int]], width: int) -> None:
+        """Copy the first `width` columns of slot `old` to slot `new` for each `(new, old)` that differ."""
+        moves = [(new, old) for new, old in pairs if new != old]
         if moves:
             dev = self._dst.device
             new = torch.tensor([n for n, _ in moves], device=dev)
             old = torch.tensor([o for _, o in moves], device=dev)
-            view = self.kv.view(len(self.kv), self.slots, self.capacity, *self.kv.shape[2:])[:, :, :width]
+            view = self.kv.view(len(self.kv), self.slots + 1, self.capacity, *self.kv.shape[2:])[:, :, :width]
             view.index_copy_(1, new, view.index_select(1, old))  # the copy is taken before any slot is written
-        self.rows = len(order)
 
     # -- one decode step ------------------------------------------------------------------------
 
@@ -181,7 +196,9 @@ class SlotRunner(ModelRunner):
     CUDA graphs (`graphs=True`), with plain sampling inside them (`sampling=True`); `fuse=True` fuses
     each layer's q/k/v and gate/up projections (`fuse.py`); `compile` (a `torch.compile` backend,
     "inductor" in the engine) compiles the decode step with dynamic shapes, and the graphs then record
-    its fused kernels. Prefill is the plain runner's."""
+    its fused kernels. `slot_prefill=True` prefills straight into the slot cache (`prefill.py`), from CUDA
+    graphs when `prefill_graphs` (default: `graphs`); `False` runs the plain runner's prefill and copies
+    its cache in (router replay needs it: its recorder reads the plain prefill's left-padded rows)."""
 
     def __init__(
         self,
@@ -194,6 +211,8 @@ class SlotRunner(ModelRunner):
         sampling: bool = False,
         fuse: bool = False,
         compile: str | Callable | None = None,
+        slot_prefill: bool = True,
+        prefill_graphs: bool | None = None,
     ):
         super().__init__(model, device)
         if fuse:  # before anything reads the parameters: the fused weights are what refits write
@@ -206,7 +225,12 @@ class SlotRunner(ModelRunner):
         from transformers import AttentionInterface
 
         AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+        AttentionInterface.register(PREFILL_ATTENTION, prefill_attention)
         self.slots = SlotCache(model.config, max_batch, max_model_len, model.dtype, device)
+        self.prefiller = None
+        if slot_prefill and model.get_output_embeddings() is not None:
+            record = graphs if prefill_graphs is None else prefill_graphs
+            self.prefiller = SlotPrefill(model, self.slots, device, self._cache_kw, graphs=record)
         # The per-layer elementwise work (norms, rotary, residuals, the activation) is ~30 small kernels a
         # layer eager; compiled, each chain is one kernel, so a recorded step replays a fraction of the
         # launches. Dynamic shapes: one compile serves every (batch, width) bucket (plus width = capacity).
@@ -219,11 +243,27 @@ class SlotRunner(ModelRunner):
 
             self.graphs = DecodeGraphs(self, sampling=sampling)
 
-    def join(self, batch: SlotCache | None, part: BatchCache) -> SlotCache:
+    @torch.inference_mode()
+    def prefill(self, contexts: list[list[int]], images: list | None = None):
+        if self.prefiller is None:
+            return super().prefill(contexts, images)
+        assert not any(images or []), "images reached a text model's runner"
+        start = self.slots.rows  # the next free slots; `join` moves the rows if the batch restarts
+        assert start + len(contexts) <= self.slots.slots, "more rows than slots; release the stale batch first"
+        logits = self.prefiller.run(contexts, start)
+        return logits, SlotPart(start, [len(c) for c in contexts])
+
+    def join(self, batch: SlotCache | None, part: BatchCache | SlotPart) -> SlotCache:
         if batch is None:  # a new batch (the last one ended or went stale): start from slot 0
             self.slots.clear()
-        self.slots.join(part)
+        if isinstance(part, SlotPart):
+            self.slots.place(part)
+        else:
+            self.slots.join(part)
         return self.slots
+
+    def release(self) -> None:
+        self.slots.clear()
 
     @torch.inference_mode()
     def decode_sampled(self, batch: SlotCache, rows, last: list[int], positions: list[int], generator):
