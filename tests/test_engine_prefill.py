@@ -29,7 +29,7 @@ def test_plan_covers_every_row_once_in_bucketed_shapes(monkeypatch) -> None:
             assert b >= len(part) and all(lengths[i] <= width for i in part)
             assert b * width <= 256 or b == 1, "a forward stays under PREFILL_TOKENS"
             if bucketed:
-                assert width % LENGTH_STEP == 0 and b in (1, 2, 4, 8, 16, 32)
+                assert width % LENGTH_STEP == 0 and b in (1, 2, 4, 8, 16, 24, 32)
             else:
                 assert b == len(part) and width == max(lengths[i] for i in part)
     monkeypatch.setattr(prefill_module, "PREFILL_TOKENS", 8192)
@@ -84,7 +84,7 @@ def test_graphed_slot_prefill_gives_each_context_a_plain_forwards_kv_and_logits(
     for _ in range(2):  # the first call records the graphs, the second replays them
         check_prefill(model, runner, "cuda", 1e-4)
         runner.release()
-    assert runner.prefiller.graphs and len(runner.prefiller.recorded) >= 3, "the prefill was not graphed"
+    assert runner.prefiller.graphs and len(runner.prefiller.recorded) >= 2, "the prefill was not graphed"
 
 
 def test_a_scheduler_on_the_bucketed_slot_prefill_keeps_exact_logprobs(tiny_model_dir, monkeypatch) -> None:

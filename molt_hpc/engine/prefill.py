@@ -27,17 +27,23 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from molt_hpc.engine.graphs import batch_bucket
 from molt_hpc.log import get_logger
 
 PREFILL_ATTENTION = "molt_slot_prefill"
 LENGTH_STEP = 32
 """Length buckets of the graphed prefill (columns); a row pads at most this many minus one."""
-PREFILL_TOKENS = 8192
+PREFILL_TOKENS = 16384
 """Most (padded) tokens of one forward: bounds a graph's activations (larger admissions run several)."""
-REPLAY_TOKENS = 2048
-"""A forward's fixed cost in padded tokens: ~3 ms of kernels for one short row against ~1.7 us a
-token at 128 rows (the measurement above); length buckets merge while padding costs less than this."""
+REPLAY_TOKENS = 1024
+"""A forward's own cost in padded tokens: its ~1,200 kernels take ~2.7 ms at one short row, and a token
+~2 us at 64-128 rows (the measurement above); length buckets merge while padding costs less than this."""
+
+
+def rows_bucket(rows: int, most: int) -> int:
+    """Rows a graphed prefill runs for `rows`: a power of two up to 8, then a multiple of 8 (a prefill's
+    padding rows cost as much as real ones, so the steps are finer than the decode graphs')."""
+    bucket = 1 << max(0, rows - 1).bit_length() if rows <= 8 else -(-rows // 8) * 8
+    return min(bucket, most)
 
 
 def prefill_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -105,12 +111,14 @@ def plan(lengths: list[int], bucketed: bool, capacity: int, most_rows: int, repl
     forwards = []
     for width, rows in merged:
         per = max(1, min(most_rows, PREFILL_TOKENS // width))
-        while bucketed and per > 1 and batch_bucket(per, most_rows) * width > PREFILL_TOKENS:
+        while bucketed and per > 1 and rows_bucket(per, most_rows) * width > PREFILL_TOKENS:
             per -= 1  # the rows bucket pads up: the padded forward stays under the bound too
+        count = -(-len(rows) // per)
+        per = -(-len(rows) // count)  # as many forwards, evenly filled: fewer padding rows in the last
         for at in range(0, len(rows), per):
             part = rows[at : at + per]
             if bucketed:
-                forwards.append((part, batch_bucket(len(part), most_rows), width))
+                forwards.append((part, rows_bucket(len(part), most_rows), width))
             else:  # exact shapes: the part's own longest row (sorted: its last)
                 forwards.append((part, len(part), lengths[part[-1]]))
     return forwards
