@@ -103,7 +103,12 @@ def test_tiny_run_learns(tiny_run: tuple[Path, str]) -> None:
     steps = STEPS
     actor = steps_and_rising_reward(run_dir, steps)
     # Every step refits; the engines must serve exactly the trainer's last version.
-    finished = read_metrics(run_dir / "metrics.jsonl", source="launcher")[-1]
+    launcher = read_metrics(run_dir / "metrics.jsonl", source="launcher")
+    finished = launcher[-1]
+    # Where it ran, for the speed model beside the run (`status`): this machine, no GPU (the tests' CPU run).
+    assert [{k: r[k] for k in ("mode", "gpus")} for r in launcher if r.get("event") == "placement"] == [
+        {"mode": "local", "gpus": 0}
+    ]
     refits = sum(1 for r in actor if r.get("refit_s") is not None)
     assert refits == steps
     assert finished["engine_versions"] == {"engine-0": actor[-1]["version"]} == {"engine-0": steps}

@@ -252,3 +252,22 @@ def test_status_sets_the_prediction_beside_the_measured_split(tmp_path: Path) ->
     assert re.match(rf"  rollout wait +-?[\d.,]+ m?s vs +{round(1000 * wait)} ms", lines[i + 3])
     assert re.match(r"  refit +[\d.,]+ m?s vs +50 ms", lines[i + 4])
     assert re.match(r"  rollout +[\d,]+ vs 300 tokens/s", lines[i + 5])
+
+
+def test_a_run_placed_by_its_local_launcher_is_priced_where_it_ran(tmp_path: Path) -> None:
+    """A config that asks Slurm for a GPU per pool, run by `molt-hpc run` on a machine with one GPU: the pools
+    shared that GPU, so the prediction beside the run has no overlap (the Slurm layout would have one)."""
+    from molt_hpc.plan.speed_text import ran_where
+
+    gpus = ["actor.device='cuda'", "engines.device='cuda'", "buffer.max_staleness=1",
+            "slurm.actor.gpus_per_node=1", "slurm.engines.gpus_per_node=1"]  # fmt: skip
+    cfg = load_config(None, gpus)
+    run = create_run_dir(tmp_path, "r", to_toml(cfg))
+    assert ran_where(cfg, run.path) == (False, None)  # no record: the config's Slurm layout
+    assert predict(make_plan(cfg, toy_arch(), local=False)).overlap
+    MetricsWriter(run.metrics, source="launcher").write({"event": "placement", "mode": "local", "gpus": 1})
+    local, seen = ran_where(cfg, run.path)
+    assert (local, seen) == (True, 1)
+    shared = predict(make_plan(cfg, toy_arch(), local=local, gpus=seen))
+    assert not shared.overlap
+    assert shared.step_s == pytest.approx(shared.rollout.seconds + shared.train.seconds + shared.refit_s)

@@ -121,6 +121,8 @@ def run_local(cfg: MoltConfig) -> int:
         pool.env.update(gpu_env(pool_gpus))
         log.info("GPUs: actor pool %s, engine pool %s", actor_gpus or "none", pool_gpus or "none")
         vllm_first = cfg.engines.kind == "vllm" and bool(set(actor_gpus) & set(pool_gpus))
+    # Where the run ran, for the speed model's comparison (`status`): a config with Slurm GPU counts may run here.
+    MetricsWriter(run.metrics, source="launcher").write({"event": "placement", "mode": "local", "gpus": len(gpus)})
     trackers = Trackers(cfg.logging, run, cfg.run.name)
     progress = Progress(cfg, run, trackers, start_step=resumed[1] if resumed else 0)  # before a child writes
     watchdog = Watchdog(cfg, run.path)

@@ -79,6 +79,18 @@ def compare_lines(s: Speed, m: dict[str, float]) -> list[str]:
     return out
 
 
+def ran_where(cfg: MoltConfig, run_dir: Path) -> tuple[bool, int | None]:
+    """(local, visible GPUs) of the run: what its local launcher recorded, else (a Slurm run, or a run from
+    before the record) local when the config asks Slurm for no GPUs. A config with Slurm GPU counts run on
+    one machine shares its GPUs there, and the model must price that (no overlap on a shared GPU)."""
+    from molt_hpc.log import read_metrics
+
+    placed = [r for r in read_metrics(run_dir / "metrics.jsonl", source="launcher") if r.get("event") == "placement"]
+    if placed:
+        return placed[-1]["mode"] == "local", placed[-1].get("gpus")
+    return not (cfg.slurm.actor.gpus_per_node or cfg.slurm.engines.gpus_per_node), None
+
+
 def run_speed_lines(cfg: MoltConfig, actor: list[dict], rollout: list[dict], run_dir: Path) -> list[str]:
     """`molt-hpc status`'s block: the plan's prediction at the run's measured lengths beside the run (the
     model's shape cached in the run directory's `plan_arch.json`)."""
@@ -92,9 +104,9 @@ def run_speed_lines(cfg: MoltConfig, actor: list[dict], rollout: list[dict], run
     samples = cfg.actor.groups_per_step * cfg.rollout.n_samples
     response = m.get("response")
     prompt = max(0.0, m["tokens"] / samples - response) if response is not None and m["tokens"] else None
+    local, gpus = ran_where(cfg, run_dir)
     try:
-        local = not (cfg.slurm.actor.gpus_per_node or cfg.slurm.engines.gpus_per_node)
-        plan = make_plan(cfg, arch_cached(cfg.model, run_dir / "plan_arch.json"), local=local)
+        plan = make_plan(cfg, arch_cached(cfg.model, run_dir / "plan_arch.json"), local=local, gpus=gpus)
     except ValueError as err:  # the model's shape is not readable here: the measured side alone
         return [f"speed: no prediction ({err})"]
     return compare_lines(predict(plan, prompt, response, m.get("accepted", 1.0)), m)
