@@ -17,7 +17,7 @@ batch is large. `SlotPrefill` removes both costs:
   (scaling, soft-capping) still applies.
 - **Length groups.** Rows are sorted into length buckets (multiples of `LENGTH_STEP`); neighbouring
   buckets are merged while a separate forward would cost more than the padding it saves
-  (`REPLAY_TOKENS`), and a group is cut into forwards of at most `PREFILL_TOKENS` tokens.
+  (`REPLAY_TOKENS`), and a group is cut into even forwards of at most `PREFILL_TOKENS` tokens.
 - **CUDA graphs** (`graphs=True`): each (rows bucket, length bucket) forward is recorded the first time
   it is needed and replayed after, inputs in one static buffer (one host-to-device copy per forward).
 """
@@ -34,9 +34,10 @@ LENGTH_STEP = 32
 """Length buckets of the graphed prefill (columns); a row pads at most this many minus one."""
 PREFILL_TOKENS = 16384
 """Most (padded) tokens of one forward: bounds a graph's activations (larger admissions run several)."""
-REPLAY_TOKENS = 1024
+REPLAY_TOKENS = 1536
 """A forward's own cost in padded tokens: its ~1,200 kernels take ~2.7 ms at one short row, and a token
-~2 us at 64-128 rows (the measurement above); length buckets merge while padding costs less than this."""
+~1.7-2 us at 64-128 rows (the measurement above); length buckets merge where one forward of the merged
+rows costs no more than two (each `rows_bucket(rows) x width` tokens plus this)."""
 
 
 def rows_bucket(rows: int, most: int) -> int:
@@ -102,11 +103,17 @@ def plan(lengths: list[int], bucketed: bool, capacity: int, most_rows: int, repl
     keys = sorted(groups)
     if not bucketed:
         keys, groups = [keys[-1]], {keys[-1]: order}
+
+    def cost(n: int, width: int) -> int:  # a forward's padded tokens (dummy rows too) and its own cost
+        return replay + rows_bucket(n, most_rows) * width
+
     merged: list[tuple[int, list[int]]] = []
     for width in keys:  # ascending: a shorter group either stands alone or pads up to this width
         rows = groups[width]
-        if merged and (width - merged[-1][0]) * len(merged[-1][1]) < replay:
-            rows = merged.pop()[1] + rows
+        if merged:
+            below, shorter = merged[-1]
+            if cost(len(shorter) + len(rows), width) <= cost(len(shorter), below) + cost(len(rows), width):
+                rows = merged.pop()[1] + rows
         merged.append((width, rows))
     forwards = []
     for width, rows in merged:
