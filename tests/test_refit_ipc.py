@@ -54,6 +54,19 @@ def shared(tmp_path_factory):
         p.stop()
 
 
+def record_calls(monkeypatch) -> list[str]:
+    """The paths of the HTTP calls senders make to engines from now on (each call still goes through)."""
+    paths: list[str] = []
+    real = EngineCalls._post_now
+
+    def recording(self, url: str, path: str, body: dict):
+        paths.append(path)
+        return real(self, url, path, body)
+
+    monkeypatch.setattr(EngineCalls, "_post_now", recording)
+    return paths
+
+
 def exact(engines, token: str, model, version: int) -> None:
     want = sender_logprobs(model)
     for logprobs, served in arun(_all_logprobs(engines, token)):
@@ -70,7 +83,10 @@ def test_engines_on_this_host_take_the_weights_from_shared_slots(shared, monkeyp
     assert not (run.rendezvous / "refit_store.json").exists(), "no broadcast group, no TCPStore"
 
     old, new, newer = load_causal_lm(model_dir), perturbed(model_dir, seed=1), perturbed(model_dir, seed=2)
+    calls = record_calls(monkeypatch)
     stats = sender.push(new.named_parameters(), version=5)
+    # every engine behind shared memory: one call each pauses it, loads and resumes it (after sharing the slots)
+    assert calls == ["/init_weight_transfer_engine"] * 2 + ["/update_weights"] * 2, calls
     assert stats.buckets >= 7 and stats.engines == 2
     assert len(created) == 3 and not any(p.exists() for p in created), "unlinked once every engine mapped them"
     exact(engines, token, new, 5)
@@ -103,8 +119,11 @@ def test_one_push_reaches_shared_memory_engines_and_a_group_together(shared, mon
     sender.connect(urls)
     assert sender.transports == {urls[0]: "ipc", urls[1]: "gloo"}
     model = perturbed(model_dir, seed=3)
+    calls = record_calls(monkeypatch)
     sender.push(model.named_parameters(), version=8)
     exact(engines, token, model, 8)
+    # a group engine must be paused before the first bucket is broadcast: start, update and finish apart
+    assert calls.count("/start_weight_update") == calls.count("/finish_weight_update") == 2, calls
     sender.close()
 
 

@@ -5,6 +5,8 @@
 runs until `finish`; `finish` bumps the version, drops the KV cache and resumes. Loading in place
 means a failed transfer leaves torn weights: then `finish` is refused (409) and the engine stays
 paused until a complete update arrives, so no token is ever sampled from a mix of two policies.
+`update` may also carry `start` and `finish_version` (`BuiltinUpdateRequest`): one call does all three, which
+a trainer sending through shared memory uses, since no broadcast group waits for every engine to pause.
 """
 
 import asyncio
@@ -19,7 +21,7 @@ from molt_hpc.engine.lora import AdapterLayers, AdapterMerge
 from molt_hpc.engine.server import EngineState, run_on_scheduler
 from molt_hpc.log import get_logger
 from molt_hpc.protocol.edge import error, parse, read_json
-from molt_hpc.protocol.requests import FinishRequest, InitRequest, UpdateRequest
+from molt_hpc.protocol.requests import BuiltinUpdateRequest, FinishRequest, InitRequest
 from molt_hpc.refit.buckets import metas_from_info
 from molt_hpc.refit.experts import expert_views
 from molt_hpc.refit.receiver import RefitReceiver
@@ -66,13 +68,26 @@ class WeightSync:
 
     async def start(self, request: web.Request) -> web.Response:
         await read_json(request)  # a body, if any, must at least be JSON: a malformed one pauses nothing
+        return web.json_response(await self._begin())
+
+    async def _begin(self) -> dict:
         status = await run_on_scheduler(self.state, self.state.scheduler.begin_refit)
         if self.phase != "torn":
             self.phase = "started"
-        return web.json_response(status)
+        return status
 
     async def update(self, request: web.Request) -> web.Response:
-        info = parse(UpdateRequest, await read_json(request)).update_info
+        req = parse(BuiltinUpdateRequest, await read_json(request))
+        if req.start:  # start, update and finish in one call (a shared-memory refit)
+            await self._begin()
+        answer = await self._update(req.update_info)
+        if not isinstance(answer, dict):  # refused: the engine stays as it was (paused when it started here)
+            return answer
+        if req.finish_version is not None:
+            answer["finish"] = await self._end(req.finish_version)
+        return web.json_response(answer)
+
+    async def _update(self, info: dict) -> dict | web.Response:
         if self.phase not in ("started", "loaded", "torn"):
             return error(409, "call /start_weight_update before /update_weights")
         before, self.phase = self.phase, "loading"
@@ -86,7 +101,7 @@ class WeightSync:
             self.phase = "torn"
             raise
         self.phase = "loaded"
-        return web.json_response({"loaded": loaded, "seconds": time.perf_counter() - t0})
+        return {"loaded": loaded, "seconds": time.perf_counter() - t0}
 
     def _receive(self, info: dict) -> int:
         """Receive one update: full weights into the live parameters, or adapters (`engine.lora`)."""
@@ -126,9 +141,13 @@ class WeightSync:
             return error(409, "the last weight update failed part-way; push a complete update before finishing")
         if self.phase == "loading":
             return error(409, "a weight update is still being received")
+        return web.json_response(await self._end(version))
+
+    async def _end(self, version: int) -> dict:
+        sched = self.state.scheduler
         status = await run_on_scheduler(self.state, lambda: sched.end_refit(version))
         self.phase = "idle"
         get_logger().info("weights updated to version %d", version)
         if self.on_version is not None:
             self.on_version(version)
-        return web.json_response(status)
+        return status

@@ -90,6 +90,16 @@ class UpdateRequest(BaseModel):
     update_info: dict[str, Any]
 
 
+class BuiltinUpdateRequest(UpdateRequest):
+    """The built-in engine's `POST /update_weights`, which may also carry the update's start and finish: a
+    refit through shared memory then costs one round trip instead of three (vLLM's front refuses them)."""
+
+    start: bool = False
+    """Pause at a step boundary first, as `/start_weight_update` does."""
+    finish_version: int | None = Field(None, ge=0)
+    """Once loaded, make this the weight version and resume, as `/finish_weight_update` does."""
+
+
 class FinishRequest(BaseModel):
     """Body of `POST /finish_weight_update`: the version the new weights get (default: the next)."""
 

@@ -11,7 +11,8 @@ otherwise; the choice is logged). For the group it hosts the TCPStore (once), pu
 the same time (the group forms only when all ranks are in); the other engines map the slots it
 shares with them. `push` pauses the engines at a step boundary, streams the weights as flat buckets
 (broadcast, or posted in the shared slots) while the engines' `/update_weights` calls are in flight,
-then has them load, bump the version and resume. Call `connect` again when the set of engines
+then has them load, bump the version and resume (engines that all take the bytes through shared memory
+do the pause, the load and the resume in their one `/update_weights` call). Call `connect` again when the set of engines
 changes (an engine restarted): it forms a new group under a new prefix, and shares new slots.
 
 `push(..., in_place=True)` says the tensors are the trainer's own parameters (whole, at fixed addresses):
@@ -20,7 +21,6 @@ bucket packed at all; the parameters are shared again whenever their addresses c
 """
 
 import functools
-import itertools
 import json
 import socket
 import time
@@ -251,14 +251,20 @@ class RefitSender:
             need = max((b.nbytes for b in plan), default=1)
             if shared and (self._channel is None or need > self._channel.slot_bytes):  # first push, or outgrown
                 self._share(shared, need)
-            self._calls.round(self.urls, "/start_weight_update")
+            # Every engine behind shared memory: start and finish ride on the update call (one round trip, not
+            # three); a broadcast group's engines must all be paused before its first bucket goes out.
+            folded = len(shared) == len(self.urls)
+            if not folded:
+                self._calls.round(self.urls, "/start_weight_update")
             info = {**update_info(metas, bucket_bytes, version), **(extra or {})}
             if self._channel is not None:
                 info["ipc_first"] = self._channel.posted
-            calls = [self._calls.post(url, "/update_weights", {"update_info": info}) for url in self.urls]
+            body = {"update_info": info, **({"start": True, "finish_version": version} if folded else {})}
+            calls = [self._calls.post(url, "/update_weights", body) for url in self.urls]
             self._send_buckets(plan, iter(items), calls)
             self._calls.wait(calls, self.urls, "update_weights")
-            self._calls.round(self.urls, "/finish_weight_update", {"version": version})
+            if not folded:
+                self._calls.round(self.urls, "/finish_weight_update", {"version": version})
         except BaseException:
             # Dropping the group closes its connections (and aborting the slots wakes their readers), so
             # engines blocked in a receive fail now instead of at the timeout; they stay paused until a
@@ -271,29 +277,25 @@ class RefitSender:
         self, items: list[tuple[str, torch.Tensor]], version: int, mapped: "_InPlace | None", t0: float, metas=None
     ) -> RefitStats:
         """Every engine reads `items` where they are: share them first unless `mapped` says the engines
-        hold exactly these, wait for this device, then start → update → finish."""
+        hold exactly these, wait for this device, then one call per engine that pauses, copies and resumes."""
         try:
             if mapped is None:
                 mapped = self._share_params(items, metas)
             torch.cuda.current_stream(self.device).synchronize()  # the optimizer's writes land before any read
             info = {**mapped.info, "version": version}
             marks = [time.perf_counter()]
-            self._calls.round(self.urls, "/start_weight_update")
-            marks.append(time.perf_counter())
-            answers = self._calls.round(self.urls, "/update_weights", {"update_info": info})
-            marks.append(time.perf_counter())
-            self._calls.round(self.urls, "/finish_weight_update", {"version": version})
+            body = {"update_info": info, "start": True, "finish_version": version}  # one round trip
+            answers = self._calls.round(self.urls, "/update_weights", body)
             marks.append(time.perf_counter())
         except BaseException:
             self._drop()
             raise
         stats = RefitStats(version, time.perf_counter() - t0, mapped.wire_bytes, 0, len(self.urls))
-        ms = [1000 * (b - a) for a, b in itertools.pairwise(marks)]
         get_logger().info(
-            "refit v%d: %d parameters (%.1f MB as sent) read in place by %d engines, %.1f ms (before the calls "
-            "%.1f, start %.1f, update %.1f of which the engines' copy %.1f, finish %.1f)", version, len(items),
-            mapped.wire_bytes / 1e6, len(self.urls), 1000 * stats.seconds, 1000 * (marks[0] - t0), ms[0], ms[1],
-            1000 * max(float(a.get("seconds", 0.0)) for a in answers), ms[2],
+            "refit v%d: %d parameters (%.1f MB as sent) read in place by %d engines, %.1f ms (before the call "
+            "%.1f, the call to pause, copy and resume %.1f, of which the engines' copy %.1f)", version, len(items),
+            mapped.wire_bytes / 1e6, len(self.urls), 1000 * stats.seconds, 1000 * (marks[0] - t0),
+            1000 * (marks[1] - marks[0]), 1000 * max(float(a.get("seconds", 0.0)) for a in answers),
         )  # fmt: skip
         return stats
 
