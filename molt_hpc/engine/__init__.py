@@ -6,6 +6,7 @@ kvcache.py    the batch KV cache: rows join (left padding), leave, and are re-pr
 batch.py      rows, the prefill and decode forwards, sampling a batch
 fuse.py       fused projections: one matmul for q/k/v and one for gate/up per layer
 slots.py      on a GPU: the preallocated KV cache (one slot per row) and its runner
+prefill.py    on a GPU: the prefill written straight into the slots, replayed as CUDA graphs per shape bucket
 graphs.py     on a GPU: the decode step recorded and replayed as CUDA graphs (unless enforce_eager)
 scheduler.py  the scheduler thread: admission, pause modes, atomic weight updates
 load.py       the engine's load logged over fixed windows: the bottleneck, or idle waiting for requests?
