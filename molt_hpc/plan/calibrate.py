@@ -98,12 +98,13 @@ def engine_overhead_ms(model, cfg: MoltConfig, arch, device, sync, bandwidth: fl
     return max(0.0, over[few] - few * per_row), per_row
 
 
-def prefill_host_s(model, device, sync) -> float:
-    """Seconds of a prefill of one 8-token row through the engine's runner: launches and host work alone."""
-    from molt_hpc.engine.batch import ModelRunner
+def prefill_host_s(model, cfg: MoltConfig, device, sync) -> float:
+    """Seconds of a prefill of one 8-token row through the engine's own runner (on a GPU its prefill into the
+    slot cache, replayed from a CUDA graph after the first): launches and host work alone."""
+    from molt_hpc.engine.main import model_runner
 
-    model.eval()
-    runner = ModelRunner(model, device)
+    eng = cfg.engines.model_copy(update={"max_batch": 8, "max_model_len": 64})
+    runner = model_runner(model.eval(), device, eng, None, graphs=True)
     return fastest_s(lambda: runner.prefill([[5] * 8]), sync, 8, warmup=2)
 
 
@@ -121,7 +122,7 @@ def calibrate(cfg: MoltConfig, device_kind: str) -> dict[str, float]:
     micro_ms, sample_ms, mfu = trainer_profile(cfg, model, arch, device, sync, out["matmul_tflops"])
     fixed, per_row = engine_overhead_ms(model, cfg, arch, device, sync, out["memory_gb_per_s"])
     out["builtin_step_ms"], out["builtin_row_ms"] = fixed, per_row
-    out["builtin_prefill_layer_ms"] = prefill_host_s(model, device, sync) * 1e3 / arch.layers
+    out["builtin_prefill_layer_ms"] = prefill_host_s(model, cfg, device, sync) * 1e3 / arch.layers
     out[SHAPE_CLASS[max(k for k in SHAPE_CLASS if arch.hidden >= k)]] = mfu
     out["train_micro_batch_ms"], out["train_sample_ms"] = micro_ms, sample_ms
     return out
