@@ -122,3 +122,11 @@ def write_row(out: Path | None, **row: Any) -> None:
 def gpu_env() -> dict[str, str]:
     """The environment for child processes: NVLink multicast stays off (a shared host's safety rule)."""
     return {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def bench_device(name: str, dry: bool) -> torch.device | None:
+    """GPU 0, the CPU for a `--dry-run` (tiny shapes: checks the script), or None (said why) without a GPU."""
+    if not dry and not torch.cuda.is_available():
+        print(f"{name}: needs a CUDA GPU; --dry-run on a CPU")
+        return None
+    return torch.device("cpu" if dry else "cuda:0")

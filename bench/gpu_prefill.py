@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_common import sync, write_row
+from gpu_common import bench_device, sync, write_row
 from gpu_rollout import smollm2
 
 SIZES = ((1, 70), (2, 100), (4, 100), (16, 100), (64, 100), (128, 100))
@@ -81,10 +81,9 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU: checks the script")
     args = ap.parse_args()
     dry = args.dry_run
-    if not dry and not torch.cuda.is_available():
-        print("gpu_prefill: needs a CUDA GPU; --dry-run on a CPU")
+    device = bench_device("gpu_prefill", dry)
+    if device is None:
         return 0
-    device = torch.device("cpu" if dry else "cuda:0")
     model = smollm2(device, torch.float32 if dry else torch.bfloat16, dry)
     rng = random.Random(0)
     vocab = model.config.vocab_size

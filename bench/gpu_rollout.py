@@ -34,7 +34,7 @@ from pathlib import Path
 
 import aiohttp
 import torch
-from gpu_common import gpu_env, sync, write_row
+from gpu_common import bench_device, gpu_env, sync, write_row
 from gpu_engine import engine_url, hf_generate, start_engine
 
 from molt_hpc.config import load_config, to_toml
@@ -232,10 +232,9 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU: checks the script")
     args = ap.parse_args()
     dry = args.dry_run
-    if not dry and not torch.cuda.is_available():
-        print("gpu_rollout: needs a CUDA GPU; --dry-run on a CPU")
+    device = bench_device("gpu_rollout", dry)
+    if device is None:
         return 0
-    device = torch.device("cpu" if dry else "cuda:0")
     dtype = torch.float32 if dry else torch.bfloat16
     model = smollm2(device, dtype, dry)
     requests = load(args.requests, model.config.vocab_size)
