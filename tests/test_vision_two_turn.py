@@ -17,5 +17,5 @@ def test_two_turn_colour_task_learns(tmp_path) -> None:
     drops most groups. Measured here: 0.009 -> 0.08 and, over the first 64 steps of a 100-step run, 0.009 ->
     0.102. An unchanged policy's quarter means (1,024 samples each, per-sample std ~0.04 at these rewards)
     differ by ~0.002: a rise of 0.04 is far outside that."""
-    first, last = rises(tmp_path, 64, "actor.lr=2e-3", "rollout.agent=envs/color_two_turn.py", "rollout.max_turns=2")
+    first, last, _ = rises(tmp_path, 64, "actor.lr=2e-3", "rollout.agent=envs/color_two_turn.py", "rollout.max_turns=2")
     assert last > first + 0.04, f"reward did not rise: first quarter {first:.3f}, last quarter {last:.3f}"
