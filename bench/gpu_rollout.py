@@ -15,8 +15,7 @@ weights never stop on their own) and reports tokens/s for:
 The baseline of every row is HF `generate` on the same model: one left-padded batch of 128 prompts,
 64 new tokens each, sampled.
 
-    python bench/gpu_rollout.py [--out rows.jsonl] [--requests 256] [--prefill dynamic,slots] [--compile]
-        [--stream-intervals 0,20] [--dry-run]
+    python bench/gpu_rollout.py [--out rows.jsonl] [--requests 256] [--prefill dynamic,slots] [--compile] [--dry-run]
 """
 
 import argparse
@@ -219,31 +218,6 @@ def engine_rows(args, model, device, flags: dict, path: str, requests, hf_tps: f
                   note=f"{steps} steps, {1000 * dt / steps:.2f} ms/step, {400 * 8 / dt:.0f} requests/s")  # fmt: skip
 
 
-def http_rows(args, tmp: Path, dtype, device, requests, hf_tps: float, stream_ms: float) -> None:
-    """Whole and streamed answers from an engine process serving the model saved in `tmp`, its streamed
-    answers' events at most every `stream_ms` (`engines.stream_interval_ms`)."""
-    tokens = sum(m for _, m in requests)
-    sets = [f"model.path={json.dumps(str(tmp / 'model'))}", f"model.dtype='{str(dtype)[6:]}'",
-            f"engines.max_batch={args.max_batch}", "engines.max_model_len=256", f"engines.device='{device.type}'",
-            "engines.gpu_memory_utilization=0.3", f"engines.prefill_interval={args.interval}",
-            f"engines.compile_decode={str(args.compile).lower()}",
-            f"engines.stream_interval_ms={stream_ms}"]  # fmt: skip
-    run = create_run_dir(tmp, f"run-{stream_ms:g}", to_toml(load_config(None, sets)))
-    proc = start_engine(run, gpu_env())
-    try:
-        url = engine_url(run, proc)
-        for streamed in (False, True, False, True):  # the first of each warms up
-            dt, _ = asyncio.run(http_round(url, run.token(), requests, streamed))
-        for streamed in (False, True):
-            dt, _ = asyncio.run(http_round(url, run.token(), requests, streamed))
-            kind = f"streamed, an event at most every {stream_ms:g} ms" if streamed else "whole"
-            write_row(args.out, bench="rollout", case=f"engine process, HTTP, {kind}",
-                      value=tokens / dt, unit="tok/s", baseline=hf_tps, ratio=tokens / dt / hf_tps)  # fmt: skip
-    finally:
-        proc.terminate()
-        proc.wait()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
@@ -255,7 +229,6 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true", help="the compiled decode step (engines.compile_decode)")
     ap.add_argument("--prefill", default="dynamic,slots", help=f"prefill paths in turn: {','.join(PREFILL_PATHS)}")
     ap.add_argument("--intervals", default="1,4,8,16", help="prefill_interval values of the in-process rounds")
-    ap.add_argument("--stream-intervals", default="20", help="engines.stream_interval_ms of the engine process rows")
     ap.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU: checks the script")
     args = ap.parse_args()
     dry = args.dry_run
@@ -284,8 +257,23 @@ def main() -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-gpu-rollout-"))
     model.save_pretrained(tmp / "model", safe_serialization=True)
-    for ms in (float(x) for x in args.stream_intervals.split(",")):
-        http_rows(args, tmp, dtype, device, requests, hf_tps, ms)
+    sets = [f"model.path={json.dumps(str(tmp / 'model'))}", f"model.dtype='{str(dtype)[6:]}'",
+            f"engines.max_batch={args.max_batch}", "engines.max_model_len=256", f"engines.device='{device.type}'",
+            "engines.gpu_memory_utilization=0.3", f"engines.prefill_interval={args.interval}",
+            f"engines.compile_decode={str(args.compile).lower()}"]  # fmt: skip
+    run = create_run_dir(tmp, "run", to_toml(load_config(None, sets)))
+    proc = start_engine(run, gpu_env())
+    try:
+        url = engine_url(run, proc)
+        for streamed in (False, True, False, True):  # the first of each warms up
+            dt, _ = asyncio.run(http_round(url, run.token(), requests, streamed))
+        for streamed in (False, True):
+            dt, _ = asyncio.run(http_round(url, run.token(), requests, streamed))
+            write_row(args.out, bench="rollout", case=f"engine process, HTTP, {'streamed' if streamed else 'whole'}",
+                      value=tokens / dt, unit="tok/s", baseline=hf_tps, ratio=tokens / dt / hf_tps)  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait()
     return 0
 
 

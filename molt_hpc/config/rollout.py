@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from molt_hpc.config.base import Section
 from molt_hpc.net import LOOPBACK
@@ -144,11 +144,6 @@ class EnginesConfig(Section):
     half of `max_batch` (then at once; with nothing decoding, at once too). A prefill of a few rows costs
     about the host time of one of many, so newcomers that wait up to this many steps are prefilled
     together; 1 prefills at every step."""
-    stream_interval_ms: NonNegativeFloat = 20.0
-    """Builtin engine: a streamed answer (what the rollout asks for) sends its new tokens at most this often, a
-    few per event, instead of one event per decode step: every event costs the engine, the router and the
-    orchestrator the same Python work whatever it carries. An engine that dies loses at most this much of
-    each row's tokens to the retry; 0 sends after every step."""
     prefix_caching: bool = True
     """Reuse the KV cache of shared prefixes (vLLM)."""
     max_num_batched_tokens: PositiveInt | None = None

@@ -125,8 +125,7 @@ def build_engine(cfg: MoltConfig, run: RunDir, index: int, model=None):
         prefill_interval=eng.prefill_interval,
     )
     vocab = model.config.get_text_config().vocab_size
-    state = EngineState(sched, vocab, eng.max_model_len, str(cfg.model.path), index, place=place(dev), vision=vision,
-                        stream_interval_s=eng.stream_interval_ms / 1e3)  # fmt: skip
+    state = EngineState(sched, vocab, eng.max_model_len, str(cfg.model.path), index, place=place(dev), vision=vision)
     app = build_app(state, run.token(), open_health=cfg.router.kind == "vllm-router")
     sync = WeightSync(state, model, lora_only=cfg.actor.lora is not None, lora_layers=lora_layers)
     sync.add_routes(app)

@@ -38,8 +38,6 @@ class EngineState:
     """The model's `molt_hpc.vision.processor.Vision` (a vision-language model), else None."""
     place: dict[str, Any] = field(default_factory=dict)
     """Where the weights live (`refit.handles.place`): `/health` tells the trainer, which picks the refit transport."""
-    stream_interval_s: float = 0.0
-    """Least time between two events of a streamed answer (`engines.stream_interval_ms`)."""
 
 
 def logprob_content(row: Row) -> list[dict[str, Any]]:
@@ -134,10 +132,9 @@ def sse(data: dict[str, Any]) -> bytes:
 
 
 async def stream_answer(request: web.Request, state: EngineState, row: Row, rid: str) -> web.StreamResponse:
-    """`stream: true`: server-sent events with the tokens added since the last (`token_ids`, `logprobs`,
-    `weight_versions`), at most one every `stream_interval_s`, then the whole answer; an engine that dies
-    mid-request has handed out the tokens it sampled until its last event, so the client continues the request
-    elsewhere from them (`molt_hpc.rollout.resume`)."""
+    """`stream: true`: server-sent events, one per step with the tokens it added (`token_ids`, `logprobs`,
+    `weight_versions`), then the whole answer; an engine that dies mid-request has handed out every token it
+    sampled, so the client continues the request elsewhere from them (`molt_hpc.rollout.resume`)."""
     sched, moved = state.scheduler, asyncio.Event()
     row.notify = moved.set  # on this loop, after each step (`bind_loop`)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -156,8 +153,6 @@ async def stream_answer(request: web.Request, state: EngineState, row: Row, rid:
                          "weight_versions": row.versions[sent:n]}  # fmt: skip
                 await resp.write(sse(delta))
                 sent = n
-                if state.stream_interval_s > 0:  # the next event carries what the steps meanwhile add
-                    await asyncio.wait([done], timeout=state.stream_interval_s)
         try:
             final = answer(row, *done.result(), rid)
         except RuntimeError as err:  # a failed engine step: the status line is gone, so an error event
