@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 from pathlib import Path
@@ -36,8 +37,29 @@ def public_host(host: str) -> str:
     return socket.gethostname() if host in ALL_INTERFACES else host
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FIRST_CHOSEN_PORT = 10_000
+
+
 def free_port(host: str = "") -> int:
-    """A TCP port free on `host` right now (`""`: every interface) for a server that binds it next."""
+    """A TCP port free on `host` right now (`""`: every interface) for a server that binds it next (a
+    rendezvous endpoint, a child's port). Chosen below the kernel's ephemeral range where there is room: a
+    port from that range (what binding port 0 gives) can be taken before the server binds it by any outgoing
+    connection of the host, of which a busy one opens thousands, and a torchrun rendezvous whose endpoint
+    another socket holds waits out its whole timeout."""
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux, or no procfs: the kernel's choice
+        low = 0
+    rng = random.SystemRandom()
+    for _ in range(64 if low > FIRST_CHOSEN_PORT else 0):
+        port = rng.randrange(FIRST_CHOSEN_PORT, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:  # in use: another
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
