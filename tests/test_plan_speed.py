@@ -106,6 +106,45 @@ def test_step_bound_overlaps_only_an_async_run_on_separate_devices() -> None:
     assert not shared.overlap
 
 
+def test_a_shared_device_prices_the_engine_and_the_trainer_beside_each_other() -> None:
+    from molt_hpc.plan.speed import shared_device
+
+    assert shared_device(1.0, 0.5, 0.0, 2.0) == (1.5, 0.5)  # rate 0: in sequence, the slowdown unused
+    assert shared_device(1.0, 0.5, 1.0, 1.0) == (1.0, 0.5)  # full speed both: the overlap of two devices
+    assert shared_device(0.2, 0.5, 1.0, 1.0) == (0.5, 0.5)
+    # the engine bounds: the training takes 1.2 x 0.5 = 0.6 s, beside it the engine does 0.25 x 0.6 = 0.15 s
+    # of its 1 s, the other 0.85 s alone after it
+    assert shared_device(1.0, 0.5, 0.25, 1.2) == pytest.approx((0.6 + 0.85, 0.6))
+    # the trainer bounds: the engine's 0.1 s take 0.1 / 0.5 = 0.2 s beside the training, which does 0.2 / 1.5
+    # of its 1 s meanwhile and the rest alone
+    step = 0.2 + (1.0 - 0.2 / 1.5)
+    assert shared_device(0.1, 1.0, 0.5, 1.5) == pytest.approx((step, step))
+
+
+def test_an_async_run_on_one_device_is_priced_with_the_measured_sharing() -> None:
+    arch = toy_arch()
+    sets = ["plan.cpu.shared_decode_rate=0.4", "plan.cpu.shared_train_slowdown=1.25"]
+    s = predict(make_plan(cfg_with(*sets), arch, local=True, gpus=0))  # both pools on the CPU, staleness 2
+    assert not s.overlap and s.shared == (0.4, 1.25)
+    r, t = s.rollout.seconds, s.train.seconds
+    beside = 1.25 * t
+    if r >= 0.4 * beside:
+        step, train = r + beside * 0.6, beside
+    else:
+        step = t + r / 0.4 * (1 - 1 / 1.25)
+        train = step
+    assert s.step_s == pytest.approx(step + s.refit_s, rel=1e-9)
+    assert s.train_wall_s == pytest.approx(train, rel=1e-9)
+    assert s.wait_s == pytest.approx(step - train, rel=1e-9, abs=1e-12)
+    sync = predict(make_plan(cfg_with(*sets, "buffer.max_staleness=0"), arch, local=True, gpus=0))
+    assert sync.shared is None  # nothing decodes beside a synchronous step's training
+    assert sync.step_s == pytest.approx(sync.rollout.seconds + sync.train.seconds + sync.refit_s)
+    gpu = ["actor.device='cuda'", "engines.device='cuda'", "plan.cuda.shared_decode_rate=0.3"]
+    shared_gpu = predict(make_plan(cfg_with(*gpu), arch, local=True, gpus=1))  # one GPU: the GPU's profile
+    assert shared_gpu.shared == (0.3, load_config(None).plan.cuda.shared_train_slowdown)
+    assert predict(make_plan(cfg_with(*gpu), arch, local=True, gpus=2)).shared is None  # a GPU each
+
+
 def test_refit_is_bytes_over_the_link_plus_buckets_and_its_fixed_cost() -> None:
     cfg = cfg_with("refit.bucket_mb=1")
     arch = toy_arch()
@@ -153,6 +192,8 @@ def test_calibration_measures_this_cpu_and_its_output_is_a_config() -> None:
         "mfu_small",
         "train_micro_batch_ms",
         "train_sample_ms",
+        "shared_decode_rate",
+        "shared_train_slowdown",
     }
     rates = ("memory_gb_per_s", "matmul_tflops", "mfu_small")
     assert all(float(values[k]) > 0 for k in rates) and float(values["mfu_small"]) <= 1, out.stdout
@@ -160,6 +201,8 @@ def test_calibration_measures_this_cpu_and_its_output_is_a_config() -> None:
     assert float(values["builtin_step_ms"]) >= 0 and float(values["train_micro_batch_ms"]) > 0, out.stdout
     assert float(values["builtin_row_ms"]) >= 0 and float(values["train_sample_ms"]) >= 0, out.stdout
     assert float(values["builtin_prefill_layer_ms"]) > 0, out.stdout
+    # the engine beside a training process on the same cores keeps some of its speed, the training slows
+    assert 0 < float(values["shared_decode_rate"]) <= 1 and float(values["shared_train_slowdown"]) >= 1, out.stdout
     sets = re.search(r"^# or: (.*)$", out.stdout, re.M).group(1).split()
     cfg = load_config("configs/tiny_cpu.toml", [s for s in sets if s != "--set"])  # the config tree takes them
     assert cfg.plan.cpu.matmul_tflops == pytest.approx(float(values["matmul_tflops"]), rel=1e-3)

@@ -232,6 +232,12 @@ class SpeedProfile(Section):
     """Host time per trained sample per epoch beyond `train_micro_batch_ms` (the step's tensors built from its
     samples; packed rows attended a sample at a time where there is no variable-length kernel, as on CPUs).
     Not known before a calibration of the machine: 0."""
+    shared_decode_rate: float = Field(0.0, ge=0.0, le=1.0)
+    """Fraction of its own decode speed the engine keeps while the trainer trains on the same device (an
+    asynchronous run with both pools on one GPU, or both on the CPU: the engine decodes the next step's samples
+    beside the training). 0: the two take turns, a step is priced as rollout + train in sequence."""
+    shared_train_slowdown: float = Field(1.0, ge=1.0)
+    """The trainer's step while the engine decodes beside it on the same device, over its step alone."""
     refit_gb_per_s: PositiveFloat = 250.0
     """Bandwidth of a refit inside one node (NCCL over NVLink; a host copy on CPU), GB/s."""
     refit_fixed_ms: NonNegativeFloat = 50.0

@@ -160,6 +160,12 @@ class Scheduler:
             "steps": self.steps,
         }
 
+    def step(self) -> tuple[int, int]:
+        """One step on the calling thread, for a scheduler whose thread was never started (the calibration
+        times single decode steps this way); returns (rows prefilled, tokens the decode step sampled)."""
+        assert not self._thread.is_alive(), "the scheduler thread steps this scheduler"
+        return self._step()
+
     def drain(self) -> int:
         """Step on the calling thread until every submitted row has finished; the number of steps. For a
         scheduler whose thread was never started (calibration and benchmarks time its steps this way)."""

@@ -1,6 +1,6 @@
 """`molt-hpc plan --calibrate`: measure this machine's speed profile (`[plan.cuda]` or `[plan.cpu]`).
 
-Four small measurements on the device (a GPU when there is one, else the CPU):
+Five small measurements on the device (a GPU when there is one, else the CPU):
 
 - a copy of a large tensor: `memory_gb_per_s` (bytes read plus written per second);
 - a square matmul in the model dtype: `matmul_tflops`;
@@ -12,7 +12,10 @@ Four small measurements on the device (a GPU when there is one, else the CPU):
   layers, is `builtin_prefill_layer_ms`;
 - the trainer's own steps of the same model (`calibrate_train.py`): two of short rows are host time
   (`train_micro_batch_ms`, `train_sample_ms`), one of full rows adds its FLOPs at the achieved rate, over
-  `matmul_tflops` the MFU of the model's shape class.
+  `matmul_tflops` the MFU of the model's shape class;
+- the engine's decode steps at a full batch alone and while a second process trains the config's step on the
+  same device (`calibrate_shared.py`): `shared_decode_rate`, and that process's step beside the decoding over
+  alone, `shared_train_slowdown`.
 
 The model is built from its config alone, so calibrate with a config whose model fits one device (the
 SmolLM2 recipe, or the 0.5B shape on a GPU; the tiny configs on a CPU): seconds on a CPU.
@@ -20,6 +23,7 @@ SmolLM2 recipe, or the 0.5B shape on a GPU; the tiny configs on a CPU): seconds 
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.plan.arch import arch_from_config, load_hf_config
+from molt_hpc.plan.calibrate_shared import measure_shared
 from molt_hpc.plan.calibrate_train import fastest_s, trainer_profile
 
 SHAPE_CLASS = {0: "mfu_small", 2048: "mfu_medium", 6144: "mfu_large"}
@@ -41,7 +45,7 @@ def matmul_tflops(device, sync, n: int, dtype) -> float:
     return 2 * n**3 / fastest_s(lambda: a @ b, sync, 10, warmup=2) / 1e12
 
 
-def _model(cfg: MoltConfig, device):
+def random_model(cfg: MoltConfig, device):
     import torch
 
     from molt_hpc.models.load import lm_class
@@ -83,13 +87,18 @@ def engine_step_s(model, cfg: MoltConfig, device, sync, rows: int, context: int)
     return (min(round_s(long) for _ in range(3)) - min(round_s(short) for _ in range(3))) / (long - short)
 
 
+def full_rows(cfg: MoltConfig, device) -> int:
+    """The rows of a full batch the calibration decodes: `engines.max_batch`, at most 128 (32 on a CPU)."""
+    return max(8, min(cfg.engines.max_batch, 128 if device.type == "cuda" else 32))
+
+
 def engine_overhead_ms(model, cfg: MoltConfig, arch, device, sync, bandwidth: float) -> tuple[float, float]:
     """(fixed ms, ms per row) of an engine step beyond its memory time, fitted through a step of a few rows
     and one of a full batch."""
     b = 4 if cfg.model.dtype == "float32" else 2
     eff = cfg.plan.cuda.decode_efficiency if device.type == "cuda" else cfg.plan.cpu.decode_efficiency
     context = 64
-    few, full = 4, max(8, min(cfg.engines.max_batch, 128 if device.type == "cuda" else 32))
+    few, full = 4, full_rows(cfg, device)
     over = {}
     for rows in (few, full):
         memory = b * (arch.params + rows * context * arch.kv_bytes_per_token(1, b)) / (bandwidth * 1e9 * eff)
@@ -117,12 +126,14 @@ def calibrate(cfg: MoltConfig, device_kind: str) -> dict[str, float]:
     gpu = device.type == "cuda"
     out = {"memory_gb_per_s": copy_gb_per_s(device, sync, 2048 if gpu else 64)}
     out["matmul_tflops"] = matmul_tflops(device, sync, 8192 if gpu else 512, torch.bfloat16 if gpu else torch.float32)
-    model, arch = _model(cfg, device)
+    model, arch = random_model(cfg, device)
     # the trainer's part first: the engine's runner on a GPU fuses the model's projections in place
     micro_ms, sample_ms, mfu = trainer_profile(cfg, model, arch, device, sync, out["matmul_tflops"])
     fixed, per_row = engine_overhead_ms(model, cfg, arch, device, sync, out["memory_gb_per_s"])
     out["builtin_step_ms"], out["builtin_row_ms"] = fixed, per_row
     out["builtin_prefill_layer_ms"] = prefill_host_s(model, cfg, device, sync) * 1e3 / arch.layers
+    shared = measure_shared(cfg, model, device, sync, full_rows(cfg, device), 3.0)
+    out["shared_decode_rate"], out["shared_train_slowdown"] = shared.decode_rate, max(1.0, shared.train_slowdown)
     out[SHAPE_CLASS[max(k for k in SHAPE_CLASS if arch.hidden >= k)]] = mfu
     out["train_micro_batch_ms"], out["train_sample_ms"] = micro_ms, sample_ms
     return out

@@ -123,13 +123,21 @@ def host_parts(a: HostStep, ta: float, b: HostStep, tb: float) -> tuple[float, f
     return micro, sample
 
 
+def trainer_models(cfg: MoltConfig, model, world):
+    """The trainer's models of `cfg` (`actor.rl.build_models`) with `model`'s weights (random ones)."""
+    from molt_hpc.actor.rl import build_models
+
+    with tempfile.TemporaryDirectory(prefix="molt-calibrate-") as tmp:
+        model.save_pretrained(Path(tmp))  # the trainer reads its weights from a checkpoint directory
+        return build_models(cfg, world, Path(tmp), None)
+
+
 def trainer_profile(cfg: MoltConfig, model, arch: Arch, device, sync, tflops: float) -> tuple[float, float, float]:
     """(`train_micro_batch_ms`, `train_sample_ms`, MFU) of the trainer's step of `cfg`'s model (`model`: its
     random weights)."""
     import torch.distributed as dist
 
     from molt_hpc.actor.packing import token_budget
-    from molt_hpc.actor.rl import build_models
     from molt_hpc.actor.world import close_world, init_world
 
     groups, seq = cfg.actor.mini_batches, 512 if device.type == "cuda" else 128
@@ -138,9 +146,7 @@ def trainer_profile(cfg: MoltConfig, model, arch: Arch, device, sync, tflops: fl
     owned = not dist.is_initialized()  # a world this call starts is closed by it
     world = init_world(busy_cfg.actor.model_copy(update={"device": device.type}))
     try:
-        with tempfile.TemporaryDirectory(prefix="molt-calibrate-") as tmp:
-            model.save_pretrained(Path(tmp))  # the trainer reads its weights from a checkpoint directory
-            models = build_models(busy_cfg, world, Path(tmp), None)
+        models = trainer_models(busy_cfg, model, world)
         vocab = model.config.get_text_config().vocab_size
         packed, times = models.pack_tokens, []
         for host in host_steps(cfg):

@@ -24,8 +24,15 @@ Each pool runs on the speed profile of its device (`plan.cuda` or `plan.cpu`, `S
   `refit.interval` steps.
 
 Bound: with `buffer.max_staleness ≥ 1` on separate devices the engines decode while the trainer
-trains, so a step takes `max(rollout, train) + refit`; synchronous (staleness 0) or with the pools on
-one device (a shared GPU, or both on the CPU), `rollout + train + refit`.
+trains, so a step takes `max(rollout, train) + refit`; synchronous (staleness 0), `rollout + train + refit`.
+Asynchronous with the pools on one device (a shared GPU, or both on the CPU) the engine decodes beside the
+training too, but neither at its own speed: the engine at `r = shared_decode_rate` of it, the trainer's step
+`g = shared_train_slowdown` times longer (both measured by `plan --calibrate`). With `R` and `T` the rollout
+and the train time alone, the engine does `r·g·T` of its `R` beside the training. When that is not all of
+it (`R ≥ r·g·T`) the engine bounds the step: `R + g·T·(1 − r) + refit`, the trainer's part `g·T`. Otherwise
+the engine finishes beside the training after `R / r` and the trainer goes on alone:
+`T + (R / r)·(1 − 1/g) + refit`, all of it the trainer's. `r = 0` is the in-sequence price,
+`r = 1, g = 1` the overlap of two devices.
 """
 
 import math
@@ -191,6 +198,20 @@ def train_time(arch: Arch, cfg: MoltConfig, plan, w: Workload) -> Train:
     return Train(flops, compute, overhead, offload)
 
 
+def shared_device(rollout: float, train: float, rate: float, slowdown: float) -> tuple[float, float]:
+    """(seconds of rollout and training together, the trainer's part of them) of an asynchronous step on one
+    device shared by both pools: the engine at `rate` of its speed beside the training, the training
+    `slowdown` times longer beside the decoding (the module's docstring); `rate` 0: in sequence."""
+    if rate <= 0.0:
+        return rollout + train, train
+    beside = slowdown * train
+    if rollout >= rate * beside:  # the engine is still decoding when the trainer finishes: it bounds the step
+        return rollout + beside * (1.0 - rate), beside
+    together = rollout / rate  # the engine's samples are done beside the training, which goes on alone
+    step = train + together * (1.0 - 1.0 / slowdown)
+    return step, step
+
+
 @dataclass(frozen=True)
 class Speed:
     """One training step's predicted parts, the bound and the throughputs."""
@@ -201,17 +222,31 @@ class Speed:
     refit_s: float
     overlap: bool
     """The engines generate while the trainer trains (async, separate devices)."""
+    shared: tuple[float, float] | None = None
+    """(`shared_decode_rate`, `shared_train_slowdown`) where an async run's pools share one device; None
+    where they do not."""
+
+    def _together(self) -> tuple[float, float]:
+        """(rollout and training together, the trainer's part of them)."""
+        r, t = self.rollout.seconds, self.train.seconds
+        if self.shared is not None:
+            return shared_device(r, t, *self.shared)
+        return (max(r, t) if self.overlap else r + t), t
 
     @property
     def step_s(self) -> float:
-        r, t = self.rollout.seconds, self.train.seconds
-        return (max(r, t) if self.overlap else r + t) + self.refit_s
+        return self._together()[0] + self.refit_s
+
+    @property
+    def train_wall_s(self) -> float:
+        """The trainer's step as a run measures it: beside the engine's decoding on a shared device."""
+        return self._together()[1]
 
     @property
     def wait_s(self) -> float:
         """The trainer's wait for rollouts: the step less its training and refit (0 when the step is theirs alone:
         the subtraction's rounding would otherwise print as "-0 ms")."""
-        return max(0.0, self.step_s - self.train.seconds - self.refit_s)
+        return max(0.0, self.step_s - self.train_wall_s - self.refit_s)
 
     @property
     def bound(self) -> str:
@@ -247,4 +282,7 @@ def predict(plan, prompt: float | None = None, response: float | None = None, ac
     w = workload(cfg, prompt, response, accepted)
     one_device = where.shared_gpu or (where.actor_device == where.engine_device == "cpu")
     overlap = cfg.buffer.max_staleness >= 1 and not one_device
-    return Speed(w, rollout_time(arch, cfg, plan, w), train_time(arch, cfg, plan, w), refit_time(cfg, plan), overlap)
+    p = profile(cfg, where.engine_device)
+    shared = (p.shared_decode_rate, p.shared_train_slowdown) if cfg.buffer.max_staleness >= 1 and one_device else None
+    rollout, train = rollout_time(arch, cfg, plan, w), train_time(arch, cfg, plan, w)
+    return Speed(w, rollout, train, refit_time(cfg, plan), overlap, shared)

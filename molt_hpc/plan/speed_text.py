@@ -26,6 +26,9 @@ def speed_lines(s: Speed, profile_names: tuple[str, str]) -> list[str]:
     """The plan's speed block: per step, each part, the bound and the throughputs."""
     r, t, w = s.rollout, s.train, s.workload
     mode = "overlapped (async)" if s.overlap else "in sequence"
+    if s.shared is not None and s.shared[0] > 0:
+        mode = (f"sharing one device (async: the engine at {s.shared[0]:.0%} of its speed beside the training, "
+                f"the training {s.shared[1]:.2f}x beside the decoding)")  # fmt: skip
     return [
         f"speed per step ({w.samples} samples of {w.prompt:,.0f} prompt + {w.response:,.0f} response tokens, "
         f"engines on plan.{profile_names[1]}, trainer on plan.{profile_names[0]}):",
@@ -67,7 +70,7 @@ def measured(actor: list[dict], rollout: list[dict], skip: int = 2) -> dict[str,
 
 def compare_lines(s: Speed, m: dict[str, float]) -> list[str]:
     """Predicted against measured, each with the measured/predicted ratio."""
-    rows = [("step", s.step_s, m["step_s"]), ("train", s.train.seconds, m["train_s"]),
+    rows = [("step", s.step_s, m["step_s"]), ("train", s.train_wall_s, m["train_s"]),
             ("rollout wait", s.wait_s, m["wait_s"]), ("refit", s.refit_s, m["refit_s"])]  # fmt: skip
     out = ["speed (predicted vs measured, per step):"]
     for name, pred, meas in rows:

@@ -1,0 +1,130 @@
+"""The built-in engine on a GPU it shares with the trainer: its decode step alone and beside a training process.
+
+An asynchronous run with both pools on one GPU decodes the next step's samples while the trainer trains. This
+bench times the engine's step, at a full batch of rows (`engines.max_batch`, at most 128) of the config's model
+with random weights, four ways:
+
+- in this process, the scheduler stepped directly (what `plan --calibrate` times): alone, then while a second
+  process trains the config's own step in a loop on the same GPU (`molt_hpc.plan.calibrate_shared`);
+- the engine process over HTTP on loopback, every row a request of `rollout.max_new_tokens` tokens, whole
+  answers and streamed ones (what the rollout asks for): alone, then beside the same training process.
+
+Over HTTP a step is the round's wall time over the engine's steps in it (its `/health` counter); in-process it
+is each decode step's own time. The training process reports its step alone and beside the decoding.
+
+    python bench/gpu_shared.py configs/smollm2_math_gpu.toml --set model.path=DIR [--seconds 4] [--out rows.jsonl]
+    python bench/gpu_shared.py configs/tiny_cpu.toml --dry-run
+"""
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import torch
+from gpu_common import bench_device, gpu_env, write_row
+from gpu_engine import engine_url, start_engine
+from gpu_rollout import http_round
+
+from molt_hpc.config import load_config, to_toml
+from molt_hpc.engine.client import health
+from molt_hpc.plan.calibrate import random_model
+from molt_hpc.plan.calibrate_shared import TrainerProcess, decode_steps
+from molt_hpc.rundir import create_run_dir
+
+
+async def engine_steps(url: str, token: str) -> int:
+    async with aiohttp.ClientSession() as s:
+        return int((await health(s, url, token=token))["steps"])
+
+
+def http_rounds(url: str, token: str, requests, streamed: bool, seconds: float) -> tuple[float, int, int]:
+    """(wall seconds, engine steps, tokens) of rounds of `requests` over at least `seconds`."""
+    wall, tokens, start = 0.0, 0, asyncio.run(engine_steps(url, token))
+    while wall < seconds:
+        dt, n = asyncio.run(http_round(url, token, requests, streamed))
+        wall, tokens = wall + dt, tokens + n
+    return wall, asyncio.run(engine_steps(url, token)) - start, tokens
+
+
+def http_rows(args, url: str, token: str, requests, label: str, seconds: float) -> None:
+    for streamed in (False, True):
+        wall, steps, tokens = http_rounds(url, token, requests, streamed, seconds)
+        case = f"engine process, HTTP, {'streamed' if streamed else 'whole'}, {label}"
+        write_row(args.out, bench="shared", case=case, value=1000 * wall / steps, unit="ms/step",
+                  note=f"{steps} steps, {tokens / wall:,.0f} tok/s, {len(requests)} requests a round")  # fmt: skip
+
+
+def decode_row(args, steps: list[float], label: str, rows: int) -> float:
+    mean, median = statistics.fmean(steps), statistics.median(steps)
+    write_row(args.out, bench="shared", case=f"in-process scheduler, {label}", value=1000 * mean, unit="ms/step",
+              note=f"{len(steps)} decode steps of {rows} rows, median {1000 * median:.2f} ms")  # fmt: skip
+    return mean
+
+
+def start_engine_process(args, cfg, model, device):
+    tmp = Path(tempfile.mkdtemp(prefix="bench-gpu-shared-"))
+    model.save_pretrained(tmp / "model", safe_serialization=True)
+    sets = [*args.sets, f"model.path={json.dumps(str(tmp / 'model'))}", f"engines.device='{device.type}'"]
+    run = create_run_dir(tmp, "run", to_toml(load_config(args.config, sets)))
+    proc = start_engine(run, gpu_env())
+    return proc, engine_url(run, proc), run.token()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("config")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--seconds", type=float, default=4.0, help="decoding timed per case (at least)")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--dry-run", action="store_true", help="on the CPU: checks the script")
+    args = ap.parse_args()
+    device = bench_device("gpu_shared", args.dry_run)
+    if device is None:
+        return 0
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    cfg = load_config(args.config, args.sets)
+    model, _ = random_model(cfg, device)
+    rows = max(8, min(cfg.engines.max_batch, 128))
+    rng = random.Random(0)
+    vocab = model.config.get_text_config().vocab_size
+    requests = [([rng.randrange(4, vocab) for _ in range(64)], cfg.rollout.max_new_tokens) for _ in range(rows)]
+    proc, url, token = start_engine_process(args, cfg, model, device)
+    try:
+        from molt_hpc.engine.main import model_runner
+
+        eng = cfg.engines.model_copy(update={"max_batch": rows, "max_model_len": 64 + 40})
+        runner = model_runner(model.eval(), device, eng, None, graphs=True)
+        decode_steps(runner, rows, 64, 0.0, sync)  # records the graphs
+        http_rounds(url, token, requests, True, 0.0)  # the engine process's graphs and buckets
+        alone = decode_row(args, decode_steps(runner, rows, 64, args.seconds, sync), "alone", rows)
+        http_rows(args, url, token, requests, "alone", args.seconds)
+        t0 = time.perf_counter()
+        trainer = TrainerProcess(cfg, device.type)
+        print(f"trainer process ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        window = max(args.seconds, 3 * max(trainer.alone))
+        trainer.beside(True)
+        steps = decode_steps(runner, rows, 64, window, sync, more=lambda: trainer.poll() < 1)
+        shared = decode_row(args, steps, "beside the trainer", rows)
+        http_rows(args, url, token, requests, "beside the trainer", window)
+        train_shared = trainer.finish()
+    finally:
+        proc.terminate()
+        proc.wait()
+    write_row(args.out, bench="shared", case="decode rate beside the trainer (in-process)", value=alone / shared,
+              unit="x alone")  # fmt: skip
+    ta = statistics.fmean(trainer.alone)
+    tb = statistics.fmean(train_shared) if train_shared else float("nan")
+    write_row(args.out, bench="shared", case="trainer step", value=1000 * ta, unit="ms alone",
+              note=f"beside the decoding {1000 * tb:.1f} ms ({len(train_shared)} steps): {tb / ta:.2f}x")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
