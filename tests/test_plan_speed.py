@@ -192,20 +192,36 @@ def test_calibration_measures_this_cpu_and_its_output_is_a_config() -> None:
         "mfu_small",
         "train_micro_batch_ms",
         "train_sample_ms",
-        "shared_decode_rate",
-        "shared_train_slowdown",
-    }
+    }  # not the shared-device numbers: measured on a GPU only
     rates = ("memory_gb_per_s", "matmul_tflops", "mfu_small")
     assert all(float(values[k]) > 0 for k in rates) and float(values["mfu_small"]) <= 1, out.stdout
     # host times are what is left beside the memory and compute time: none left is a measurement too
     assert float(values["builtin_step_ms"]) >= 0 and float(values["train_micro_batch_ms"]) > 0, out.stdout
     assert float(values["builtin_row_ms"]) >= 0 and float(values["train_sample_ms"]) >= 0, out.stdout
     assert float(values["builtin_prefill_layer_ms"]) > 0, out.stdout
-    # the engine beside a training process on the same cores keeps some of its speed, the training slows
-    assert 0 < float(values["shared_decode_rate"]) <= 1 and float(values["shared_train_slowdown"]) >= 1, out.stdout
     sets = re.search(r"^# or: (.*)$", out.stdout, re.M).group(1).split()
     cfg = load_config("configs/tiny_cpu.toml", [s for s in sets if s != "--set"])  # the config tree takes them
     assert cfg.plan.cpu.matmul_tflops == pytest.approx(float(values["matmul_tflops"]), rel=1e-3)
+
+
+def test_the_shared_device_measurement_times_both_pools_alone_and_beside_each_other() -> None:
+    """`plan --calibrate`'s shared-device part on the CPU (a GPU calibration runs it there): decode steps alone
+    and beside a second process that trains the config's step, and that process's steps alone and beside."""
+    import torch
+
+    from molt_hpc.plan.calibrate import random_model
+    from molt_hpc.plan.calibrate_shared import ALONE_STEPS, Shared, measure_shared
+
+    cfg = load_config("configs/tiny_cpu.toml", ["actor.groups_per_step=2", "data.max_prompt_tokens=16",
+                                                "rollout.max_total_tokens=32", "rollout.max_new_tokens=8"])  # fmt: skip
+    model, _ = random_model(cfg, torch.device("cpu"))
+    s = measure_shared(cfg, model, torch.device("cpu"), lambda: None, 8, 0.3)
+    assert s.decode_alone and s.decode_shared and len(s.train_alone) == ALONE_STEPS and s.train_shared
+    assert 0 < s.decode_rate <= 1 and s.train_slowdown > 0
+    hand = Shared([0.01, 0.03], [0.04, 0.06, 0.05], [0.2, 0.4], [0.45])
+    assert hand.decode_rate == pytest.approx(0.02 / 0.05) and hand.train_slowdown == pytest.approx(0.45 / 0.3)
+    faster = Shared([0.02], [0.01], [0.3], [])  # noise: faster beside; no trainer step wholly beside
+    assert faster.decode_rate == 1 and faster.train_slowdown is None
 
 
 @pytest.mark.parametrize(

@@ -235,9 +235,12 @@ class SpeedProfile(Section):
     shared_decode_rate: float = Field(0.0, ge=0.0, le=1.0)
     """Fraction of its own decode speed the engine keeps while the trainer trains on the same device (an
     asynchronous run with both pools on one GPU, or both on the CPU: the engine decodes the next step's samples
-    beside the training). 0: the two take turns, a step is priced as rollout + train in sequence."""
+    beside the training). 0: the two take turns, a step is priced as rollout + train in sequence. The default
+    is that price: no GPU has measured it yet, and on a CPU the pair measured alone misprices a run (`plan
+    --calibrate` measures it on a GPU only)."""
     shared_train_slowdown: float = Field(1.0, ge=1.0)
-    """The trainer's step while the engine decodes beside it on the same device, over its step alone."""
+    """The trainer's step while the engine decodes beside it on the same device, over its step alone (unused
+    while `shared_decode_rate` is 0)."""
     refit_gb_per_s: PositiveFloat = 250.0
     """Bandwidth of a refit inside one node (NCCL over NVLink; a host copy on CPU), GB/s."""
     refit_fixed_ms: NonNegativeFloat = 50.0

@@ -1,6 +1,6 @@
 """`molt-hpc plan --calibrate`: measure this machine's speed profile (`[plan.cuda]` or `[plan.cpu]`).
 
-Five small measurements on the device (a GPU when there is one, else the CPU):
+Five small measurements on the device (the fifth on a GPU only) (a GPU when there is one, else the CPU):
 
 - a copy of a large tensor: `memory_gb_per_s` (bytes read plus written per second);
 - a square matmul in the model dtype: `matmul_tflops`;
@@ -13,9 +13,12 @@ Five small measurements on the device (a GPU when there is one, else the CPU):
 - the trainer's own steps of the same model (`calibrate_train.py`): two of short rows are host time
   (`train_micro_batch_ms`, `train_sample_ms`), one of full rows adds its FLOPs at the achieved rate, over
   `matmul_tflops` the MFU of the model's shape class;
-- the engine's decode steps at a full batch alone and while a second process trains the config's step on the
-  same device (`calibrate_shared.py`): `shared_decode_rate`, and that process's step beside the decoding over
-  alone, `shared_train_slowdown`.
+- on a GPU, the engine's decode steps at a full batch alone and while a second process trains the config's
+  step on the same GPU (`calibrate_shared.py`): `shared_decode_rate`, and that process's step beside the
+  decoding over alone, `shared_train_slowdown`. Not on a CPU: there a run's engine, trainer, rollout and router
+  processes share the cores, and the pair alone (a core each on a 2-core machine) found no slowdown while the
+  run's trainer took 1.4-1.7x its calibrated step; priced with the pair's numbers the tiny config's step came out
+  1.56-1.80x short, in sequence 1.20-1.40x (`docs/scale.md`).
 
 The model is built from its config alone, so calibrate with a config whose model fits one device (the
 SmolLM2 recipe, or the 0.5B shape on a GPU; the tiny configs on a CPU): seconds on a CPU.
@@ -132,8 +135,10 @@ def calibrate(cfg: MoltConfig, device_kind: str) -> dict[str, float]:
     fixed, per_row = engine_overhead_ms(model, cfg, arch, device, sync, out["memory_gb_per_s"])
     out["builtin_step_ms"], out["builtin_row_ms"] = fixed, per_row
     out["builtin_prefill_layer_ms"] = prefill_host_s(model, cfg, device, sync) * 1e3 / arch.layers
-    shared = measure_shared(cfg, model, device, sync, full_rows(cfg, device), 3.0)
-    out["shared_decode_rate"], out["shared_train_slowdown"] = shared.decode_rate, max(1.0, shared.train_slowdown)
+    if gpu:  # on a CPU a run's other processes share the cores too: the pair alone misprices it (docs/scale.md)
+        shared = measure_shared(cfg, model, device, sync, full_rows(cfg, device), 3.0)
+        out["shared_decode_rate"] = shared.decode_rate
+        out["shared_train_slowdown"] = max(1.0, shared.train_slowdown)
     out[SHAPE_CLASS[max(k for k in SHAPE_CLASS if arch.hidden >= k)]] = mfu
     out["train_micro_batch_ms"], out["train_sample_ms"] = micro_ms, sample_ms
     return out

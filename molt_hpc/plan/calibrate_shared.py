@@ -12,6 +12,9 @@ GPU the two processes' kernels take turns, on a CPU they share the cores. The sp
    its steps: first alone, then while the engine decodes beside it;
 3. the same decode steps again while that process trains: the engine beside the trainer.
 
+Each side has the torch threads a run gives it (`engines.threads`, else one; one a trainer rank). `plan
+--calibrate` runs this on a GPU only (`calibrate.py` says why).
+
 The rate is the mean decode step alone over the mean decode step beside the trainer (a decode step is timed
 from its launch to its sampled tokens on the host; prefill steps are left out); the trainer's own slowdown
 (its mean step beside the engine over alone) is reported with it.
@@ -67,6 +70,7 @@ def train_loop(cfg: MoltConfig, device_kind: str, decoding, stop, results) -> No
 
     for key in WORLD_ENV:  # a world of its own, on a port of its own
         os.environ.pop(key, None)
+    torch.set_num_threads(1)  # a run's trainer rank has one (`launch.local.actor_child`)
     device = torch.device(device_kind)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ro = cfg.rollout
@@ -200,20 +204,27 @@ def measure_shared(cfg: MoltConfig, model, device, sync, rows: int, seconds: flo
     """Decode steps of `model` (the engine's runner, `rows` rows) alone, then beside a trainer process training
     the config's step on the same device (over at least `seconds`, three of the trainer's steps alone and one
     of its steps wholly beside them); that process's steps alone and beside the decoding."""
+    import torch
+
     from molt_hpc.engine.main import model_runner
 
     context = 64
     eng = cfg.engines.model_copy(update={"max_batch": rows, "max_model_len": context + 40})
     runner = model_runner(model.eval(), device, eng, None, graphs=True)
-    decode_steps(runner, rows, context, 0.0, sync)  # records the graphs, warms the allocator
-    alone = decode_steps(runner, rows, context, seconds, sync)
-    trainer = TrainerProcess(cfg, device.type)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(eng.threads or 1)  # a run's engine process has these (`launch.pool.engine_env`)
     try:
-        trainer.beside(True)
-        window = max(seconds, 3 * max(trainer.alone))
-        shared = decode_steps(runner, rows, context, window, sync, more=lambda: trainer.poll() < 1)
-        trainer.beside(False)
-    except BaseException:
-        trainer.close()
-        raise
-    return Shared(alone, shared, trainer.alone, trainer.finish())
+        decode_steps(runner, rows, context, 0.0, sync)  # records the graphs, warms the allocator
+        alone = decode_steps(runner, rows, context, seconds, sync)
+        trainer = TrainerProcess(cfg, device.type)
+        try:
+            trainer.beside(True)
+            window = max(seconds, 3 * max(trainer.alone))
+            shared = decode_steps(runner, rows, context, window, sync, more=lambda: trainer.poll() < 1)
+            trainer.beside(False)
+        except BaseException:
+            trainer.close()
+            raise
+        return Shared(alone, shared, trainer.alone, trainer.finish())
+    finally:
+        torch.set_num_threads(threads)

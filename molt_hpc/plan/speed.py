@@ -27,12 +27,12 @@ Bound: with `buffer.max_staleness ≥ 1` on separate devices the engines decode 
 trains, so a step takes `max(rollout, train) + refit`; synchronous (staleness 0), `rollout + train + refit`.
 Asynchronous with the pools on one device (a shared GPU, or both on the CPU) the engine decodes beside the
 training too, but neither at its own speed: the engine at `r = shared_decode_rate` of it, the trainer's step
-`g = shared_train_slowdown` times longer (both measured by `plan --calibrate`). With `R` and `T` the rollout
-and the train time alone, the engine does `r·g·T` of its `R` beside the training. When that is not all of
-it (`R ≥ r·g·T`) the engine bounds the step: `R + g·T·(1 − r) + refit`, the trainer's part `g·T`. Otherwise
-the engine finishes beside the training after `R / r` and the trainer goes on alone:
-`T + (R / r)·(1 − 1/g) + refit`, all of it the trainer's. `r = 0` is the in-sequence price,
-`r = 1, g = 1` the overlap of two devices.
+`g = shared_train_slowdown` times longer (both measured by `plan --calibrate` on a GPU; by default 0 and 1,
+the in-sequence price). With `R` and `T` the rollout and the train time alone, the engine does `r·g·T` of
+its `R` beside the training. When that is not all of it (`R ≥ r·g·T`) the engine bounds the step:
+`R + g·T·(1 − r) + refit`, the trainer's part `g·T`. Otherwise the engine finishes beside the training
+after `R / r` and the trainer goes on alone: `T + (R / r)·(1 − 1/g) + refit`, all of it the trainer's.
+`r = 0` is the in-sequence price, `r = 1, g = 1` the overlap of two devices.
 """
 
 import math
