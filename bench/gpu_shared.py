@@ -34,8 +34,8 @@ from gpu_rollout import http_round
 
 from molt_hpc.config import load_config, to_toml
 from molt_hpc.engine.client import health
-from molt_hpc.plan.calibrate import random_model
 from molt_hpc.plan.calibrate_shared import TrainerProcess, decode_steps
+from molt_hpc.plan.calibrate_train import random_model
 from molt_hpc.rundir import create_run_dir
 
 

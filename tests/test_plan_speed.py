@@ -209,8 +209,8 @@ def test_the_shared_device_measurement_times_both_pools_alone_and_beside_each_ot
     and beside a second process that trains the config's step, and that process's steps alone and beside."""
     import torch
 
-    from molt_hpc.plan.calibrate import random_model
     from molt_hpc.plan.calibrate_shared import ALONE_STEPS, Shared, measure_shared
+    from molt_hpc.plan.calibrate_train import random_model
 
     cfg = load_config("configs/tiny_cpu.toml", ["actor.groups_per_step=2", "data.max_prompt_tokens=16",
                                                 "rollout.max_total_tokens=32", "rollout.max_new_tokens=8"])  # fmt: skip

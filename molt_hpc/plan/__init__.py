@@ -14,7 +14,7 @@
   `speed_text`: the speed block of the report, and predicted against measured for `molt-hpc status`;
   `step_split`: where a run's training steps spend their time, from its `metrics.jsonl` actor records;
 - `calibrate`: `molt-hpc plan --calibrate`, this machine's speed profile measured; `calibrate_train`: the
-  trainer's own step, timed for it;
+  trainer's own step, timed for it; `calibrate_shared`: on a GPU, the engine's decoding beside a training process;
 - `balance`: `molt-hpc plan --balance`, the engine:trainer GPU split and `rollout.groups_in_flight` that train
   the most tokens per second on the config's GPUs;
 - `verdict`: placement, host memory, the checks against the hardware, blockers;

@@ -25,9 +25,8 @@ SmolLM2 recipe, or the 0.5B shape on a GPU; the tiny configs on a CPU): seconds 
 """
 
 from molt_hpc.config import MoltConfig
-from molt_hpc.plan.arch import arch_from_config, load_hf_config
 from molt_hpc.plan.calibrate_shared import measure_shared
-from molt_hpc.plan.calibrate_train import fastest_s, trainer_profile
+from molt_hpc.plan.calibrate_train import fastest_s, random_model, trainer_profile
 
 SHAPE_CLASS = {0: "mfu_small", 2048: "mfu_medium", 6144: "mfu_large"}
 
@@ -46,18 +45,6 @@ def matmul_tflops(device, sync, n: int, dtype) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     return 2 * n**3 / fastest_s(lambda: a @ b, sync, 10, warmup=2) / 1e12
-
-
-def random_model(cfg: MoltConfig, device):
-    import torch
-
-    from molt_hpc.models.load import lm_class
-
-    config, _ = load_hf_config(cfg.model)
-    dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
-    torch.manual_seed(0)
-    model = lm_class(config).from_config(config, dtype=dtype).to(device)
-    return model, arch_from_config(config)
 
 
 def engine_step_s(model, cfg: MoltConfig, device, sync, rows: int, context: int) -> float:

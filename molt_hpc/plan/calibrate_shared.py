@@ -65,8 +65,7 @@ def train_loop(cfg: MoltConfig, device_kind: str, decoding, stop, results) -> No
 
     from molt_hpc.actor.step import train_step
     from molt_hpc.actor.world import close_world, init_world
-    from molt_hpc.plan.calibrate import random_model
-    from molt_hpc.plan.calibrate_train import shaped, synthetic_groups, trainer_models
+    from molt_hpc.plan.calibrate_train import random_model, shaped, synthetic_groups, trainer_models
 
     for key in WORLD_ENV:  # a world of its own, on a port of its own
         os.environ.pop(key, None)

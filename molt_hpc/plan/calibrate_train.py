@@ -23,13 +23,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from molt_hpc.config import MoltConfig
-from molt_hpc.plan.arch import Arch
+from molt_hpc.plan.arch import Arch, arch_from_config, load_hf_config
 from molt_hpc.plan.shape import shape_of
 from molt_hpc.plan.speed import Workload, train_flops
 from molt_hpc.trajectory import Group, Trajectory
 
 HOST_MICRO, HOST_JOINED, HOST_SEQ = 4, 16, 16
 """The host steps: samples of `HOST_SEQ` tokens, `HOST_MICRO` micro-batches of one or one of `HOST_JOINED`."""
+
+
+def random_model(cfg: MoltConfig, device):
+    """The config's model with seeded random weights on `device`, and its `Arch`."""
+    import torch
+
+    from molt_hpc.models.load import lm_class
+
+    config, _ = load_hf_config(cfg.model)
+    dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
+    torch.manual_seed(0)
+    model = lm_class(config).from_config(config, dtype=dtype).to(device)
+    return model, arch_from_config(config)
 
 
 def shaped(cfg: MoltConfig, groups: int, samples: int, seq: int, **actor) -> MoltConfig:
