@@ -236,8 +236,10 @@ class SpeedProfile(Section):
     """Fraction of its own decode speed the engine keeps while the trainer trains on the same device (an
     asynchronous run with both pools on one GPU, or both on the CPU: the engine decodes the next step's samples
     beside the training). 0: the two take turns, a step is priced as rollout + train in sequence. The default
-    is that price: no GPU has measured it yet, and on a CPU the pair measured alone misprices a run (`plan
-    --calibrate` measures it on a GPU only)."""
+    is that price: `plan --calibrate` measures the pair on a GPU (0.67-0.74 on an H100, the trainer 1.02-1.06x),
+    but priced with it the SmolLM2 recipe's step came out 2.44x short of its run against 1.77x in sequence (the
+    live engine process is slower than its kernels' sharing explains: docs/scale.md), and on a CPU the pair
+    measured alone misprices a run too."""
     shared_train_slowdown: float = Field(1.0, ge=1.0)
     """The trainer's step while the engine decodes beside it on the same device, over its step alone (unused
     while `shared_decode_rate` is 0)."""
