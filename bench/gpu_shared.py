@@ -10,8 +10,9 @@ with random weights, four ways:
   answers and streamed ones (what the rollout asks for): alone, then beside the same training process;
 
 and both once more alone after the training process has gone, so that drift between the phases shows. The
-engine process captures a CUDA graph for each batch size its rounds reach, on first use: rounds of both kinds
-run untimed first, and each HTTP row counts the captures that still fell inside it.
+engine process captures a CUDA graph for each batch size its rounds reach, on first use (about 0.2 s each on
+an H200): a round of 8-token answers for each batch size, then rounds of both kinds, run untimed first, and
+each HTTP row counts the captures that still fell inside it.
 
 Over HTTP a step is the round's wall time over the engine's steps in it (its `/health` counter); in-process it
 is each decode step's own time. The training process reports its step alone, beside the in-process decoding
@@ -85,6 +86,13 @@ def decode_row(args, steps: list[float], label: str, rows: int) -> float:
     return mean
 
 
+def warm_sizes(rows: int) -> list[int]:
+    """Request counts of the warm-up rounds: every prefill bucket up to `rows` (a power of two up to 8, then
+    multiples of 8: `engine.prefill.rows_bucket`), which covers the decode buckets (`engine.graphs.batch_bucket`)
+    where a round's requests are admitted together."""
+    return sorted({n for n in (1, 2, 4, *range(8, rows + 1, 8)) if n <= rows} | {rows})
+
+
 def start_engine_process(args, cfg, model, device):
     tmp = Path(tempfile.mkdtemp(prefix="bench-gpu-shared-"))
     model.save_pretrained(tmp / "model", safe_serialization=True)
@@ -119,7 +127,9 @@ def main() -> int:
         eng = cfg.engines.model_copy(update={"max_batch": rows, "max_model_len": 64 + 40})
         runner = model_runner(model.eval(), device, eng, None, graphs=True)
         decode_steps(runner, rows, 64, 0.0, sync)  # records the graphs
-        for streamed in (False, True):  # the engine process's graphs of the batch sizes its rounds reach
+        for n in warm_sizes(rows):  # the engine process's graphs: a round of each batch size's requests at once
+            asyncio.run(http_round(url, token, [(prompt, 8) for prompt, _ in requests[:n]], False))
+        for streamed in (False, True):  # and of the batch sizes that full rounds reach
             http_rounds(url, token, requests, streamed, args.seconds / 2)
         alone = decode_row(args, decode_steps(runner, rows, 64, args.seconds, sync), "alone", rows)
         http_alone = http_rows(args, url, token, requests, "alone", args.seconds, log)
