@@ -204,6 +204,24 @@ def test_calibration_measures_this_cpu_and_its_output_is_a_config() -> None:
     assert cfg.plan.cpu.matmul_tflops == pytest.approx(float(values["matmul_tflops"]), rel=1e-3)
 
 
+def test_the_calibrated_shared_device_pair_is_printed_as_comments() -> None:
+    """A GPU's calibration prints the shared-device pair commented out: the section and the `--set` line give
+    the in-sequence price, which came closer to a measured run; uncommented, the pair is a config too."""
+    import tomllib
+
+    from molt_hpc.plan.calibrate import calibration_text
+
+    values = {"memory_gb_per_s": 3000.0, "shared_decode_rate": 0.7, "shared_train_slowdown": 1.06, "mfu_small": 0.2}
+    text = calibration_text(values, "cuda")
+    section = tomllib.loads(text)["plan"]["cuda"]
+    assert section == {"memory_gb_per_s": 3000.0, "mfu_small": 0.2}
+    assert "shared" not in re.search(r"^# or: (.*)$", text, re.M).group(1)
+    uncommented = tomllib.loads(re.sub(r"^# (shared_\w+ = )", r"\1", text, flags=re.M))["plan"]["cuda"]
+    assert uncommented == values
+    sets = [f"plan.cuda.{k}={v}" for k, v in uncommented.items()]
+    assert load_config("configs/tiny_cpu.toml", sets).plan.cuda.shared_decode_rate == 0.7
+
+
 def test_the_shared_device_measurement_times_both_pools_alone_and_beside_each_other() -> None:
     """`plan --calibrate`'s shared-device part on the CPU (a GPU calibration runs it there): decode steps alone
     and beside a second process that trains the config's step, and that process's steps alone and beside."""
