@@ -21,10 +21,13 @@ TARGETS = "['q_proj','k_proj','v_proj','o_proj','gate_proj','up_proj','down_proj
 
 
 def test_tiny_lora_run_learns_and_its_engine_serves_each_version(tmp_path: Path) -> None:
-    steps = 160  # at 120 one CI run rose 4.4 standard errors (0.049 -> 0.117), others 14-18
+    # At lr 2e-3 one run's policy collapsed near step 115 (clip fraction 0.49, reward 0.19 -> 0.02, entropy
+    # 1.0 -> 3.6) and its last quarter ended level with its first; at 1e-3 seeds 0 and 1 rose 19.4 and 20.8
+    # standard errors by step 120 (0.029 -> 0.185, 0.022 -> 0.147), their clip fraction at most 0.15 and 0.23.
+    steps = 120
     proc = launch(
         tmp_path, "configs/tiny_cpu.toml", "--set", f"run.steps={steps}", "--set", "checkpoint.interval=60",
-        "--set", "actor.lr=2e-3", "--set", "actor.lora.rank=16", "--set", "actor.lora.alpha=32.0",
+        "--set", "actor.lr=1e-3", "--set", "actor.lora.rank=16", "--set", "actor.lora.alpha=32.0",
         "--set", f"actor.lora.target_modules={TARGETS}",
     )  # fmt: skip
     out, _ = proc.communicate(timeout=900)
