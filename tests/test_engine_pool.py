@@ -127,6 +127,50 @@ def test_bounded_load_spreads_a_hot_session(pool) -> None:
     assert after["in_flight"] == 0 and after["total"] - before["total"] == n
 
 
+def test_a_client_that_leaves_a_streamed_answer_is_no_failure(pool) -> None:
+    """Streamed readers that close after the first event (a rollout closes once it has its answer, before the
+    stream's end): the router writes the rest into closed connections and closes its own to the engine, whose
+    row is freed; neither logs a failure, and both serve on."""
+    run, router, engines = pool
+    token = run.token()
+    logs = [p.log for p in (router, *engines)]
+    logged = [log.stat().st_size for log in logs]
+    body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 60, "ignore_eos": True}, "stream": True}
+
+    async def leave(s) -> bytes:
+        hdrs = {"Authorization": f"Bearer {token}"}
+        async with s.post(router.url + "/inference/v1/generate", headers=hdrs, json=body) as r:
+            assert r.status == 200 and r.content_type == "text/event-stream"
+            first = await r.content.readuntil(b"\n\n")
+            r.close()  # the connection goes, mid-stream
+            return first
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            firsts = await asyncio.gather(*[leave(s) for _ in range(6)])
+            quiet = await idle(s)  # every abandoned answer ended: each write into a closed connection happened
+            served = await routed(s, router.url, token, None, {"max_tokens": 8, "ignore_eos": True})
+            return firsts, quiet, served
+
+    async def idle(s) -> dict:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            metrics = await get_json(router.url + "/metrics", run)
+            rows = [await health(s, e.url, token=token) for e in engines]
+            if metrics["in_flight"] == 0 and not any(h["running"] or h["waiting"] for h in rows):
+                return metrics
+            await asyncio.sleep(0.05)
+        raise TimeoutError(f"the pool never went idle: {metrics}, {rows}")
+
+    firsts, metrics, (_, answer) = arun(go())
+    assert all(f.startswith(b"data:") for f in firsts), firsts
+    assert len(answer["choices"][0]["token_ids"]) == 8, answer
+    for log, size in zip(logs, logged, strict=True):
+        after = log.read_bytes()[size:].decode()
+        assert "failed" not in after and "Traceback" not in after, (log.name, after)
+    assert metrics["total"] >= 6, metrics
+
+
 def perturbed(tiny_model_dir, seed: int):
     """The tiny model with every weight moved: what a training step would send."""
     model = load_causal_lm(tiny_model_dir)
@@ -280,7 +324,13 @@ def test_engine_killed_mid_run_fails_over_rejoins_and_refits(pool, tiny_model_di
             for e in engines:  # hold every request where the router sends it: the kill finds some in flight
                 await pause(s, e.url, token=token, mode="keep")
             tasks = [asyncio.create_task(routed(s, router.url, token, sid, sp)) for sid in SESSIONS]
+            deadline = time.monotonic() + 120
             while sum([(await health(s, e.url, token=token))["waiting"] for e in engines]) < len(SESSIONS):
+                ended = [t for t in tasks if t.done()]  # a request the router answered without an engine
+                if ended or time.monotonic() > deadline:
+                    held = [await health(s, e.url, token=token) for e in engines]
+                    metrics = await get_json(router.url + "/metrics", run)
+                    raise AssertionError(f"not every request held: {held}, {metrics}, {[t.exception() for t in ended]}")
                 await asyncio.sleep(0.005)
             engines[1].kill()
             await resume(s, engines[0].url, token=token)
@@ -297,11 +347,13 @@ def test_engine_killed_mid_run_fails_over_rejoins_and_refits(pool, tiny_model_di
     ring_version = metrics["engines"][0]["version"]
 
     async def left_waiting():
-        while True:  # it answers, but on older weights than the ring's: kept out until a refit
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # it answers, but on older weights than the ring's: kept out until a refit
             seen = (await get_json(router.url + "/metrics", run))["engines"][1]
             if seen["waiting"]:
                 return seen
             await asyncio.sleep(0.05)
+        raise AssertionError(f"the restarted engine was never seen waiting for a refit: {seen}")
 
     seen = arun(left_waiting())
     assert not seen["healthy"] and seen["version"] == 0 < ring_version

@@ -21,7 +21,7 @@ from molt_hpc.engine.batch import Row
 from molt_hpc.engine.sampling import parse_generate
 from molt_hpc.engine.scheduler import Scheduler
 from molt_hpc.engine.vision import check_no_pads, row_images
-from molt_hpc.protocol.edge import errors_middleware, parse, read_json, token_middleware
+from molt_hpc.protocol.edge import errors_middleware, parse, read_json, send, token_middleware
 from molt_hpc.protocol.requests import PAUSE_MODES, PauseRequest, ResumeRequest
 
 
@@ -151,15 +151,17 @@ async def stream_answer(request: web.Request, state: EngineState, row: Row, rid:
             if n > sent and not done.done():
                 delta = {"token_ids": row.tokens[sent:n], "logprobs": row.logprobs[sent:n],
                          "weight_versions": row.versions[sent:n]}  # fmt: skip
-                await resp.write(sse(delta))
+                if not await send(resp, sse(delta)):  # the client left: free the row's slot
+                    sched.call(lambda: sched.cancel(row))
+                    return resp
                 sent = n
         try:
             final = answer(row, *done.result(), rid)
         except RuntimeError as err:  # a failed engine step: the status line is gone, so an error event
             final = {"error": str(err)}
-        await resp.write(sse(final))
-        await resp.write_eof()
-    except (asyncio.CancelledError, ConnectionResetError):  # the client left: free the row's slot
+        if await send(resp, sse(final)):
+            await send(resp)
+    except asyncio.CancelledError:  # the client left while the handler waited: free the row's slot
         sched.call(lambda: sched.cancel(row))
         raise
     return resp

@@ -13,12 +13,12 @@ Five small measurements on the device (the fifth on a GPU only) (a GPU when ther
 - the trainer's own steps of the same model (`calibrate_train.py`): two of short rows are host time
   (`train_micro_batch_ms`, `train_sample_ms`), one of full rows adds its FLOPs at the achieved rate, over
   `matmul_tflops` the MFU of the model's shape class;
-- on a GPU, the engine's decode steps at a full batch alone and while a second process trains the config's
-  step on the same GPU (`calibrate_shared.py`): `shared_decode_rate`, and that process's step beside the
-  decoding over alone, `shared_train_slowdown`, printed commented out (`SHARED`). Not on a CPU: there a run's engine, trainer, rollout and router
-  processes share the cores, and the pair alone (a core each on a 2-core machine) found no slowdown while the
-  run's trainer took 1.4-1.7x its calibrated step; priced with the pair's numbers the tiny config's step came out
-  1.56-1.80x short, in sequence 1.20-1.40x (`docs/scale.md`).
+- on a GPU, the engine's decode steps at a full batch alone and while a second process trains the config's step
+  on the same GPU (`calibrate_shared.py`): `shared_decode_rate`, and that process's step beside the decoding
+  over alone, `shared_train_slowdown`, printed commented out (`SHARED`). Not on a CPU: there a run's engine,
+  trainer, rollout and router processes share the cores, and the pair alone (a core each on a 2-core machine)
+  found no slowdown while the run's trainer took 1.4-1.7x its calibrated step; priced with the pair's numbers
+  the tiny config's step came out 1.56-1.80x short, in sequence 1.20-1.40x (`docs/scale.md`).
 
 The model is built from its config alone, so calibrate with a config whose model fits one device (the
 SmolLM2 recipe, or the 0.5B shape on a GPU; the tiny configs on a CPU): seconds on a CPU.

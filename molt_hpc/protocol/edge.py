@@ -3,8 +3,9 @@
 The run token check every route passes through; the one edge where a body becomes a typed request
 (`read_json` refuses what is not UTF-8 JSON with finite numbers, `parse` validates it against a
 pydantic model); the error middleware that turns a refusal into a 4xx with its reason without
-taking the server down; route-path and session-id checks for the servers that forward. A refusal
-happens before a handler acts, so a refused request changes nothing.
+taking the server down; route-path and session-id checks for the servers that forward; `send`, the
+write of a streamed answer that takes a client that left for what it is. A refusal happens before a
+handler acts, so a refused request changes nothing.
 
 Two error shapes: the engine protocol's `{"error": "<message>"}` (engine, router, scorer, vLLM
 front) and the OpenAI one, `{"error": {"message", "type", "param", "code"}}` (the chat endpoint),
@@ -193,3 +194,15 @@ def forwardable_path(request: web.Request, prefix: str) -> str:
     if not path.startswith(prefix):
         raise BadRequest(f"only paths under {prefix} are forwarded")
     return path
+
+
+async def send(resp: web.StreamResponse, data: bytes | None = None) -> bool:
+    """Write `data` (None: the end of the stream) to the client of a streamed answer; False when the client has
+    left. A reader may close once it has what it needs, before the stream's end (a rollout that has its answer,
+    a router whose own client left): nothing failed, so nothing is logged as a failure."""
+    try:
+        await (resp.write(data) if data is not None else resp.write_eof())
+    except ConnectionResetError:  # aiohttp's "Cannot write to closing transport" is one
+        get_logger().debug("the client left before the end of its streamed answer")
+        return False
+    return True

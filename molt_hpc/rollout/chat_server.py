@@ -36,6 +36,7 @@ from molt_hpc.protocol.edge import (
     openai_problem,
     parse,
     read_body,
+    send,
 )
 from molt_hpc.rollout.chat_answer import Turn, choice_seed, completion
 from molt_hpc.rollout.chat_schema import ChatRequest
@@ -133,10 +134,11 @@ class ChatServer:
         await resp.prepare(request)
         try:
             async for chunk in answer:
-                await resp.write(chunk)
+                if not await send(resp, chunk):
+                    return resp
         finally:
             await answer.aclose()  # a client that left stops the generation
-        await resp.write_eof()
+        await send(resp)
         return resp
 
     def authorised(self, authorization: str | None) -> bool:

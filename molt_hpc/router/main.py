@@ -32,6 +32,7 @@ from molt_hpc.protocol.edge import (
     loads,
     parse,
     read_body,
+    send,
     token_middleware,
 )
 from molt_hpc.protocol.requests import GenerateRequest
@@ -67,8 +68,9 @@ async def forward(
                 break
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as err:  # the engine, not the client
                 raise CutAnswer(resp, err) from err
-            await resp.write(chunk)  # a client that left raises here: nothing is wrong with the engine
-        await resp.write_eof()
+            if not await send(resp, chunk):
+                return resp
+        await send(resp)
         return resp
 
 

@@ -21,6 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from molt_hpc.engine.stream import frames
+from molt_hpc.protocol.edge import send
 
 DONE = b"[DONE]"
 EVENT_STREAM = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -101,8 +102,8 @@ async def relay_stream(
         final = streamed.answer(front.version, f"gen-{front.index}")
     except (UpstreamBroke, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as err:
         final = {"error": f"vLLM at {front.upstream} broke the stream after {len(streamed.token_ids)} tokens: {err}"}
-    await resp.write(sse(final))
-    await resp.write_eof()
+    if await send(resp, sse(final)):
+        await send(resp)
     return resp
 
 
@@ -117,6 +118,6 @@ async def relay_chunks(upstream: aiohttp.ClientResponse, streamed: Streamed, res
             chunk = json.loads(data)
         except json.JSONDecodeError as err:
             raise UpstreamBroke(f"a chunk that is not JSON: {data[:200]!r}") from err
-        if (event := streamed.take(chunk)) is not None:
-            await resp.write(sse(event))
+        if (event := streamed.take(chunk)) is not None and not await send(resp, sse(event)):
+            return  # the client left: the answer's end goes nowhere either
     raise UpstreamBroke("the stream ended without [DONE]")
