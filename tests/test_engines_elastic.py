@@ -18,10 +18,11 @@ import torch
 from click.testing import CliRunner
 
 from molt_hpc.cli import main
+from molt_hpc.config.rollout import RouterConfig
 from molt_hpc.engine import client
 from molt_hpc.launch import pools
 from molt_hpc.models import load_causal_lm
-from molt_hpc.router.pool import admits
+from molt_hpc.router.pool import Engine, EnginePool, admits
 from molt_hpc.router.ring import HashRing
 from molt_hpc.rundir import RunDir
 from tests.rollout_support import NO_STOP, freeze_mid_answer, teacher_forced, wait_until, with_link
@@ -180,3 +181,16 @@ def test_a_pool_given_slurms_warning_leaves_the_ring_and_finishes_what_it_holds(
 
 async def _in_ring(pool, index: int) -> bool:
     return any(e["index"] == index and e["healthy"] for e in router_metrics(pool)["engines"])
+
+
+def test_an_empty_ring_keeps_its_version_for_the_engines_that_join(tmp_path) -> None:
+    """Every engine out at once (health checks that time out under load) leaves the ring's version as it was: an
+    engine restarted on older weights still waits for its refit; the ring's own engines set it, a rollback too."""
+    ring = EnginePool(RunDir(tmp_path), RouterConfig(), "token")
+    assert ring.serving_version() is None  # never had an engine: anyone joins
+    ring.engines = {0: Engine(0, "http://a", healthy=True, version=8), 1: Engine(1, "http://b", version=0)}
+    assert ring.serving_version() == 8
+    ring.engines[0].healthy = False
+    assert ring.serving_version() == 8 and not admits(ring.engines[1].version, ring.serving_version())
+    ring.engines[0].healthy, ring.engines[0].version = True, 5  # the trainer resumed from an older checkpoint
+    assert ring.serving_version() == 5

@@ -5,7 +5,9 @@ Engines are discovered from `rendezvous/engine-*.json` and re-scanned every heal
 health check are on the ring; a failed connection takes an engine out at once, a passing check
 brings it back. An engine joins the ring only once it serves the ring's newest weight version: one
 that comes up on older weights (a restart, an extra pool) waits for the trainer's refit, which a
-change of registrations triggers at once, so no request is answered by stale weights.
+change of registrations triggers at once, so no request is answered by stale weights. While every engine is
+out (health checks that time out under load), the ring's version is the newest it served when it last had
+engines: an empty ring admits a stale engine only before any engine ever joined.
 """
 
 import asyncio
@@ -53,6 +55,8 @@ class EnginePool:
         self.token = token
         self.engines: dict[int, Engine] = {}
         self.ring = HashRing(cfg.virtual_nodes)
+        self.served: int | None = None
+        """The newest weight version the ring served when it last had engines (None: it never had any)."""
 
     def scan(self) -> None:
         """Pick up new, restarted (new URL) and removed engines from the rendezvous directory."""
@@ -147,11 +151,15 @@ class EnginePool:
         if not ok:
             self.mark_failed(engine, "health check failed")
         engine.healthy = ok
+        self.serving_version()  # remembered for a moment when every engine is out
 
     def serving_version(self) -> int | None:
-        """The newest weight version an engine on the ring serves (None: the ring is empty)."""
+        """The newest weight version an engine on the ring serves; while none is on it, the newest it served when
+        it last had engines (a rollback lowers it: the ring's own engines report the older version)."""
         versions = [e.version for e in self.engines.values() if e.healthy and e.version is not None]
-        return max(versions) if versions else None
+        if versions:
+            self.served = max(versions)
+        return self.served
 
     def _rebuild(self) -> None:
         self.ring.set_nodes({e.node for e in self.engines.values() if e.healthy})
