@@ -159,8 +159,7 @@ async def stream_answer(request: web.Request, state: EngineState, row: Row, rid:
             final = answer(row, *done.result(), rid)
         except RuntimeError as err:  # a failed engine step: the status line is gone, so an error event
             final = {"error": str(err)}
-        if await send(resp, sse(final)):
-            await send(resp)
+        await send(resp, sse(final), end=True)
     except asyncio.CancelledError:  # the client left while the handler waited: free the row's slot
         sched.call(lambda: sched.cancel(row))
         raise

@@ -196,12 +196,12 @@ def forwardable_path(request: web.Request, prefix: str) -> str:
     return path
 
 
-async def send(resp: web.StreamResponse, data: bytes | None = None) -> bool:
-    """Write `data` (None: the end of the stream) to the client of a streamed answer; False when the client has
-    left. A reader may close once it has what it needs, before the stream's end (a rollout that has its answer,
-    a router whose own client left): nothing failed, so nothing is logged as a failure."""
+async def send(resp: web.StreamResponse, data: bytes = b"", *, end: bool = False) -> bool:
+    """Write `data` to the client of a streamed answer, then (`end`) the end of the stream; False when the client
+    has left. A reader may close once it has what it needs, before the stream's end (a rollout that has its
+    answer, a router whose own client left): nothing failed, so nothing is logged as a failure."""
     try:
-        await (resp.write(data) if data is not None else resp.write_eof())
+        await (resp.write_eof(data) if end else resp.write(data))
     except ConnectionResetError:  # aiohttp's "Cannot write to closing transport" is one
         get_logger().debug("the client left before the end of its streamed answer")
         return False

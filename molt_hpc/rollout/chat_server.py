@@ -138,7 +138,7 @@ class ChatServer:
                     return resp
         finally:
             await answer.aclose()  # a client that left stops the generation
-        await send(resp)
+        await send(resp, end=True)
         return resp
 
     def authorised(self, authorization: str | None) -> bool:

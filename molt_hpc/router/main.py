@@ -70,7 +70,7 @@ async def forward(
                 raise CutAnswer(resp, err) from err
             if not await send(resp, chunk):
                 return resp
-        await send(resp)
+        await send(resp, end=True)
         return resp
 
 

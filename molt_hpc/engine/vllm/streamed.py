@@ -102,8 +102,7 @@ async def relay_stream(
         final = streamed.answer(front.version, f"gen-{front.index}")
     except (UpstreamBroke, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as err:
         final = {"error": f"vLLM at {front.upstream} broke the stream after {len(streamed.token_ids)} tokens: {err}"}
-    if await send(resp, sse(final)):
-        await send(resp)
+    await send(resp, sse(final), end=True)
     return resp
 
 
