@@ -13,6 +13,11 @@ is exact over plain. The exact side also checks that its log-probs equal the eng
     python bench/exact.py                       # the tiny model on the CPU
     python bench/exact.py --requests 128 --new 32 --repeat 5
     python bench/exact.py --moe                 # the tiny MoE (8 experts, top-2) instead
+    python bench/exact.py --device cuda --model DIR --dtype bfloat16 --requests 64 --new 64
+
+On a GPU the times are wall seconds (synchronised), and two more rows show what the engine and the trainer
+run normally there: the engine's slot runner with CUDA graphs (`engine.main.model_runner`'s choice) and the
+trainer's triton log-prob kernel over document attention's varlen kernel.
 """
 
 import argparse
@@ -25,6 +30,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -44,16 +50,36 @@ from molt_hpc.trajectory import Trajectory  # noqa: E402
 CPU = torch.device("cpu")
 
 
-def rollout(model, requests: int, new: int, seed: int) -> tuple[float, list[Row]]:
+def clock(device: torch.device) -> float:
+    """Process CPU seconds on the CPU (wall time mostly measures the neighbours there); synchronised wall
+    seconds on a GPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return time.process_time()
+
+
+def runner_of(model, device: torch.device, graphs: bool):
+    """The plain `ModelRunner`, or on a GPU the engine's slot runner with CUDA graphs as it serves normally."""
+    if not graphs:
+        return ModelRunner(model, device)
+    from molt_hpc.engine.slots import SlotRunner
+
+    eng = MoltConfig().engines
+    return SlotRunner(model, device, max_batch=64, max_model_len=512, graphs=True, sampling=eng.sample_in_graph,
+                      fuse=eng.fuse_projections)  # fmt: skip
+
+
+def rollout(model, requests: int, new: int, seed: int, device=CPU, graphs=False) -> tuple[float, list[Row]]:
     """(seconds, finished rows) of `requests` requests through the scheduler."""
-    sched = Scheduler(ModelRunner(model, CPU), eos_ids=set(), max_batch=64, max_model_len=512, seed=seed)
+    sched = Scheduler(runner_of(model, device, graphs), eos_ids=set(), max_batch=64, max_model_len=512, seed=seed)
     gen = torch.Generator().manual_seed(seed)
     rows = [
         Row(torch.randint(4, 100, (int(torch.randint(8, 41, (1,), generator=gen)),), generator=gen).tolist(),
             SamplingParams(max_tokens=new, ignore_eos=True, temperature=1.0), Future())
         for _ in range(requests)
     ]  # fmt: skip
-    t0 = time.process_time()
+    t0 = clock(device)
     for row in rows[: requests // 2]:
         sched.submit(row)
     for _ in range(3):
@@ -62,22 +88,62 @@ def rollout(model, requests: int, new: int, seed: int) -> tuple[float, list[Row]
         sched.submit(row)
     while sched.rows or sched.waiting:
         sched._step()
-    return time.process_time() - t0, rows
+    return clock(device) - t0, rows
 
 
-def train_pass(model, rows: list[Row], pack: bool) -> tuple[float, torch.Tensor, torch.Tensor]:
+def train_pass(model, rows: list[Row], pack: bool, device=CPU, kernel="torch") -> tuple[float, Tensor, Tensor]:
     """(seconds of an old-policy forward plus a forward and backward, trainer log-probs, engine log-probs)."""
     trajs = [Trajectory(r.context, len(r.prompt), [(len(r.prompt), r.length)], r.logprobs, [0] * len(r.tokens), 1.0)
              for r in rows]  # fmt: skip
     exp = make_experience(trajs, max_len=128, pack=pack)
     if not pack:  # as the trainer runs padded rows: cut to the longest (`actor.packing.padded`)
         exp = padded(exp, torch.arange(exp.sequences.shape[0])).batch
+    exp = exp.to(device)
     model.zero_grad(set_to_none=True)
-    t0 = time.process_time()
+    t0 = clock(device)
     with torch.no_grad():
-        old = policy_logprobs(model, exp, 1.0, 1024)[0]
-    policy_logprobs(model, exp, 1.0, 1024)[0][exp.action_mask].sum().backward()
-    return time.process_time() - t0, old[exp.action_mask], exp.action_log_probs[exp.action_mask]
+        old = policy_logprobs(model, exp, 1.0, 1024, kernel)[0]
+    policy_logprobs(model, exp, 1.0, 1024, kernel)[0][exp.action_mask].sum().backward()
+    return clock(device) - t0, old[exp.action_mask], exp.action_log_probs[exp.action_mask]
+
+
+def load(args) -> torch.nn.Module:
+    """The bench's model: `--model DIR`, else the tiny (or tiny MoE) model built in a temporary directory."""
+    if args.model:
+        return load_causal_lm(args.model, device=args.device, dtype=args.dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = MoltConfig().model
+        built = build_tiny_moe(tmp, spec.tiny_moe) if args.moe else build_tiny(tmp, spec.tiny)
+        return load_causal_lm(built, device=args.device, dtype=args.dtype)
+
+
+def measure(args, base) -> dict[str, dict[str, list[float]]]:
+    """Per form, the seconds of each repeat: rollout, packed and padded trainer passes. On a GPU also `normal`:
+    the graphed engine and the trainer's triton kernel over varlen document attention."""
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    models = {"plain": copy.deepcopy(base), "exact": make_exact(copy.deepcopy(base))}
+    if gpu:
+        models["normal"] = copy.deepcopy(base)
+    trainers = {}
+    for name, m in models.items():
+        trainers[name] = copy.deepcopy(m).train()
+        # the exact model's document attention switches itself to the exact kernel (parallel.attention)
+        use_document_attention(trainers[name], DocumentAttention("varlen" if name == "normal" else "sdpa", device))
+    times = {n: {"rollout": [], "packed": [], "padded": []} for n in models}
+    for rep in range(args.repeat + 1):  # the first round warms up (and captures graphs) and is not counted
+        for name, model in models.items():
+            secs, rows = rollout(model, args.requests, args.new, seed=rep, device=device, graphs=name == "normal")
+            kernel = "triton" if name == "normal" else "torch"
+            packed_s, mine, theirs = train_pass(trainers[name], rows, True, device, kernel)
+            padded_s, _, _ = train_pass(models[name].train(), rows, False, device, kernel)
+            models[name].eval()
+            if name == "exact":
+                assert torch.equal(mine, theirs), "exact log-probs differ from the engine's"
+            if rep:
+                for key, value in (("rollout", secs), ("packed", packed_s), ("padded", padded_s)):
+                    times[name][key].append(value)
+    return times
 
 
 def main() -> None:
@@ -86,40 +152,25 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=16, help="tokens generated per request")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--moe", action="store_true", help="the tiny MoE model (builtin:tiny-moe) instead")
+    parser.add_argument("--model", help="a model directory instead of the tiny model")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = MoltConfig().model
-        built = build_tiny_moe(tmp, spec.tiny_moe) if args.moe else build_tiny(tmp, spec.tiny)
-        base = load_causal_lm(built, device="cpu")
-    models = {"plain": copy.deepcopy(base), "exact": make_exact(copy.deepcopy(base))}
-    trainers = {}
-    for name, m in models.items():
-        trainers[name] = copy.deepcopy(m).train()
-        use_document_attention(trainers[name], DocumentAttention("sdpa", CPU))
-    times: dict[str, dict[str, list[float]]] = {n: {"rollout": [], "packed": [], "padded": []} for n in models}
+    print("arguments:", vars(args))
+    med = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in measure(args, load(args)).items()}
+    model = args.model or ("tiny MoE model" if args.moe else "tiny model")
+    unit = "wall seconds" if args.device == "cuda" else f"{torch.get_num_threads()} threads, CPU seconds"
+    print(f"{model} ({args.dtype}, {args.device}), {args.requests} requests x {args.new} tokens, "
+          f"median of {args.repeat}, {unit}")  # fmt: skip
+    forms = [n for n in ("normal", "plain") if n in med]
+    print(f"{'':32}" + "".join(f"{n:>10}" for n in [*forms, "exact"]) + "".join(f"{'exact/' + n:>14}" for n in forms))
     tokens = args.requests * args.new
-    for rep in range(args.repeat + 1):  # the first round warms up and is not counted
-        for name, model in models.items():
-            secs, rows = rollout(model, args.requests, args.new, seed=rep)
-            packed_s, mine, theirs = train_pass(trainers[name], rows, pack=True)
-            padded_s, _, _ = train_pass(models[name].train(), rows, pack=False)
-            models[name].eval()
-            if name == "exact":
-                assert torch.equal(mine, theirs), "exact log-probs differ from the engine's"
-            if rep:
-                times[name]["rollout"].append(secs)
-                times[name]["packed"].append(packed_s)
-                times[name]["padded"].append(padded_s)
-    med = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}
-    model = "tiny MoE model" if args.moe else "tiny model"
-    print(f"{model}, {args.requests} requests x {args.new} tokens, {torch.get_num_threads()} threads, "
-          f"median of {args.repeat}, CPU seconds")  # fmt: skip
-    print(f"{'':32}{'plain':>10}{'exact':>10}{'exact/plain':>13}")
-    p, e = tokens / med["plain"]["rollout"], tokens / med["exact"]["rollout"]
-    print(f"{'rollout tokens/s':32}{p:>10.0f}{e:>10.0f}{p / e:>12.2f}x slower")
-    for key, label in (("packed", "trainer packed fwd+bwd CPU s"), ("padded", "trainer padded fwd+bwd CPU s")):
-        p, e = med["plain"][key], med["exact"][key]
-        print(f"{label:32}{p:>10.3f}{e:>10.3f}{e / p:>12.2f}x")
+    rate = {n: tokens / med[n]["rollout"] for n in med}
+    print(f"{'rollout tokens/s':32}" + "".join(f"{rate[n]:>10.0f}" for n in [*forms, "exact"])
+          + "".join(f"{rate[n] / rate['exact']:>13.2f}x" for n in forms) + "  (slower)")  # fmt: skip
+    for key, label in (("packed", "trainer packed fwd+bwd s"), ("padded", "trainer padded fwd+bwd s")):
+        print(f"{label:32}" + "".join(f"{med[n][key]:>10.3f}" for n in [*forms, "exact"])
+              + "".join(f"{med['exact'][key] / med[n][key]:>13.2f}x" for n in forms))  # fmt: skip
 
 
 if __name__ == "__main__":

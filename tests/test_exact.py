@@ -31,9 +31,9 @@ from tests.conftest import ROOT, molt
 CPU = torch.device("cpu")
 
 
-def _generate(model, n: int, temperature: float, seed: int) -> list[Row]:
+def _generate(model, n: int, temperature: float, seed: int, device=CPU) -> list[Row]:
     """`n` requests through the scheduler: half (at least one) at once, the rest after three decode steps."""
-    sched = Scheduler(ModelRunner(model, CPU), eos_ids=set(), max_batch=64, max_model_len=256, seed=seed)
+    sched = Scheduler(ModelRunner(model, device), eos_ids=set(), max_batch=64, max_model_len=256, seed=seed)
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(n):
@@ -60,16 +60,16 @@ def _trajectories(rows: list[Row]) -> list[Trajectory]:
     ]
 
 
-def _trainer_sides(model, trajs: list[Trajectory], temperature: float) -> dict[str, tuple]:
+def _trainer_sides(model, trajs: list[Trajectory], temperature: float, device=CPU) -> dict[str, tuple]:
     """(trainer log-probs, engine log-probs) of the action tokens, per layout of the trainer's rows."""
     documents = copy.deepcopy(model)
-    use_document_attention(documents, DocumentAttention("sdpa", CPU))
+    use_document_attention(documents, DocumentAttention("sdpa", device))
     out = {}
     for name, policy, pack in (("padded", model, False), ("packed", model, True), ("documents", documents, True)):
-        exp = make_experience(trajs, max_len=64, pack=pack)
+        exp = make_experience(trajs, max_len=64, pack=pack).to(device)
         with torch.no_grad():
             logp = policy_logprobs(policy, exp, temperature, 8)[0]
-        out[name] = (logp[exp.action_mask], exp.action_log_probs[exp.action_mask])
+        out[name] = (logp[exp.action_mask], exp.action_log_probs[exp.action_mask].to(logp.dtype))
     return out
 
 
@@ -158,7 +158,8 @@ EXACT = ["--set", "engines.exact=true", "--set", "engines.device=cpu", "--set", 
     ("extra", "words"),
     [
         (["--set", "engines.kind=vllm", "--set", "actor.device=cuda"], "engines.kind = 'builtin'"),
-        (["--set", "engines.device=auto"], "engines.device = 'cpu'"),
+        (["--set", "engines.device=auto"], "both to 'cpu' or both to 'cuda'"),
+        (["--set", "engines.device=cuda"], "both to 'cpu' or both to 'cuda'"),
         (["--set", "rollout.top_p=0.9"], "rollout.top_p = 1"),
         (["--set", "actor.cp=2"], "actor.cp = 1"),
         (["--set", "actor.lora.rank=4"], "actor.lora.engine_weights = 'separate'"),

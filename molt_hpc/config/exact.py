@@ -9,10 +9,11 @@ def exact_problem(cfg) -> str | None:
             f"engines.exact needs the builtin engine (engines.kind = {eng.kind!r} computes log-probs with its own "
             "kernels): set engines.kind = 'builtin' or engines.exact = false"
         )
-    if eng.device != "cpu" or act.device != "cpu":
+    if eng.device == "auto" or eng.device != act.device:
         return (
-            "engines.exact runs on the CPU (a GPU's cumsum is a parallel scan, not one left-to-right pass): set "
-            "engines.device = 'cpu' and actor.device = 'cpu', or engines.exact = false"
+            "engines.exact needs the engine and the trainer on one named kind of device (the same ops give the "
+            "same bits there): set engines.device and actor.device both to 'cpu' or both to 'cuda' (GPUs of one "
+            "type, with triton), or engines.exact = false"
         )
     if ro.top_p < 1.0 or ro.top_k > 0:
         return "engines.exact matches the temperature-only distribution: set rollout.top_p = 1 and rollout.top_k = 0"

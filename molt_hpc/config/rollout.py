@@ -155,11 +155,12 @@ class EnginesConfig(Section):
     threads: NonNegativeInt = 0
     """torch CPU threads per engine process; 0 keeps torch's default."""
     exact: bool = False
-    """Builtin engine on the CPU: the engine's decode and the trainer's log-prob forward compute every
+    """Builtin engine: the engine's decode and the trainer's log-prob forward compute every
     token's log-prob with batch-invariant ops (`docs/exact.md`), so both give the same bits for the same
     tokens and weights, whatever the batch, and a same-version token's importance ratio is exactly 1. The
     trainer's policy runs the same ops (`actor.logprob_kernel` and `actor.logprob_chunk` are then unused).
-    Needs `engines.device` and `actor.device` = `cpu`, a text model (dense, or MoE with transformers 5
+    Needs `engines.device` and `actor.device` both `cpu` or both `cuda` (GPUs of one type, with triton;
+    Llama-form RMSNorm there; the engine runs without CUDA graphs), a text model (dense, or MoE with transformers 5
     softmax -> top-k routers and stacked experts), `rollout.top_p` = 1 and `rollout.top_k` = 0, with
     `[actor.lora]` its `engine_weights = 'separate'` and no adapted LM head, `actor.cp` = 1. Costs rollout and
     trainer speed."""

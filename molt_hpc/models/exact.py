@@ -19,7 +19,9 @@ refits and checkpoints work as before):
 
 RMSNorm's mean over the hidden dimension, rotary embeddings' cos/sin, exp and log-softmax over the
 last dimension compute each row the same way whatever the row count on the CPU, and are left as they
-are. The engine's sampling log-probs and the trainer's token log-probs then both come from
+are there. On a CUDA GPU the multiplies are `models.exact_cuda`'s fixed-tile triton kernel and RMSNorm's
+mean is added by it too (`models.exact_norm`); CUDA's log-softmax reduces a row by a layout chosen from the
+row's length alone. The engine's sampling log-probs and the trainer's token log-probs then both come from
 `exact_token_logprobs`' one function (`engine.sampling.processed_logprobs`) over these logits.
 """
 
@@ -29,6 +31,7 @@ from torch import Tensor, nn
 
 from molt_hpc.models import exact_attention
 from molt_hpc.models.exact_linear import exact_linear
+from molt_hpc.models.exact_norm import make_norms_exact
 
 EXACT = "molt_exact"
 """Attribute set on a model `make_exact` changed."""
@@ -56,6 +59,8 @@ class ExactActivation(nn.Module):
         self.fn = fn
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.is_cuda and activation_is_invariant(self.fn, x.dtype, x.device, plain_apply):
+            return self.fn(x)  # a GPU's elementwise kernels run one code per element: no cutting needed
         if activation_is_invariant(self.fn, x.dtype, x.device):
             return aligned_apply(self.fn, x)
         return strided_apply(self.fn, x)
@@ -84,16 +89,21 @@ def strided_apply(fn: nn.Module, x: Tensor) -> Tensor:
     return fn(spread[..., 0])
 
 
-def activation_is_invariant(fn: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `aligned_apply` gives an element the same bits wherever it sits: alone, among rows of other
-    counts and offsets, across a call boundary (cached per activation, dtype and device)."""
-    key = (type(fn), dtype, str(device))
+def plain_apply(fn: nn.Module, x: Tensor) -> Tensor:
+    return fn(x)
+
+
+def activation_is_invariant(fn: nn.Module, dtype: torch.dtype, device: torch.device, apply=aligned_apply) -> bool:
+    """Whether `apply` (`aligned_apply` by default) gives an element the same bits wherever it sits: alone,
+    among rows of other counts and offsets, across a call boundary (cached per activation, dtype, device and
+    form)."""
+    key = (type(fn), dtype, str(device), apply.__name__)
     if key not in _ACTIVATIONS:
         gen = torch.Generator().manual_seed(0)
         x = (4 * torch.randn(3 * SPAN + 3 * ALIGN + 7, generator=gen)).to(device, dtype)
-        full = aligned_apply(fn, x)
+        full = apply(fn, x)
         cuts = [(0, 1), (5, 37), (ALIGN - 3, 2 * ALIGN + 1), (SPAN - 9, 3 * ALIGN), (SPAN + 1, 2 * SPAN + 11)]
-        _ACTIVATIONS[key] = all(torch.equal(aligned_apply(fn, x[lo:hi]), full[lo:hi]) for lo, hi in cuts)
+        _ACTIVATIONS[key] = all(torch.equal(apply(fn, x[lo:hi]), full[lo:hi]) for lo, hi in cuts)
     return _ACTIVATIONS[key]
 
 
@@ -134,6 +144,7 @@ def make_exact(model: nn.Module) -> nn.Module:
                 child.__class__ = ExactLinear  # same object, parameters and hooks: only the forward changes
             elif name == "act_fn":
                 setattr(parent, name, ExactActivation(child))
+    make_norms_exact(model)
     exact_attention.register()
     model.config._attn_implementation = exact_attention.ATTENTION
     setattr(model, EXACT, True)

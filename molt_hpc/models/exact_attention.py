@@ -73,6 +73,9 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scaling: float) -
     rows = block_rows(q.shape[-1], torch.promote_types(q.dtype, torch.float32), q.device)
     if rows:
         return blocked_attention(q, k, v, allowed[(None,) * (4 - allowed.dim())], scaling, rows)
+    if q.is_cuda:  # a GPU's cumsum is a parallel scan: the sequential form is not sequential there
+        d = q.shape[-1]
+        raise RuntimeError(f"engines.exact: the fixed-tile multiplies gave a row other bits on this GPU (head {d})")
     heads = q.shape[1]
     return _core(q, _expand(k, heads), _expand(v, heads), allowed, scaling).transpose(1, 2).contiguous()
 

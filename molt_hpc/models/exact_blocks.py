@@ -17,9 +17,10 @@ cache, the trainer's right padding, other samples packed in the row, the cache's
   attending over exactly its own keys alone.
 
 That holds only if the multiplies give a row the same bits whatever the other rows, the row's offset and the
-number of matrices in the batch: `block_rows` checks it once per head size, dtype and device (and finds the
-fewest rows a multiply needs for it), and `models.exact_attention` runs its sequential `cumsum` form where it
-does not hold.
+number of matrices in the batch (on a CUDA GPU they run `models.exact_cuda`'s fixed-tile kernel):
+`block_rows` checks it once per head size, dtype and device (and finds the fewest rows a multiply needs for
+it), and `models.exact_attention` runs its sequential `cumsum` form where it does not hold (on a GPU, where
+`cumsum` is a parallel scan, it refuses instead).
 """
 
 import math
@@ -69,13 +70,28 @@ def _buffer(name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
 def _scores(q: Tensor, keys: Tensor) -> Tensor:
     """q `[B, H, rows, D]`, keys `[B, H, blocks, BLOCK, D]` -> `[B, H, blocks, rows, BLOCK]` (a reused buffer)."""
     out = _buffer("scores", (*keys.shape[:3], q.shape[2], BLOCK), q)
+    if q.is_cuda:  # fixed tiles (models.exact_cuda): a row's bits whatever the other rows and matrices
+        from molt_hpc.models.exact_cuda import matmul
+
+        b, h = q.shape[:2]
+        flat_keys = keys.reshape(b * h, keys.shape[2], BLOCK, keys.shape[-1]).transpose(-1, -2)
+        matmul(q.reshape(b * h, 1, *q.shape[2:]), flat_keys, out=out.view(b * h, *out.shape[2:]))
+        return out
     return torch.matmul(q[:, :, None], keys.transpose(-1, -2), out=out)
 
 
 def _weighted(p: Tensor, values: Tensor) -> Tensor:
     """p `[B, H, blocks, rows, BLOCK]`, values `[B, H, blocks, BLOCK, E]` -> `[B, H, blocks, rows, E]` (a reused
     buffer)."""
-    return torch.matmul(p, values, out=_buffer("part", (*p.shape[:-1], values.shape[-1]), p))
+    out = _buffer("part", (*p.shape[:-1], values.shape[-1]), p)
+    if p.is_cuda:
+        from molt_hpc.models.exact_cuda import matmul
+
+        b, h = p.shape[:2]
+        flat_values = values.reshape(b * h, *values.shape[2:])
+        matmul(p.reshape(b * h, *p.shape[2:]), flat_values, out=out.view(b * h, *out.shape[2:]))
+        return out
+    return torch.matmul(p, values, out=out)
 
 
 def _same_rows(fn, x: Tensor, y: Tensor, rows: int) -> bool:

@@ -2,7 +2,8 @@
 the same bits whatever the other rows (their number, their position). The CPU's BLAS picks its kernel by the
 row count; a multiply padded to a multiple of `ROWS` rows computes each row the same way wherever it sits
 (checked once per shape by `linear_is_invariant`); where that does not hold, each element is an elementwise
-product summed by a strictly sequential `cumsum`. Used by `models.exact` (linear layers, the LM head) and the
+product summed by a strictly sequential `cumsum`. On a CUDA GPU the multiply is `models.exact_cuda`'s triton
+kernel of fixed tiles (the same check runs on it). Used by `models.exact` (linear layers, the LM head) and the
 MoE routers and experts (`models.exact_moe`, `models.router_replay`)."""
 
 import torch
@@ -15,6 +16,11 @@ _CHECKED: dict[tuple, bool] = {}
 
 
 def padded_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    if x.is_cuda:  # cuBLAS picks its kernel by shape: one triton kernel of fixed tiles instead, no padding needed
+        from molt_hpc.models.exact_cuda import linear
+
+        out = linear(x, weight)
+        return out if bias is None else out + bias
     n = x.shape[0]
     if n % ROWS == 0 and x.is_contiguous():  # already a padded shape: no copy
         return F.linear(x, weight, bias)
@@ -48,6 +54,8 @@ def exact_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
     flat = x.reshape(-1, x.shape[-1])
     if linear_is_invariant(weight.shape[1], weight.shape[0], weight.dtype, weight.device):
         out = padded_linear(flat, weight, bias)
+    elif x.is_cuda:  # a GPU's cumsum is a parallel scan: no sequential form to fall back on
+        raise RuntimeError(f"engines.exact: the fixed-tile multiply gave a row other bits on this GPU ({weight.shape})")
     else:
         out = sequential_linear(flat, weight, bias)
     return out.reshape(*lead, weight.shape[0])
