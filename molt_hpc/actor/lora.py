@@ -121,15 +121,17 @@ def write_adapter(out: Path, tensors: dict[str, torch.Tensor], config, base: Pat
     assert json.loads((out / CONFIG_FILE).read_text())["r"] == config.r
 
 
-def full_adapters(model: nn.Module, keep: bool) -> dict[str, torch.Tensor]:
-    """Every adapter tensor whole (gathered from the FSDP shards: a collective), by wire name; {} unless `keep`."""
+def full_adapters(model: nn.Module, keep: bool, host: bool = True) -> dict[str, torch.Tensor]:
+    """Every adapter tensor whole (gathered from the FSDP shards: a collective), by wire name; {} unless `keep`.
+    `host`: copies in host memory (to write files); else where they live (a refit's sender packs them from
+    there: a GPU's adapters do not go to the host and back)."""
     from molt_hpc.actor.weights import full_tensor
 
     out = {}
     for name, p in adapter_params(model):
         full, _ = full_tensor(p.detach())
         if keep:
-            out[wire_name(name)] = full.detach().to("cpu", copy=True)
+            out[wire_name(name)] = full.detach().to("cpu", copy=True) if host else full.detach()
     return out
 
 

@@ -157,7 +157,7 @@ class EngineSync:
             self._layout = (key, split, refit_metas(model, self.dtype, split))
         with torch.no_grad():  # plain views of the parameters (no autograd op per tensor)
             if lora_info is not None:  # LoRA: the adapters alone (the engines keep the base), whole and fp32
-                adapters = lora.full_adapters(model, keep=self.world.is_main)
+                adapters = lora.full_adapters(model, keep=self.world.is_main, host=self.adapter_root is not None)
                 tensors, metas = iter(adapters.items()), [TensorMeta.of(n, t) for n, t in adapters.items()]
                 if self.adapter_root is not None:  # vLLM loads them from a PEFT directory
                     lora_info["lora_path"] = str(self._write_adapters(model, adapters, version))
