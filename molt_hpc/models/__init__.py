@@ -2,7 +2,8 @@
 
 - `load`: any HF-layout directory (checks, local files only, quiet transformers).
 - `resolve`: `model.path` to a directory; the `builtin:` registry.
-- `cache`: `build_once`, each builtin model built once into the model cache and published atomically.
+- `cache`: `build_once`, each builtin model built once per user and copied into the run's model cache,
+  published atomically.
 - `tiny_char`: `builtin:tiny-char`, the offline character-level Qwen3 the CPU demo and tests train.
 - `tiny_vl`: `builtin:tiny-vl`, the offline tiny Qwen2-VL (tiny-char's tokenizer plus the vision tokens).
 - `tiny_moe`: `builtin:tiny-moe`, the offline tiny Qwen3-MoE over the same tokenizer (router replay, EP).
@@ -16,7 +17,8 @@
 - `exact`, `exact_attention`, `exact_blocks`: `engines.exact`'s batch-invariant forwards (linear layers,
   activations, attention as block matrix multiplies), applied to a plain transformers model by the engine and
   the trainer alike; `exact_linear`: its batch-invariant matrix multiply; `exact_moe`: its batch-invariant
-  mixture-of-experts layers.
+  mixture-of-experts layers; `exact_cuda`: the fixed-tile triton multiply those run on a CUDA GPU;
+  `exact_norm`: RMSNorm's batch-invariant mean on a GPU.
 - `lora`: LoRA adapters on a plain transformers model (which layers, peft's injection, their names), for the
   trainer and for a builtin engine that keeps them as separate layers.
 - `teacher`: a distillation teacher (`distill.teacher`) resolved like `model.path`, and whether it reads the
