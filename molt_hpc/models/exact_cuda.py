@@ -41,10 +41,10 @@ def _kernel():
     def mm(a, b, c, M, N, K, inner,
            sa0, sa1, sam, sak, sb0, sb1, sbk, sbn, sc0, sc1, scm, scn,
            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-        bid = tl.program_id(2)
+        bid = tl.program_id(0)  # the batch on the grid's first axis: the others stop at 65,535
         outer, within = bid // inner, bid % inner
-        rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
-        rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
+        rm = (tl.program_id(1) * BM + tl.arange(0, BM)).to(tl.int64)
+        rn = (tl.program_id(2) * BN + tl.arange(0, BN)).to(tl.int64)
         rk = tl.arange(0, BK).to(tl.int64)
         a += outer.to(tl.int64) * sa0 + within.to(tl.int64) * sa1
         b += outer.to(tl.int64) * sb0 + within.to(tl.int64) * sb1
@@ -84,7 +84,7 @@ def matmul(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
         return out
     tiles = _tiles(a.dtype)
     warps = tiles.pop("num_warps")
-    grid = (triton_cdiv(m, tiles["BM"]), triton_cdiv(n, tiles["BN"]), c4.shape[0] * c4.shape[1])
+    grid = (c4.shape[0] * c4.shape[1], triton_cdiv(m, tiles["BM"]), triton_cdiv(n, tiles["BN"]))
     _kernel()[grid](
         a4, b4, c4, m, n, k, c4.shape[1],
         *_batch_strides(a4), a4.stride(2), a4.stride(3),
