@@ -67,31 +67,30 @@ def _buffer(name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
     return buf[:n].view(shape)
 
 
+def _multiply(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
+    """`torch.matmul(a, b, out=out)` of `[B, H, blocks, ...]` operands (broadcast over blocks); on a CUDA GPU
+    `models.exact_cuda`'s fixed-tile kernel, B and H flattened into one batch dim."""
+    if not a.is_cuda:
+        return torch.matmul(a, b, out=out)
+    from molt_hpc.models.exact_cuda import matmul
+
+    def flat(t: Tensor) -> Tensor:
+        return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+
+    matmul(flat(a), flat(b), out=out.view(out.shape[0] * out.shape[1], *out.shape[2:]))
+    return out
+
+
 def _scores(q: Tensor, keys: Tensor) -> Tensor:
     """q `[B, H, rows, D]`, keys `[B, H, blocks, BLOCK, D]` -> `[B, H, blocks, rows, BLOCK]` (a reused buffer)."""
     out = _buffer("scores", (*keys.shape[:3], q.shape[2], BLOCK), q)
-    if q.is_cuda:  # fixed tiles (models.exact_cuda): a row's bits whatever the other rows and matrices
-        from molt_hpc.models.exact_cuda import matmul
-
-        b, h = q.shape[:2]
-        flat_keys = keys.reshape(b * h, keys.shape[2], BLOCK, keys.shape[-1]).transpose(-1, -2)
-        matmul(q.reshape(b * h, 1, *q.shape[2:]), flat_keys, out=out.view(b * h, *out.shape[2:]))
-        return out
-    return torch.matmul(q[:, :, None], keys.transpose(-1, -2), out=out)
+    return _multiply(q[:, :, None], keys.transpose(-1, -2), out)
 
 
 def _weighted(p: Tensor, values: Tensor) -> Tensor:
     """p `[B, H, blocks, rows, BLOCK]`, values `[B, H, blocks, BLOCK, E]` -> `[B, H, blocks, rows, E]` (a reused
     buffer)."""
-    out = _buffer("part", (*p.shape[:-1], values.shape[-1]), p)
-    if p.is_cuda:
-        from molt_hpc.models.exact_cuda import matmul
-
-        b, h = p.shape[:2]
-        flat_values = values.reshape(b * h, *values.shape[2:])
-        matmul(p.reshape(b * h, *p.shape[2:]), flat_values, out=out.view(b * h, *out.shape[2:]))
-        return out
-    return torch.matmul(p, values, out=out)
+    return _multiply(p, values, _buffer("part", (*p.shape[:-1], values.shape[-1]), p))
 
 
 def _same_rows(fn, x: Tensor, y: Tensor, rows: int) -> bool:
