@@ -44,3 +44,9 @@ def test_plain_gpu_forwards_are_not_equal(smol):
     rows = _generate(smol, 64, 1.0, seed=64, device=GPU)
     sides = _trainer_sides(copy.deepcopy(smol), _trajectories(rows), 1.0, GPU)
     assert not all(torch.equal(mine, theirs) for mine, theirs in sides.values())
+
+
+def test_the_fused_attention_kernel_passes_its_check_so_the_runs_above_used_it():
+    from molt_hpc.models.exact_cuda_attention import usable
+
+    assert usable(64, 9, 3, torch.bfloat16, GPU), "the fused kernel failed its check: exact ran the block form"

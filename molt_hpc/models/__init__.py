@@ -18,7 +18,8 @@
   activations, attention as block matrix multiplies), applied to a plain transformers model by the engine and
   the trainer alike; `exact_linear`: its batch-invariant matrix multiply; `exact_moe`: its batch-invariant
   mixture-of-experts layers; `exact_cuda`: the fixed-tile triton multiply those run on a CUDA GPU;
-  `exact_norm`: RMSNorm's batch-invariant mean on a GPU.
+  `exact_cuda_attention`: exact attention as one fused triton kernel on a GPU; `exact_norm`: RMSNorm's
+  batch-invariant mean on a GPU.
 - `lora`: LoRA adapters on a plain transformers model (which layers, peft's injection, their names), for the
   trainer and for a builtin engine that keeps them as separate layers.
 - `teacher`: a distillation teacher (`distill.teacher`) resolved like `model.path`, and whether it reads the

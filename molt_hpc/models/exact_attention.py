@@ -16,7 +16,10 @@ packed rows (a causal block per sample) then agree to the last bit. Two forms co
   exp(-inf) = 0) or a column of padding adds an exact zero. On this project's CPU it was 7x slower than the
   blocks for a decode step, 16x for 64 rows of 56 tokens, 70x for 8 rows of 512.
 
-The two forms give different bits: a process uses one of them for every shape of a head size, and the
+On a CUDA GPU a third form runs where it passes its check: one fused kernel per layer
+(`models.exact_cuda_attention`), each query's run of keys read in fixed blocks from its first key.
+
+The forms give different bits: a process uses one of them for every shape of a head size, and the
 engine and the trainer on one CPU type get the same answer from the check.
 
 The backward pass recomputes plain masked softmax attention and differentiates it (gradients need not
@@ -24,6 +27,8 @@ be exact; the forward values are what the importance ratio compares). `exact_att
 function registered with transformers' `AttentionInterface` as `molt_exact`, and `exact_documents` the
 kernel of the trainer's document attention (`parallel.attention`) for packed rows.
 """
+
+import threading
 
 import torch
 from torch import Tensor
@@ -33,6 +38,8 @@ from molt_hpc.models.exact_blocks import block_rows, blocked_attention
 ATTENTION = "molt_exact"
 BUDGET = 1 << 22
 """Most elements of one query chunk's `[B, H, q, K, D]` products."""
+_LOCAL = threading.local()
+"""Per thread: the last mask's key runs on a GPU (`_ranges`)."""
 
 
 def _expand(x: Tensor, heads: int) -> Tensor:
@@ -67,9 +74,33 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scaling: float)
     return p @ v
 
 
+def _ranges(allowed: Tensor) -> tuple[Tensor, Tensor]:
+    """Each query's run of keys (`exact_cuda_attention.key_ranges`), kept while the same mask comes back
+    unchanged (every layer of a forward gets the same mask object)."""
+    from molt_hpc.models.exact_cuda_attention import key_ranges
+
+    # an inference tensor has no version counter: a copy of it is kept and compared instead (a sync)
+    version = None if allowed.is_inference() else allowed._version
+    last = getattr(_LOCAL, "last", None)
+    if last and last[0] is allowed and last[1] == version and (version is not None or torch.equal(last[2], allowed)):
+        return last[3]
+    ranges = key_ranges(allowed)
+    if ranges is None:
+        raise ValueError("engines.exact on a GPU attends over one run of consecutive keys per query (causal, "
+                         "padded or packed rows); this model's mask is another: run exact on the CPU")  # fmt: skip
+    _LOCAL.last = (allowed, version, allowed.clone() if version is None else None, ranges)
+    return ranges
+
+
 def _forward(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scaling: float) -> Tensor:
-    """`[B, Q, H, D]`: block multiplies (`models.exact_blocks`) where this device's multiplies are row-invariant,
-    else the sequential `cumsum` form."""
+    """`[B, Q, H, D]`: on a GPU the fused kernel (`models.exact_cuda_attention`) where it passed its check; else
+    block multiplies (`models.exact_blocks`) where this device's multiplies are row-invariant, else the
+    sequential `cumsum` form."""
+    if q.is_cuda:
+        from molt_hpc.models.exact_cuda_attention import attend, usable
+
+        if usable(q.shape[-1], q.shape[1], k.shape[1], q.dtype, q.device):
+            return attend(q, k, v, *_ranges(allowed[(None,) * (4 - allowed.dim())]), scaling)
     rows = block_rows(q.shape[-1], torch.promote_types(q.dtype, torch.float32), q.device)
     if rows:
         return blocked_attention(q, k, v, allowed[(None,) * (4 - allowed.dim())], scaling, rows)
