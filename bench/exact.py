@@ -157,7 +157,16 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     print("arguments:", vars(args))
-    med = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in measure(args, load(args)).items()}
+    base = load(args)
+    if args.device == "cuda":  # which form exact attention takes on this GPU (models.exact_cuda_attention.usable)
+        from molt_hpc.models.exact_cuda_attention import usable
+
+        c = base.config
+        heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        d = getattr(c, "head_dim", None) or c.hidden_size // heads
+        form = "the fused kernel" if usable(d, heads, kv, base.dtype, torch.device("cuda")) else "block multiplies"
+        print(f"exact attention on this GPU: {form}")
+    med = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in measure(args, base).items()}
     model = args.model or ("tiny MoE model" if args.moe else "tiny model")
     unit = "wall seconds" if args.device == "cuda" else f"{torch.get_num_threads()} threads, CPU seconds"
     print(f"{model} ({args.dtype}, {args.device}), {args.requests} requests x {args.new} tokens, "
