@@ -1,9 +1,10 @@
 """The fused GPU attention of `engines.exact` (`models.exact_cuda_attention`): what runs on the CPU here is
 how a mask becomes each query's run of keys; the kernel itself runs in `tests/test_exact_gpu.py`."""
 
+import pytest
 import torch
 
-from molt_hpc.models.exact_cuda_attention import key_ranges
+from molt_hpc.models.exact_cuda_attention import key_ranges, runs
 from tests.test_exact_blocks import _causal_left_padded, _documents
 
 
@@ -31,3 +32,17 @@ def test_a_mask_that_is_not_one_run_per_query_is_refused() -> None:
     assert key_ranges(holes) is None
     per_head = _documents([[4, 4]], t=8).expand(1, 3, 8, 8)
     assert key_ranges(per_head) is None
+
+
+def test_runs_are_kept_per_mask_and_a_mask_changed_in_place_is_seen() -> None:
+    mask = _documents([[4, 4]], t=8).clone()
+    first = runs(mask)
+    assert runs(mask) is first, "the same unchanged mask: the kept runs"
+    mask[0, 0, 5, 4] = False
+    mask[0, 0, 5, :2] = True  # query 5 now sees keys 0, 1 (of the other document) and 5: not one run
+    with pytest.raises(ValueError, match="one run of consecutive keys"):
+        runs(mask)
+    with torch.inference_mode():
+        frozen = _documents([[3, 5]], t=8)
+        kept = runs(frozen)
+        assert runs(frozen) is kept and [t.tolist() for t in kept] == [t.tolist() for t in key_ranges(frozen)]

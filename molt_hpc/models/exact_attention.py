@@ -28,8 +28,6 @@ function registered with transformers' `AttentionInterface` as `molt_exact`, and
 kernel of the trainer's document attention (`parallel.attention`) for packed rows.
 """
 
-import threading
-
 import torch
 from torch import Tensor
 
@@ -38,8 +36,6 @@ from molt_hpc.models.exact_blocks import block_rows, blocked_attention
 ATTENTION = "molt_exact"
 BUDGET = 1 << 22
 """Most elements of one query chunk's `[B, H, q, K, D]` products."""
-_LOCAL = threading.local()
-"""Per thread: the last mask's key runs on a GPU (`_ranges`)."""
 
 
 def _expand(x: Tensor, heads: int) -> Tensor:
@@ -74,33 +70,15 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scaling: float)
     return p @ v
 
 
-def _ranges(allowed: Tensor) -> tuple[Tensor, Tensor]:
-    """Each query's run of keys (`exact_cuda_attention.key_ranges`), kept while the same mask comes back
-    unchanged (every layer of a forward gets the same mask object)."""
-    from molt_hpc.models.exact_cuda_attention import key_ranges
-
-    # an inference tensor has no version counter: a copy of it is kept and compared instead (a sync)
-    version = None if allowed.is_inference() else allowed._version
-    last = getattr(_LOCAL, "last", None)
-    if last and last[0] is allowed and last[1] == version and (version is not None or torch.equal(last[2], allowed)):
-        return last[3]
-    ranges = key_ranges(allowed)
-    if ranges is None:
-        raise ValueError("engines.exact on a GPU attends over one run of consecutive keys per query (causal, "
-                         "padded or packed rows); this model's mask is another: run exact on the CPU")  # fmt: skip
-    _LOCAL.last = (allowed, version, allowed.clone() if version is None else None, ranges)
-    return ranges
-
-
 def _forward(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scaling: float) -> Tensor:
     """`[B, Q, H, D]`: on a GPU the fused kernel (`models.exact_cuda_attention`) where it passed its check; else
     block multiplies (`models.exact_blocks`) where this device's multiplies are row-invariant, else the
     sequential `cumsum` form."""
     if q.is_cuda:
-        from molt_hpc.models.exact_cuda_attention import attend, usable
+        from molt_hpc.models.exact_cuda_attention import attend, runs, usable
 
         if usable(q.shape[-1], q.shape[1], k.shape[1], q.dtype, q.device):
-            return attend(q, k, v, *_ranges(allowed[(None,) * (4 - allowed.dim())]), scaling)
+            return attend(q, k, v, *runs(allowed[(None,) * (4 - allowed.dim())]), scaling)
     rows = block_rows(q.shape[-1], torch.promote_types(q.dtype, torch.float32), q.device)
     if rows:
         return blocked_attention(q, k, v, allowed[(None,) * (4 - allowed.dim())], scaling, rows)

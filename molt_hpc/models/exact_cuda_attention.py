@@ -2,11 +2,12 @@
 
 Under `engines.exact` every mask the engine and the trainer build gives a query one run of keys: a causal
 row, left-padded (the engine's cache) or right-padded (the trainer's rows), or one sample of a packed row.
-`key_ranges` turns the boolean mask into each query's first key and count of keys. The kernel (one program
+`key_ranges` turns the boolean mask into each query's first key and count of keys
+(`runs` keeps them while the same mask comes back). The kernel (one program
 per batch row, key head and query; the query heads sharing the key head are its rows) then reads the keys
 `first, first + 1, ...` in blocks of `BLOCK` counted from `first`, so a query's blocks hold the same keys
 wherever it sits in its batch, and runs the online softmax over them in that order: scores and weighted
-values are tensor-core products of the same tiles, the running maximum, the rescaling and the sums happen in
+values are products of the same tiles, the running maximum, the rescaling and the sums happen in
 the same order, and keys past the run are masked to a weight of exactly 0. Nothing a program computes depends
 on the other programs, the batch size, the number of queries or the cache's length, so a query gets the same
 bits in a decode step of one request as in a training forward of thousands of tokens.
@@ -19,6 +20,8 @@ on one GPU type take the same path. Products and sums are float32 (IEEE, no TF32
 exact in float32.
 """
 
+import threading
+
 import torch
 from torch import Tensor
 
@@ -26,6 +29,8 @@ BLOCK = 32
 """Keys per block of the kernel's loop, counted from the query's first key."""
 _KERNEL = None
 _CHECKED: dict[tuple, bool] = {}
+_LOCAL = threading.local()
+"""Per thread: the last mask and its runs of keys (`runs`)."""
 
 
 def _kernel():
@@ -88,6 +93,22 @@ def key_ranges(allowed: Tensor) -> tuple[Tensor, Tensor] | None:
     cols = torch.arange(a.shape[-1], device=a.device)
     run = (cols >= first[..., None]) & (cols < (first + count)[..., None])
     return (first, count) if torch.equal(run, a) else None
+
+
+def runs(allowed: Tensor) -> tuple[Tensor, Tensor]:
+    """`key_ranges` of a mask, kept while the same mask comes back unchanged (every layer of a forward gets the
+    same mask object); a ValueError with the fix for a mask that is not one run of keys per query."""
+    # an inference tensor has no version counter: a copy of it is kept and compared instead (a sync)
+    version = None if allowed.is_inference() else allowed._version
+    last = getattr(_LOCAL, "last", None)
+    if last and last[0] is allowed and last[1] == version and (version is not None or torch.equal(last[2], allowed)):
+        return last[3]
+    ranges = key_ranges(allowed)
+    if ranges is None:
+        raise ValueError("engines.exact on a GPU attends over one run of consecutive keys per query (causal, "
+                         "padded or packed rows); this model's mask is another: run exact on the CPU")  # fmt: skip
+    _LOCAL.last = (allowed, version, allowed.clone() if version is None else None, ranges)
+    return ranges
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, first: Tensor, count: Tensor, scaling: float) -> Tensor:
