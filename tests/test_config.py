@@ -66,6 +66,7 @@ def test_slurm_time_formats() -> None:
         (["slurm.engines.nodes=0"], "slurm.engines.nodes is 0"),
         (["rollout.max_new_tokens=200"], "exceeds rollout.max_total_tokens"),
         (["model.tiny.num_heads=3"], "must divide model.tiny.hidden_size"),
+        (["rollout.admission=kept_share", "run.sync=true"], "set rollout.admission = 'bound', or run.sync = false"),
     ],
 )
 def test_cross_section_rules(overrides: list[str], expected: str) -> None:

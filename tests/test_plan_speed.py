@@ -75,6 +75,12 @@ def test_rollout_time_of_a_hand_worked_case() -> None:
     half = predict(plan, accepted=0.5)  # dynamic sampling keeps half the groups: twice the rollout, same training
     assert half.rollout.seconds == pytest.approx(2 * s.rollout.seconds, rel=1e-9)
     assert half.train.flops == s.train.flops
+    # staleness 0: the bound is 8 groups in flight under `bound`, 8 over the half kept = 16 under `kept_share`
+    # (neither 32 groups in flight nor 1024 rows an engine caps them)
+    narrow = ["buffer.max_staleness=0", "rollout.groups_in_flight=32", "engines.max_batch=1024"]
+    for admission, groups in (("bound", 8), ("kept_share", 16)):
+        kept = make_plan(cfg_with(*narrow, f"rollout.admission={admission}"), toy_arch(), local=True, gpus=0)
+        assert predict(kept, accepted=0.5).rollout.rows == groups * 8, admission
 
 
 def test_train_time_counts_recompute_the_reference_and_the_head() -> None:

@@ -20,9 +20,10 @@ from molt_hpc.config import load_config
 from molt_hpc.data import Cursor, Position, PromptDataset
 from molt_hpc.log import read_metrics
 from molt_hpc.models import load_tokenizer
+from molt_hpc.rollout.admission import KeptShare, admits, lands_stale
 from molt_hpc.rollout.group import GroupOutcome
 from molt_hpc.rollout.main import serve
-from molt_hpc.rollout.orchestrator import admits, over_drop_budget, shape_group
+from molt_hpc.rollout.orchestrator import over_drop_budget, shape_group
 from molt_hpc.rollout.state import RolloutState
 from molt_hpc.trajectory import Group, Trajectory, finished_reward
 from tests.test_rollout_procs import ROOT, base_overrides, make_run, shared_pool, spawn
@@ -41,6 +42,29 @@ def test_admission_formula() -> None:
     assert admits(8, 3, 0, 2, 4) and not admits(8, 4, 0, 2, 4)
     assert admits(12, 0, 1, 2, 4) and not admits(16, 0, 1, 2, 4)
     assert [admits(a, 0, 0, 0, 4) for a in (3, 4)] == [True, False]  # sync: one batch per version
+
+
+def test_kept_share_admission() -> None:
+    # Groups in flight count at the kept share: with one in four kept, 4 accepted and a bound of 12 (version
+    # 0, staleness 2, 4 a step), up to 31 may be in flight (4 + 31/4 < 12), not 7.
+    assert admits(4, 31, 0, 2, 4, kept_share=0.25) and not admits(4, 32, 0, 2, 4, kept_share=0.25)
+    assert [admits(4, f, 0, 2, 4, 1.0) for f in (7, 8)] == [admits(4, f, 0, 2, 4) for f in (7, 8)] == [True, False]
+    share = KeptShare(groups_per_step=2)  # a window of 8 finished groups
+    assert share.share() == 1.0  # no history yet: as `bound`
+    for kept in [True, False, False, False] * 3:
+        share.add(kept)
+    assert share.share() == 2 / 8  # only the last 8 count
+    for _ in range(8):
+        share.add(False)
+    assert share.share() == 1 / 8  # never 0: one kept group a window at the least
+
+
+def test_a_group_lands_stale_exactly_when_the_trainer_would_see_it_too_old() -> None:
+    # Independently: the trainer takes groups in order, `gps` a step, so accepted group number a (from 0) is
+    # trained by version a // gps; the buffer moves it aside when that is more than `s` past its oldest token.
+    for gps, s, v in [(4, 1, 0), (4, 2, 3), (1, 0, 5), (16, 1, 2)]:
+        for a in range(40):
+            assert lands_stale(a, v, s, gps) == (a // gps - v > s), (gps, s, v, a)
 
 
 def outcome_with(lengths: list[int], rewards: list[float]) -> GroupOutcome:
@@ -243,3 +267,40 @@ def test_kill_9_at_random_points_loses_and_duplicates_nothing(pool, tmp_path) ->
     assert sorted(g.group_id for g in groups) == sorted(f"e0-i{i}" for i in range(expected))
     evals = [r for r in read_metrics(run.metrics, source="eval") if "eval_reward" in r]
     assert evals and evals[0]["eval_version"] == 0 and evals[0]["eval_prompts"] == 4
+
+
+KEPT_ONE_IN_FOUR = """
+import hashlib, random, time
+from molt_hpc.agents import Env, Result
+class KeptOneInFour(Env):
+    def step(self, state):
+        if int(hashlib.md5(state.row["id"].encode()).hexdigest(), 16) % 4:
+            return Result(0.0)  # three prompts in four: equal rewards, dropped by dynamic sampling
+        time.sleep(0.5)  # the kept ones finish late, as a hard prompt's long answers do
+        return Result(random.random())
+"""
+
+
+def test_kept_share_admission_holds_more_in_flight_and_trains_nothing_stale(pool, tmp_path) -> None:
+    env = tmp_path / "kept_one_in_four.py"
+    env.write_text(KEPT_ONE_IN_FOUR)
+    overrides = [*base_overrides(Path(pool.cfg.model.path)), f"rollout.agent={json.dumps(str(env))}",
+                 "buffer.max_staleness=1", "rollout.groups_in_flight=16", "rollout.admission=kept_share",
+                 "algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_budget=1000"]  # fmt: skip
+    run, cfg = make_run(tmp_path, "run", overrides, share=pool.run)
+    bound = 2 * cfg.actor.groups_per_step  # version 0 (no trainer), staleness 1
+    watcher = stop_when_settled(run, bound)
+    assert asyncio.run(serve(cfg, run)) == 0
+    watcher.join()
+
+    state = read_state(run)
+    assert state.groups_accepted == bound and state.in_flight == []  # not one group past the bound
+    assert state.cursor["position"] == state.groups_accepted + state.groups_dropped  # every issued group accounted
+    groups = open_buffer(cfg.buffer, run.path, consumer_id="test").get(64, timeout=1)
+    assert len(groups) == bound and all(g.min_version == 0 and len(set(g.rewards)) == 2 for g in groups)
+    records = read_metrics(run.metrics, source="rollout")
+    # `bound` admission never has more than `bound` groups in flight; at a kept share of about 1/4 this held
+    # up to groups_in_flight
+    assert max(r["in_flight_max"] for r in records) > bound
+    dropped = sum(r.get("groups_filtered_equal_rewards", 0) + r.get("groups_filtered_stale", 0) for r in records)
+    assert dropped == state.groups_dropped

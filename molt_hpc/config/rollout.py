@@ -24,7 +24,14 @@ class RolloutConfig(Section):
     n_samples: PositiveInt = 8
     """Samples per prompt: the group size of GRPO-style advantages."""
     groups_in_flight: PositiveInt = 16
-    """Groups kept in flight through the router at once."""
+    """Groups kept in flight through the router at once (at most)."""
+    admission: Literal["bound", "kept_share"] = "bound"
+    """How groups in flight count against the staleness bound (`(version + buffer.max_staleness + 1) ×
+    actor.groups_per_step` groups accepted or in flight). `bound`: each as one that will be kept, so no
+    accepted group is ever too stale, but under dynamic sampling, which drops most groups early in a run,
+    the engines hold a fraction of the work they could. `kept_share`: each at the share of recent groups
+    that were kept, so the engines hold about 1/share more; a group that still finishes past the bound is
+    dropped as stale (`groups_filtered_stale`), never trained. Asynchronous runs only (not `run.sync`)."""
     temperature: PositiveFloat = 1.0
     """Sampling temperature (engine log-probs are taken after it, so ratios stay exact)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -108,6 +108,11 @@ class MoltConfig(Section):
             )
         if act.lora is not None and self.engines.kind == "vllm" and (problem := vllm_lora_problem(self)):
             raise ValueError(problem)
+        if ro.admission == "kept_share" and self.run.sync:
+            raise ValueError(
+                "rollout.admission = 'kept_share' admits groups beyond one batch per version, which run.sync "
+                "forbids: set rollout.admission = 'bound', or run.sync = false"
+            )
         if self.engines.exact and (problem := exact_problem(self)):
             raise ValueError(problem)
         self._check_sequences()

@@ -7,6 +7,7 @@ Each pool runs on the speed profile of its device (`plan.cuda` or `plan.cpu`, `S
   FLOPs plus attention; it takes `max(bytes / (bandwidth · decode_efficiency), FLOPs / matmul rate) +
   the engine's per-step overhead` (the built-in engine's: `builtin_step_ms + r · builtin_row_ms`). Rows in
   flight are the rollout's `min(groups_in_flight, (max_staleness + 1) · groups_per_step) · n_samples`
+  (the second term over the fraction of groups accepted under `rollout.admission = "kept_share"`)
   over the replicas, at most what one replica holds (`max_batch`, or vLLM's 256 sequences and its KV
   cache). A step's worth of samples (over the fraction of groups accepted, when dynamic sampling drops
   some) takes
@@ -137,7 +138,9 @@ def rollout_time(arch: Arch, cfg: MoltConfig, plan, w: Workload) -> Rollout:
     replicas = max(1, plan.placement.engines * mem.replicas)
     tp = eng.tensor_parallel if eng.kind == "vllm" else 1
     context = w.prompt + w.response / 2
-    in_flight = min(ro.groups_in_flight, (cfg.buffer.max_staleness + 1) * cfg.actor.groups_per_step) * ro.n_samples
+    bound = (cfg.buffer.max_staleness + 1) * cfg.actor.groups_per_step
+    bound = bound / w.accepted if ro.admission == "kept_share" else bound  # in flight at the kept share each
+    in_flight = min(ro.groups_in_flight, bound) * ro.n_samples
     cap = eng.max_batch if eng.kind == "builtin" else min(VLLM_MAX_SEQS, max(1, int(mem.kv_tokens // context)))
     rows = max(1, min(math.ceil(in_flight / replicas), cap))
     b = 4 if cfg.model.dtype == "float32" else 2

@@ -1,7 +1,8 @@
 """The rollout orchestrator process: `main.main(cfg, run_dir)` (run by `jobs/rollout.py RUN_DIR`).
 
 main.py          the process: load the agent, prompts and tokenizer, wait for the router, run the loop
-orchestrator.py  the loop: admission, groups in flight, completion order, filters, buffer puts
+orchestrator.py  the loop: groups in flight, completion order, filters, buffer puts
+admission.py     staleness admission: how many groups may be in flight, which finished group lands stale
 group.py         one group of concurrent samples and the per-sample fault policy
 engines.py       generate through the router; the engines' weight version
 resume.py        one turn's request as segments: when its engine dies, it continues elsewhere from its tokens

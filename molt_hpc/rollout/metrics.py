@@ -3,8 +3,8 @@
 A record is written every `actor.groups_per_step` accepted groups (one training batch) and at
 shutdown: `reward`, the mean env reward over every finished sample (kept, or dropped by dynamic
 sampling: what other frameworks report), `reward_trained` and scores of the accepted samples,
-response lengths and turns, groups the
-filters dropped (`groups_filtered_<why>`) and groups that failed (`groups_failed_<why>`: env
+response lengths and turns, the most groups in flight at once (`in_flight_max`), groups the
+filters dropped (`groups_filtered_<why>`: `equal_rewards`, `stale`) and groups that failed (`groups_failed_<why>`: env
 errors drop theirs, engine failures are issued again), retries, `tokens_migrated` (generated on an
 engine that failed, kept and continued on another) and `tokens_discarded` (thrown away by a sample
 that started again), and throughput; with a reward model,
@@ -40,6 +40,8 @@ class RolloutStats:
         self.turns: list[float] = []
         self.counts: Counter = Counter()
         self.tokens = 0
+        self.in_flight_max = 0
+        """The most groups in flight at once (what admission let the engines hold)."""
         self.reward_parts: dict[str, list[float]] = {"env_reward": [], "rm_score": []}
         """With a reward model: the env's reward and the model's raw score of every finished sample it scored."""
 
@@ -62,6 +64,9 @@ class RolloutStats:
                     if key in s.info:
                         values.append(float(s.info[key]))
 
+    def in_flight(self, n: int) -> None:
+        self.in_flight_max = max(self.in_flight_max, n)
+
     def filtered(self, reason: str) -> None:
         self.counts[f"groups_filtered_{reason}"] += 1
 
@@ -81,6 +86,7 @@ class RolloutStats:
         rec["window_s"] = round(seconds, 3)
         rec["tokens_per_s"] = self.tokens / seconds
         rec["groups_per_s"] = self.counts["groups_accepted"] / seconds
+        rec["in_flight_max"] = self.in_flight_max
         if self.finished_rewards:
             rec["reward"] = statistics.fmean(self.finished_rewards)
             rec["reward_std"] = statistics.pstdev(self.finished_rewards)

@@ -4,9 +4,10 @@ The loop: issue groups while admission allows, take them back in completion orde
 waiting for the slowest), shape and filter them (over-long penalty, dynamic sampling), `put` the
 survivors into the replay buffer (blocking while it is full), count everything, repeat.
 
-Staleness admission keeps rollout from running ahead of training: a new group is issued only
-while `accepted + in_flight < (engine_version + max_staleness + 1) × actor.groups_per_step`, with
-max_staleness 0 under `run.sync` (one batch per policy version). The durable state (`state.py`)
+Staleness admission (`admission.py`) keeps rollout from running ahead of training: a new group is
+issued only while `accepted + in_flight < (engine_version + max_staleness + 1) × actor.groups_per_step`
+(the groups in flight at the kept share under `rollout.admission = "kept_share"`), with max_staleness
+0 under `run.sync` (one batch per policy version). The durable state (`state.py`)
 is saved before each issue and after each completion; SIGTERM, `control/stop` or `control/done`
 end the loop without starting anything new, and a restart re-issues what never reached the buffer.
 """
@@ -23,6 +24,7 @@ from molt_hpc.config import MoltConfig
 from molt_hpc.data import Cursor, Position, PromptDataset
 from molt_hpc.fault import fail
 from molt_hpc.log import MetricsWriter, StallReport, get_logger, log_tail
+from molt_hpc.rollout.admission import KeptShare, admits, lands_stale
 from molt_hpc.rollout.engines import EngineLink
 from molt_hpc.rollout.evaluation import evaluate
 from molt_hpc.rollout.group import GroupOutcome, Runner, run_group
@@ -45,11 +47,6 @@ async def beat_while_running(stall: StallReport) -> None:
     while True:
         stall.beat()
         await asyncio.sleep(1.0)
-
-
-def admits(accepted: int, in_flight: int, engine_version: int, max_staleness: int, groups_per_step: int) -> bool:
-    """Staleness admission: may one more group be issued now?"""
-    return accepted + in_flight < (engine_version + max_staleness + 1) * groups_per_step
 
 
 def shape_group(outcome: GroupOutcome, cfg: MoltConfig, over_budget: bool = False) -> tuple[Group | None, str | None]:
@@ -108,6 +105,8 @@ class Orchestrator:
             self.cursor.restore(self.state.cursor)
         self.reissue = list(self.state.in_flight)
         self.max_staleness = 0 if cfg.run.sync else cfg.buffer.max_staleness
+        self.kept = KeptShare(cfg.actor.groups_per_step) if cfg.rollout.admission == "kept_share" else None
+        """Under `kept_share` admission: the share of recent finished groups that were kept."""
         self.tasks: dict[asyncio.Task, Position] = {}
         self.eval_prompts = eval_prompts or []
         self.eval_task: asyncio.Task | None = None
@@ -198,8 +197,8 @@ class Orchestrator:
         return self.stop.is_set()
 
     def admitted(self) -> bool:
-        gps = self.cfg.actor.groups_per_step
-        return admits(self.state.groups_accepted, len(self.tasks), self.link.version, self.max_staleness, gps)
+        gps, share = self.cfg.actor.groups_per_step, self.kept.share() if self.kept else 1.0
+        return admits(self.state.groups_accepted, len(self.tasks), self.link.version, self.max_staleness, gps, share)
 
     async def idle(self) -> None:
         """Nothing in flight and admission closed: wait for a refit (poll the engines, soon at first) or a stop."""
@@ -224,6 +223,7 @@ class Orchestrator:
         else:
             task = asyncio.create_task(self.rollout(prompt, pos))
             self.tasks[task] = pos
+            self.stats.in_flight(len(self.tasks))
         self.state.save(self.state_path)
 
     async def rollout(self, prompt, pos: Position) -> GroupOutcome:
@@ -251,9 +251,14 @@ class Orchestrator:
             st.groups_dropped, st.groups_accepted, alg.dynamic_sampling_budget, self.cfg.actor.groups_per_step
         )
         group, reason = shape_group(outcome, self.cfg, over_budget=spent)
+        if self.kept is not None:
+            self.kept.add(group is not None)
+            if group is not None and lands_stale(st.groups_accepted, group.min_version, self.max_staleness,
+                                                 self.cfg.actor.groups_per_step):  # fmt: skip
+                group, reason = None, "stale"  # admitted on an estimate that proved low: never trained
         if group is None:
             self.log.info("group %s dropped: %s", pos.group_id, reason)
-            if reason == "equal_rewards":
+            if reason in ("equal_rewards", "stale"):
                 self.stats.filtered(reason)
             self.state.groups_dropped += 1
             self.unreported = [self.unreported[0] + sum(raw), self.unreported[1] + len(raw)]
