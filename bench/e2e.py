@@ -8,6 +8,9 @@ sync. The admission pair narrows the staleness bound (1) and widens `rollout.gro
 that admission, not the cap, sets the work in flight; they differ only in `rollout.admission`.
 
     python bench/e2e.py [--steps 30] [--repeats 2]
+    python bench/e2e.py --config configs/smollm2_gym_gpu.toml --modes bound kept --steps 40 --repeats 1
+
+`--config` runs another config (its `--set` overrides apply to every mode), `--modes` a subset.
 """
 
 import argparse
@@ -20,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from molt_hpc.config import load_config  # noqa: E402
 from molt_hpc.log import read_metrics  # noqa: E402
 
 NARROW = ["buffer.max_staleness=1", "rollout.groups_in_flight=32"]
@@ -31,17 +35,21 @@ MODES = {
 }
 
 
-def one_run(sets: list[str], steps: int) -> dict[str, float]:
+def one_run(config: str, sets: list[str], steps: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="molt-bench-") as root:
         cmd = [
-            str(Path(sys.executable).parent / "molt-hpc"), "run", "configs/tiny_cpu.toml",
+            sys.executable, "-c", "from molt_hpc.cli import main; main()", "run", config,
             "--set", f"run.root={root}", "--set", f"run.steps={steps}",
             "--set", "checkpoint.interval=0", "--set", "logging.progress=lines",
         ]  # fmt: skip
         cmd += [a for s in sets for a in ("--set", s)]
-        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
-        actor = read_metrics(Path(root) / "tiny-cpu" / "metrics.jsonl", source="actor")
-        rollout = read_metrics(Path(root) / "tiny-cpu" / "metrics.jsonl", source="rollout")
+        print("$", " ".join(cmd), flush=True)
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"the run failed ({done.returncode}):\n{done.stdout[-3000:]}")
+        metrics = Path(root) / load_config(ROOT / config, sets).run.name / "metrics.jsonl"
+        actor = [r for r in read_metrics(metrics, source="actor") if "wait_s" in r]
+        rollout = read_metrics(metrics, source="rollout")
     span = actor[-1]["time"] - actor[0]["time"]
     samples = sum(r["samples"] for r in actor[1:])
     return {
@@ -57,21 +65,26 @@ def one_run(sets: list[str], steps: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/tiny_cpu.toml")
+    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES))
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in args.modes}
     for _ in range(args.repeats):
-        for mode, sets in MODES.items():
-            results[mode].append(one_run(sets, args.steps))
+        for mode in args.modes:
+            results[mode].append(one_run(args.config, [*args.sets, *MODES[mode]], args.steps))
     med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in results.items()}
-    print(f"tiny config, {args.steps} steps per run, median of {args.repeats} alternating runs")
-    for mode, sets in MODES.items():
-        print(f"  {mode}: {' '.join(sets) or '(configs/tiny_cpu.toml as shipped)'}")
-    head = ["mode", "steps/min", "samples/s", "median wait s", "in flight (median peak)", "dropped", "stale", "x sync"]
+    print(f"{args.config} {' '.join(args.sets)}, {args.steps} steps per run, median of {args.repeats} alternating runs")
+    for mode in args.modes:
+        print(f"  {mode}: {' '.join(MODES[mode]) or '(as the config says)'}")
+    base = med[args.modes[0]]["steps_per_min"]
+    head = ["mode", "steps/min", "samples/s", "median wait s", "in flight (median peak)", "dropped", "stale",
+            f"x {args.modes[0]}"]  # fmt: skip
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for mode, m in med.items():
-        ratio = m["steps_per_min"] / med["sync"]["steps_per_min"]
+        ratio = m["steps_per_min"] / base
         cells = [mode, f"{m['steps_per_min']:.1f}", f"{m['samples_per_s']:.1f}", f"{m['wait_s']:.2f}",
                  f"{m['in_flight_max']:.0f}", f"{m['dropped']:.0f}", f"{m['stale']:.0f}", f"{ratio:.2f}"]  # fmt: skip
         print("| " + " | ".join(cells) + " |")
