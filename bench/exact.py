@@ -15,9 +15,11 @@ is exact over plain. The exact side also checks that its log-probs equal the eng
     python bench/exact.py --moe                 # the tiny MoE (8 experts, top-2) instead
     python bench/exact.py --device cuda --model DIR --dtype bfloat16 --requests 64 --new 64
 
-On a GPU the times are wall seconds (synchronised), and two more rows show what the engine and the trainer
-run normally there: the engine's slot runner with CUDA graphs (`engine.main.model_runner`'s choice) and the
-trainer's triton log-prob kernel over document attention's varlen kernel.
+On a GPU the times are wall seconds (synchronised), the exact engine is what the engine runs there (the slot
+runner replaying CUDA graphs of its exact forwards, `engine.main.model_runner`'s choice; the plain column
+stays the eager plain runner), and one more column shows what the engine and the trainer run normally
+there: the engine's slot runner with CUDA graphs and the trainer's triton log-prob kernel over document
+attention's varlen kernel.
 """
 
 import argparse
@@ -59,20 +61,28 @@ def clock(device: torch.device) -> float:
     return time.process_time()
 
 
-def runner_of(model, device: torch.device, graphs: bool):
-    """The plain `ModelRunner`, or on a GPU the engine's slot runner with CUDA graphs as it serves normally."""
-    if not graphs:
+def runner_of(model, device: torch.device, engine: bool):
+    """The plain `ModelRunner`, or the runner the engine takes for this model and device (on a GPU the slot
+    runner with CUDA graphs; for an exact model its exact slot forwards)."""
+    if not engine:
         return ModelRunner(model, device)
-    from molt_hpc.engine.slots import SlotRunner
+    from molt_hpc.engine.main import model_runner
 
-    eng = MoltConfig().engines
-    return SlotRunner(model, device, max_batch=64, max_model_len=512, graphs=True, sampling=eng.sample_in_graph,
-                      fuse=eng.fuse_projections)  # fmt: skip
+    eng = MoltConfig().engines.model_copy(update={"max_batch": 64, "max_model_len": 512})
+    return model_runner(model, device, eng, None, graphs=True)
 
 
-def rollout(model, requests: int, new: int, seed: int, device=CPU, graphs=False) -> tuple[float, list[Row]]:
-    """(seconds, finished rows) of `requests` requests through the scheduler."""
-    sched = Scheduler(runner_of(model, device, graphs), eos_ids=set(), max_batch=64, max_model_len=512, seed=seed)
+def graphs_of(runner) -> str:
+    """How many decode and prefill graphs a runner recorded (what an exact engine replays on a GPU)."""
+    decode = len(runner.graphs.graphs) if getattr(runner, "graphs", None) is not None else 0
+    prefill = len(runner.prefiller.recorded) if getattr(runner, "prefiller", None) is not None else 0
+    return f"{type(runner).__name__}, {decode} decode and {prefill} prefill CUDA graphs"
+
+
+def rollout(model, requests: int, new: int, seed: int, device=CPU, engine=False) -> tuple[float, list[Row], object]:
+    """(seconds, finished rows, the runner) of `requests` requests through the scheduler."""
+    runner = runner_of(model, device, engine)
+    sched = Scheduler(runner, eos_ids=set(), max_batch=64, max_model_len=512, seed=seed)
     gen = torch.Generator().manual_seed(seed)
     rows = [
         Row(torch.randint(4, 100, (int(torch.randint(8, 41, (1,), generator=gen)),), generator=gen).tolist(),
@@ -88,7 +98,7 @@ def rollout(model, requests: int, new: int, seed: int, device=CPU, graphs=False)
         sched.submit(row)
     while sched.rows or sched.waiting:
         sched._step()
-    return clock(device) - t0, rows
+    return clock(device) - t0, rows, runner
 
 
 def train_pass(model, rows: list[Row], pack: bool, device=CPU, kernel="torch") -> tuple[float, Tensor, Tensor]:
@@ -133,7 +143,10 @@ def measure(args, base) -> dict[str, dict[str, list[float]]]:
     times = {n: {"rollout": [], "packed": [], "padded": []} for n in models}
     for rep in range(args.repeat + 1):  # the first round warms up (and captures graphs) and is not counted
         for name, model in models.items():
-            secs, rows = rollout(model, args.requests, args.new, seed=rep, device=device, graphs=name == "normal")
+            engine = name == "normal" or (gpu and name == "exact")
+            secs, rows, runner = rollout(model, args.requests, args.new, seed=rep, device=device, engine=engine)
+            if gpu and not rep:
+                print(f"{name} engine: {graphs_of(runner)}")
             kernel = "triton" if name == "normal" else "torch"
             packed_s, mine, theirs = train_pass(trainers[name], rows, True, device, kernel)
             padded_s, _, _ = train_pass(models[name].train(), rows, False, device, kernel)

@@ -20,6 +20,7 @@ from molt_hpc.algorithm import make_experience
 from molt_hpc.engine.batch import ModelRunner, Row
 from molt_hpc.engine.sampling import SamplingParams
 from molt_hpc.engine.scheduler import Scheduler
+from molt_hpc.engine.slots import SlotRunner
 from molt_hpc.log import read_metrics
 from molt_hpc.models import load_causal_lm
 from molt_hpc.models.exact import make_exact
@@ -31,9 +32,18 @@ from tests.conftest import ROOT, molt
 CPU = torch.device("cpu")
 
 
-def _generate(model, n: int, temperature: float, seed: int, device=CPU) -> list[Row]:
-    """`n` requests through the scheduler: half (at least one) at once, the rest after three decode steps."""
-    sched = Scheduler(ModelRunner(model, device), eos_ids=set(), max_batch=64, max_model_len=256, seed=seed)
+def _runner(model, device, slots: bool) -> ModelRunner:
+    """The plain runner (growing cache), or the slot runner the engine takes on a GPU, with CUDA graphs there."""
+    if not slots:
+        return ModelRunner(model, device)
+    return SlotRunner(model, device, max_batch=64, max_model_len=256, graphs=device.type == "cuda")
+
+
+def _generate(model, n: int, temperature: float, seed: int, device=CPU, slots: bool = False, runner=None) -> list[Row]:
+    """`n` requests through the scheduler (over `runner` if given): half (at least one) at once, the rest after
+    three decode steps."""
+    runner = runner or _runner(model, device, slots)
+    sched = Scheduler(runner, eos_ids=set(), max_batch=64, max_model_len=256, seed=seed)
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(n):
@@ -84,6 +94,17 @@ def test_exact_engine_logprobs_equal_the_trainers(models, n):
     engine, trainer = (make_exact(copy.deepcopy(m)) for m in models)
     temperature = 0.7 if n == 7 else 1.0
     rows = _generate(engine, n, temperature, seed=n)
+    for name, (mine, theirs) in _trainer_sides(trainer, _trajectories(rows), temperature).items():
+        assert mine.numel() == sum(len(r.tokens) for r in rows)
+        assert torch.equal(mine, theirs), (name, float((mine - theirs).abs().max()))
+
+
+@pytest.mark.parametrize("n", [1, 7, 64])
+def test_exact_slot_runner_logprobs_equal_the_trainers(models, n):
+    """The slot runner's decode steps and slot prefills (`engine.exact_slots`): what the engine runs on a GPU."""
+    engine, trainer = (make_exact(copy.deepcopy(m)) for m in models)
+    temperature = 0.7 if n == 7 else 1.0
+    rows = _generate(engine, n, temperature, seed=n, slots=True)
     for name, (mine, theirs) in _trainer_sides(trainer, _trajectories(rows), temperature).items():
         assert mine.numel() == sum(len(r.tokens) for r in rows)
         assert torch.equal(mine, theirs), (name, float((mine - theirs).abs().max()))

@@ -8,6 +8,7 @@ fuse.py       fused projections: one matmul for q/k/v and one for gate/up per la
 slots.py      on a GPU: the preallocated KV cache (one slot per row) and its runner
 prefill.py    on a GPU: the prefill written straight into the slots, replayed as CUDA graphs per shape bucket
 graphs.py     on a GPU: the decode step recorded and replayed as CUDA graphs (unless enforce_eager)
+exact_slots.py  under engines.exact: the slot runner's decode and prefill attention, the trainer's exact kernels
 scheduler.py  the scheduler thread: admission, pause modes, atomic weight updates
 load.py       the engine's load logged over fixed windows: the bottleneck, or idle waiting for requests?
 routing.py    routing capture: the experts every forwarded token went to, in vLLM 0.26's format

@@ -50,10 +50,13 @@ def model_runner(model, dev, eng, vision, *, graphs: bool):
     from molt_hpc.engine.batch import ModelRunner
     from molt_hpc.engine.slots import ATTENTION, SlotRunner, check_slot_cache_fits
     from molt_hpc.engine.vision import VisionRunner
+    from molt_hpc.models.exact import is_exact
 
+    # exact slot forwards (`engine.exact_slots`) keep the trainer's projections, the eager step and the one sampler
+    exact = is_exact(model)
     if vision is not None:  # multimodal positions: the growing cache (the slot cache's columns are positions)
         return VisionRunner(model, dev, vision.spec.merge)
-    if dev.type == "cuda" and getattr(model.config, "_attn_implementation", "sdpa") in ATTENTION:
+    if dev.type == "cuda" and (exact or getattr(model.config, "_attn_implementation", "sdpa") in ATTENTION):
         # On a GPU: a preallocated KV cache, and decode steps replayed as CUDA graphs unless enforce_eager.
         # On a CPU the step costs what its ops cost either way; the growing cache stays.
         # Router replay (graphs=False here) reads the plain prefill's left-padded rows: it keeps that prefill.
@@ -67,10 +70,10 @@ def model_runner(model, dev, eng, vision, *, graphs: bool):
             max_batch=eng.max_batch,
             max_model_len=eng.max_model_len,
             graphs=graphs,
-            sampling=eng.sample_in_graph,
-            fuse=eng.fuse_projections,
+            sampling=eng.sample_in_graph and not exact,
+            fuse=eng.fuse_projections and not exact,
             # router replay (graphs=False) records from Python hooks, which a compiled step would trace away
-            compile="inductor" if eng.compile_decode and graphs else None,
+            compile="inductor" if eng.compile_decode and graphs and not exact else None,
             slot_prefill=slot_prefill,
         )
     return ModelRunner(model, dev)

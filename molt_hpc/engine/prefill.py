@@ -134,8 +134,11 @@ def plan(lengths: list[int], bucketed: bool, capacity: int, most_rows: int, repl
 class SlotPrefill:
     """Prefills contexts of a `SlotRunner` into its slot cache; `graphs=True` replays CUDA graphs."""
 
-    def __init__(self, model, slots, device: torch.device, cache_kw: str, graphs: bool):
+    def __init__(self, model, slots, device: torch.device, cache_kw: str, graphs: bool, attention=PREFILL_ATTENTION):
         self.model, self.slots, self.device, self.cache_kw = model, slots, device, cache_kw
+        self.attention = attention
+        """The attention function (a registered name) of the slot prefill's forwards: `prefill_attention`, or
+        under `engines.exact` the exact one (`engine.exact_slots`)."""
         self.graphs = graphs
         self.bucketed = graphs
         """Forwards of bucketed shapes (what graphs replay); eager forwards take exact shapes."""
@@ -200,7 +203,7 @@ class SlotPrefill:
         ids, dst, last = self.inputs[:n].view(b, width), self.inputs[n : 2 * n], self.inputs[2 * n : 2 * n + b]
         config = self.model.config
         attention = config._attn_implementation
-        config._attn_implementation = PREFILL_ATTENTION  # this forward only: decode and plain prefill keep theirs
+        config._attn_implementation = self.attention  # this forward only: decode and plain prefill keep theirs
         self._last = last
         try:
             out = self.model(

@@ -215,22 +215,34 @@ class SlotRunner(ModelRunner):
         prefill_graphs: bool | None = None,
     ):
         super().__init__(model, device)
+        from molt_hpc.models.exact import is_exact
+
+        exact = is_exact(model)
+        # exact log-probs need the trainer's own projections, the eager step's kernels and the one sampler
+        assert not (exact and (fuse or compile is not None or sampling)), "engines.exact: no fuse, compile, sampling"
         if fuse:  # before anything reads the parameters: the fused weights are what refits write
             from molt_hpc.engine.fuse import fuse_projections
 
             fuse_projections(model)
         attn = getattr(model.config, "_attn_implementation", "sdpa")
-        if attn not in ATTENTION:
+        if attn not in ATTENTION and not exact:
             raise ValueError(f"the slot cache needs attention {' or '.join(ATTENTION)}, not {attn!r}")
         from transformers import AttentionInterface
 
         AttentionInterface.register(DECODE_ATTENTION, decode_attention)
         AttentionInterface.register(PREFILL_ATTENTION, prefill_attention)
+        self.decode_attention, prefill_kind = DECODE_ATTENTION, PREFILL_ATTENTION
+        if exact:  # the same kernels as the trainer's exact attention (`engine.exact_slots`)
+            from molt_hpc.engine import exact_slots
+
+            self.decode_attention, prefill_kind = exact_slots.register()
         self.slots = SlotCache(model.config, max_batch, max_model_len, model.dtype, device)
         self.prefiller = None
         if slot_prefill and model.get_output_embeddings() is not None:
             record = graphs if prefill_graphs is None else prefill_graphs
-            self.prefiller = SlotPrefill(model, self.slots, device, self._cache_kw, graphs=record)
+            self.prefiller = SlotPrefill(
+                model, self.slots, device, self._cache_kw, graphs=record, attention=prefill_kind
+            )
         # The per-layer elementwise work (norms, rotary, residuals, the activation) is ~30 small kernels a
         # layer eager; compiled, each chain is one kernel, so a recorded step replays a fraction of the
         # launches. Dynamic shapes: one compile serves every (batch, width) bucket (plus width = capacity).
@@ -288,7 +300,7 @@ class SlotRunner(ModelRunner):
         mask = self.slots.begin_step(positions, width)
         config = self.model.config
         prefill_attention = config._attn_implementation
-        config._attn_implementation = DECODE_ATTENTION  # this step only; prefill keeps the model's kernel
+        config._attn_implementation = self.decode_attention  # this step only; prefill keeps the model's kernel
         try:
             out = self.model(
                 input_ids=ids,
