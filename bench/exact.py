@@ -74,7 +74,8 @@ def runner_of(model, device: torch.device, engine: bool):
 
 def graphs_of(runner) -> str:
     """How many decode and prefill graphs a runner recorded (what an exact engine replays on a GPU)."""
-    decode = len(runner.graphs.graphs) if getattr(runner, "graphs", None) is not None else 0
+    graphs = getattr(runner, "graphs", None)
+    decode = len(graphs.graphs) + len(graphs.sampled) if graphs is not None else 0  # logits and sampling graphs
     prefill = len(runner.prefiller.recorded) if getattr(runner, "prefiller", None) is not None else 0
     return f"{type(runner).__name__}, {decode} decode and {prefill} prefill CUDA graphs"
 
