@@ -12,6 +12,8 @@ import base64
 import hashlib
 import json
 import threading
+from concurrent.futures import Future
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -25,8 +27,11 @@ from molt_hpc.agents.env_workers import EnvWorkerPool
 from molt_hpc.algorithm import make_experience
 from molt_hpc.config import load_config
 from molt_hpc.data import PromptDataset
+from molt_hpc.engine.batch import Row
 from molt_hpc.engine.client import EngineHTTPError, generate
-from molt_hpc.engine.vision import VisionRunner, row_images
+from molt_hpc.engine.sampling import SamplingParams
+from molt_hpc.engine.scheduler import Scheduler
+from molt_hpc.engine.vision import ImageCache, VisionRunner, row_images
 from molt_hpc.engine.vllm.front import Front, build_front
 from molt_hpc.engine.vllm.main import vllm_command
 from molt_hpc.models import load_causal_lm, load_tokenizer
@@ -147,6 +152,60 @@ def test_reprefill_places_features_at_the_spans_only(tiny_vl_dir, prompts) -> No
         steps.append(runner.decode(cache, [tok], [len(context) - 1 + images.rope_delta])[0])
     again, _ = runner.prefill([context], [images])
     assert torch.allclose(again[0], steps[-1], atol=1e-5)
+
+
+def mm_of(prompt) -> dict:
+    uris = ["data:image/png;base64," + base64.b64encode(im.data).decode() for im in prompt.images]
+    return {"images": uris, "spans": [[im.offset, im.length] for im in prompt.images]}
+
+
+def test_a_groups_samples_share_their_images_and_prefill(tiny_vl_dir, prompts) -> None:
+    """Eight samples each of two image prompts (the cache gives a sample the images its group's first request
+    checked) prefill in one forward of the two prompts, with one pass of their images through the vision
+    tower, and every token's log-prob is still the teacher-forced one with the row's own pixels."""
+    vision = Vision(tiny_vl_dir)
+    model = load_causal_lm(tiny_vl_dir)
+    runner = VisionRunner(model, torch.device("cpu"), vision.spec.merge)
+    cache, picked = ImageCache(vision, size=4), [prompts[3], prompts[40]]
+    assert picked[0].images[0].data != picked[1].images[0].data
+    forwarded, tower = [], []
+    prefill, features = runner.prefill, model.get_image_features
+    runner.prefill = lambda contexts, images: (forwarded.append(len(contexts)), prefill(contexts, images))[1]
+    model.get_image_features = lambda pixels, grids: (tower.append(len(grids)), features(pixels, grids))[1]
+    sched = Scheduler(runner, eos_ids=set(), max_batch=16, max_model_len=160, seed=0)
+    rows = []
+    for p in picked:
+        for _ in range(8):
+            row = Row(list(p.token_ids), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), Future())
+            row.images = cache.get(mm_of(p), p.token_ids)
+            row.rope_delta = row.images.rope_delta
+            rows.append(row)
+            sched.submit(row)
+    assert rows[0].images is rows[7].images and rows[0].images.key != rows[8].images.key
+    assert cache.get(json.loads(json.dumps(mm_of(picked[0]))), picked[0].token_ids) is rows[0].images
+    while sched.rows or sched.waiting:
+        sched._step()
+    assert forwarded == [2] and tower == [sum(len(p.images) for p in picked)], (forwarded, tower)
+    for p, row in zip([q for q in picked for _ in range(8)], rows, strict=True):
+        want = forced_logprobs(model, vision, _traj(p, SimpleNamespace(token_ids=row.tokens, logprobs=row.logprobs)))
+        assert torch.allclose(torch.tensor(row.logprobs), want, atol=1e-5)
+
+
+def test_the_image_cache_keeps_only_checked_requests_and_forgets_the_oldest(tiny_vl_dir, prompts) -> None:
+    cache = ImageCache(Vision(tiny_vl_dir), size=2)
+    a, b, c = prompts[1], prompts[2], prompts[3]
+    bad = {**mm_of(a), "spans": [[0, 1]]}
+    for _ in range(2):  # refused each time, never kept
+        with pytest.raises(ValueError, match="placeholder tokens"):
+            cache.get(bad, a.token_ids)
+    with pytest.raises(ValueError, match="must be a data URI"):  # unhashable: checked, not cached
+        cache.get({"images": [["not", "hashable"]], "spans": [[0, 1]]}, a.token_ids)
+    first = cache.get(mm_of(a), a.token_ids)
+    cache.get(mm_of(b), b.token_ids)
+    assert cache.get(mm_of(a), a.token_ids) is first  # a is now the newest
+    cache.get(mm_of(c), c.token_ids)  # b, the oldest, goes
+    assert cache.get(mm_of(a), a.token_ids) is first and len(cache._kept) == 2
+    assert cache.get(mm_of(b), b.token_ids) is not None and len(cache._kept) == 2
 
 
 def test_two_turn_episode_carries_both_images(vl, prompts, tiny_vl_dir) -> None:

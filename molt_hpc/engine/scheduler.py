@@ -258,18 +258,18 @@ class Scheduler:
         return len(newcomers)
 
     def _prefill(self, rows: list[Row]):
-        """Next-token logits and prefilled cache of `rows`; rows with the same context (a group's samples of
-        one prompt) share one forward, their cache rows copied (not with images, nor under router replay,
-        whose recorder takes one routing per forwarded row)."""
-        contexts = [r.context for r in rows]
-        if self.routing is not None or any(r.images is not None for r in rows):
-            return self.runner.prefill(contexts, [r.images for r in rows])
-        first: dict[tuple[int, ...], int] = {}
-        index = [first.setdefault(tuple(c), len(first)) for c in contexts]
+        """Next-token logits and prefilled cache of `rows`; rows with the same context and images (a group's
+        samples of one prompt) share one forward, their cache rows copied (not under router replay, whose
+        recorder takes one routing per forwarded row)."""
+        contexts, images = [r.context for r in rows], [r.images for r in rows]
+        if self.routing is not None:
+            return self.runner.prefill(contexts, images)
+        first: dict[tuple, int] = {}
+        index = [first.setdefault((tuple(r.context), r.images.key if r.images else None), len(first)) for r in rows]
         if len(first) == len(rows):
-            return self.runner.prefill(contexts, [None] * len(rows))
-        unique = [list(c) for c in first]
-        logits, cache = self.runner.prefill(unique, [None] * len(unique))
+            return self.runner.prefill(contexts, images)
+        lead = [index.index(k) for k in range(len(first))]  # each forwarded context's first row
+        logits, cache = self.runner.prefill([contexts[i] for i in lead], [images[i] for i in lead])
         cache.keep(index)
         return logits[torch.tensor(index, device=logits.device)], cache
 

@@ -20,7 +20,7 @@ from aiohttp import web
 from molt_hpc.engine.batch import Row
 from molt_hpc.engine.sampling import parse_generate
 from molt_hpc.engine.scheduler import Scheduler
-from molt_hpc.engine.vision import check_no_pads, row_images
+from molt_hpc.engine.vision import ImageCache, check_no_pads
 from molt_hpc.protocol.edge import errors_middleware, parse, read_json, send, token_middleware
 from molt_hpc.protocol.requests import PAUSE_MODES, PauseRequest, ResumeRequest
 
@@ -38,6 +38,11 @@ class EngineState:
     """The model's `molt_hpc.vision.processor.Vision` (a vision-language model), else None."""
     place: dict[str, Any] = field(default_factory=dict)
     """Where the weights live (`refit.handles.place`): `/health` tells the trainer, which picks the refit transport."""
+    images: ImageCache = field(init=False)
+    """The checked images of recent requests."""
+
+    def __post_init__(self) -> None:
+        self.images = ImageCache(self.vision)
 
 
 def logprob_content(row: Row) -> list[dict[str, Any]]:
@@ -96,7 +101,7 @@ async def generate(request: web.Request) -> web.Response:
     gen = None if sp.seed is None else torch.Generator(device=sched.runner.device).manual_seed(sp.seed)
     row = Row(prompt=list(req.token_ids), params=sp, future=Future(), generator=gen)
     if req.mm is not None:  # decoding and measuring images is CPU work: off the event loop
-        row.images = await asyncio.to_thread(row_images, req.mm, row.prompt, state.vision)
+        row.images = await asyncio.to_thread(state.images.get, req.mm, row.prompt)
         row.rope_delta = row.images.rope_delta
     elif state.vision is not None:
         check_no_pads(row.prompt, state.vision)

@@ -14,10 +14,16 @@ embedding there, as it had in decode (transformers would count it as one more pl
 Decode needs no images: the scheduler gives each row's next position as `length - 1 + rope_delta`,
 which transformers spreads over the three rotary axes. A VLM runs on this plain runner (the growing
 cache), not the GPU slot cache, whose columns are position ids.
+
+The samples of one prompt send the same images: `ImageCache` checks and processes them once, and a
+row's `RowImages.key` (the images' bytes and spans) lets the scheduler prefill such rows in one forward.
 """
 
 import base64
 import binascii
+import hashlib
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +46,8 @@ class RowImages:
     image_grid_thw: Tensor
     rope_delta: int
     """Position shift of every token after the prompt's last image (see `molt_hpc.vision.rope`)."""
+    key: tuple = ()
+    """The images' places and a digest of their bytes: rows with the same context and key prefill alike."""
 
 
 def _decode(ref: object, i: int) -> bytes:
@@ -84,7 +92,36 @@ def row_images(mm: object, token_ids: list[int], vision) -> RowImages:
     if sum(1 for t in token_ids if t == pad) != sum(im.length for im in placed):
         raise ValueError(f"token_ids hold image pads ({pad}) outside mm.spans: every pad needs its image")
     _, delta = rope_positions(len(token_ids), placed, vision.spec.merge)
-    return RowImages(placed, pixels, grids, delta)
+    key = tuple((im.offset, im.length, hashlib.sha256(im.data).digest()) for im in placed)
+    return RowImages(placed, pixels, grids, delta, key)
+
+
+class ImageCache:
+    """`row_images` of the last `size` distinct requests (thread-safe): a group's samples arrive with the same
+    images and prompt, and decoding, resizing and measuring them once is enough. Only checked requests are
+    kept; a bad one raises each time."""
+
+    def __init__(self, vision, size: int = 64):
+        self.vision, self.size = vision, size
+        self._kept: OrderedDict[tuple, RowImages] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, mm: object, token_ids: list[int]) -> RowImages:
+        try:
+            key = (tuple(mm["images"]), tuple(map(tuple, mm["spans"])), tuple(token_ids))  # type: ignore[index]
+            hash(key)
+        except (TypeError, KeyError):  # not the expected shape: row_images says what is wrong
+            return row_images(mm, token_ids, self.vision)
+        with self._lock:
+            if (hit := self._kept.get(key)) is not None:
+                self._kept.move_to_end(key)
+                return hit
+        images = row_images(mm, token_ids, self.vision)
+        with self._lock:
+            self._kept[key] = images
+            while len(self._kept) > self.size:
+                self._kept.popitem(last=False)
+        return images
 
 
 def check_no_pads(token_ids: list[int], vision) -> None:
