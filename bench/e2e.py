@@ -10,7 +10,8 @@ that admission, not the cap, sets the work in flight; they differ only in `rollo
     python bench/e2e.py [--steps 30] [--repeats 2]
     python bench/e2e.py --config configs/smollm2_gym_gpu.toml --modes bound kept --steps 40 --repeats 1
 
-`--config` runs another config (its `--set` overrides apply to every mode), `--modes` a subset.
+`--config` runs another config, `--modes` a subset; `--set` overrides apply to every mode, after the mode's
+own (`--set rollout.groups_in_flight=96` widens the admission pair's cap).
 """
 
 import argparse
@@ -74,7 +75,7 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in args.modes}
     for _ in range(args.repeats):
         for mode in args.modes:
-            results[mode].append(one_run(args.config, [*args.sets, *MODES[mode]], args.steps))
+            results[mode].append(one_run(args.config, [*MODES[mode], *args.sets], args.steps))
     med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in results.items()}
     print(f"{args.config} {' '.join(args.sets)}, {args.steps} steps per run, median of {args.repeats} alternating runs")
     for mode in args.modes:
