@@ -12,7 +12,7 @@ import base64
 import hashlib
 import json
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import SimpleNamespace
 
 import aiohttp
@@ -206,6 +206,43 @@ def test_the_image_cache_keeps_only_checked_requests_and_forgets_the_oldest(tiny
     cache.get(mm_of(c), c.token_ids)  # b, the oldest, goes
     assert cache.get(mm_of(a), a.token_ids) is first and len(cache._kept) == 2
     assert cache.get(mm_of(b), b.token_ids) is not None and len(cache._kept) == 2
+
+
+def test_twins_arriving_together_are_checked_once(tiny_vl_dir, prompts, monkeypatch) -> None:
+    """Eight samples of one prompt asking at once: one `row_images` call, its result handed to all eight; a
+    bad request's twins all get its error, and nothing stays pending. The first call waits a moment for a
+    second caller, which only a cache without the twins' wait would let in."""
+    import molt_hpc.engine.vision as engine_vision
+
+    real, calls, second = engine_vision.row_images, [], threading.Event()
+
+    def slow_row_images(mm, token_ids, vision):
+        calls.append(1)
+        if len(calls) > 1:
+            second.set()
+        second.wait(timeout=0.5)
+        return real(mm, token_ids, vision)
+
+    monkeypatch.setattr(engine_vision, "row_images", slow_row_images)
+    cache, p = ImageCache(Vision(tiny_vl_dir)), prompts[7]
+    for mm, n in ((mm_of(p), 8), ({**mm_of(p), "spans": [[0, 1]]}, 4)):
+        calls.clear()
+        start = threading.Barrier(n)
+
+        def ask(mm=mm, start=start):
+            start.wait()
+            try:
+                return cache.get(mm, p.token_ids)
+            except ValueError as err:
+                return err
+
+        with ThreadPoolExecutor(n) as pool:
+            got = list(pool.map(lambda _: ask(), range(n)))
+        assert not cache._pending
+        if n == 8:  # a twin later than the check finds it kept: one call, whatever the timing
+            assert len(calls) == 1 and all(g is got[0] for g in got) and isinstance(got[0], engine_vision.RowImages)
+        else:  # a bad one is never kept: a twin later than the check checks again, and fails the same way
+            assert all(isinstance(g, ValueError) and "placeholder tokens" in str(g) for g in got), got
 
 
 def test_two_turn_episode_carries_both_images(vl, prompts, tiny_vl_dir) -> None:

@@ -24,6 +24,7 @@ import binascii
 import hashlib
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -97,13 +98,15 @@ def row_images(mm: object, token_ids: list[int], vision) -> RowImages:
 
 
 class ImageCache:
-    """`row_images` of the last `size` distinct requests (thread-safe): a group's samples arrive with the same
-    images and prompt, and decoding, resizing and measuring them once is enough. Only checked requests are
-    kept; a bad one raises each time."""
+    """`row_images` of the last `size` distinct requests (thread-safe): a group's samples arrive together with
+    the same images and prompt, and decoding, resizing and measuring them once is enough (a few groups'
+    worth is kept: a large image's pixel values are tens of MB). A request that arrives while its twin is
+    being checked waits for that result. Only checked requests are kept; a bad one raises each time."""
 
-    def __init__(self, vision, size: int = 64):
+    def __init__(self, vision, size: int = 16):
         self.vision, self.size = vision, size
         self._kept: OrderedDict[tuple, RowImages] = OrderedDict()
+        self._pending: dict[tuple, Future] = {}
         self._lock = threading.Lock()
 
     def get(self, mm: object, token_ids: list[int]) -> RowImages:
@@ -116,11 +119,23 @@ class ImageCache:
             if (hit := self._kept.get(key)) is not None:
                 self._kept.move_to_end(key)
                 return hit
-        images = row_images(mm, token_ids, self.vision)
+            if (twin := self._pending.get(key)) is None:
+                self._pending[key] = mine = Future()
+        if twin is not None:
+            return twin.result()
+        try:
+            images = row_images(mm, token_ids, self.vision)
+        except BaseException as err:  # the waiting twins get the same error, never a hang
+            with self._lock:
+                del self._pending[key]
+            mine.set_exception(err)
+            raise
         with self._lock:
+            del self._pending[key]
             self._kept[key] = images
             while len(self._kept) > self.size:
                 self._kept.popitem(last=False)
+        mine.set_result(images)
         return images
 
 
