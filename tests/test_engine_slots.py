@@ -67,17 +67,22 @@ def test_the_load_meter_reports_each_window_once() -> None:
     from molt_hpc.engine.load import LoadMeter, load_line
 
     meter = LoadMeter(window_s=10.0, start=100.0)
-    meter.add(0.004, prefilled=6, decoded=0)
+    meter.add(0.004, prefilled=6, decoded=0, prefill_s=0.003)
     for _ in range(3):
         meter.add(0.002, prefilled=0, decoded=40)
+    meter.command_s += 0.5
     assert meter.take(now=109.9) is None, "the window is still open"
     figures = meter.take(now=110.0)
     assert figures is not None
     assert figures["tokens_per_s"] == (120 + 6) / 10.0
     assert abs(figures["busy"] - 0.010 / 10.0) < 1e-12
     assert figures["rows_per_step"] == 120 / 4 and figures["prefills_per_s"] == 1 / 10.0
-    assert "13 tok/s" in load_line(figures)
-    assert meter.take(now=115.0) is None and meter.decoded == 0, "a new window starts empty"
+    assert abs(figures["ms_per_step"] - 10.0 / 4) < 1e-9, "busy milliseconds over the 4 steps"
+    assert abs(figures["decode_ms_per_step"] - (10.0 - 3.0) / 4) < 1e-9, "the same without the prefill's 3 ms"
+    assert abs(figures["prefill_share"] - 0.3) < 1e-9 and abs(figures["commands"] - 0.05) < 1e-12
+    line = load_line(figures)
+    assert "13 tok/s" in line and "1.75 without prefills" in line and "30% of busy" in line and "commands 5%" in line
+    assert meter.take(now=115.0) is None and meter.decoded == 0 and meter.prefill_s == 0, "a new window starts empty"
 
 
 def test_samples_of_one_prompt_share_their_prefill_and_keep_exact_logprobs(tiny_model_dir) -> None:

@@ -62,6 +62,7 @@ class Scheduler:
         self.prefill_interval = prefill_interval
         """Decode steps between two prefills while more than half the batch decodes (`engines.prefill_interval`)."""
         self._since_prefill = 0
+        self._admit_s = 0.0  # the last step's seconds in `_admit`, for the load meter
         self.version = 0
         self.rows: list[Row] = []
         self.waiting: list[Row] = []  # admissible, not yet prefilled
@@ -193,12 +194,14 @@ class Scheduler:
                 return
             if item:
                 fn, fut = item
+                start = time.perf_counter()
                 self._run_command(fn, fut)
+                self.load.command_s += time.perf_counter() - start
                 continue  # drain every pending command before the next step
             try:
                 start = time.perf_counter()
                 prefilled, decoded = self._step()
-                self.load.add(time.perf_counter() - start, prefilled, decoded)
+                self.load.add(time.perf_counter() - start, prefilled, decoded, self._admit_s)
                 if (figures := self.load.take()) is not None:
                     get_logger().info(load_line(figures))
             except Exception as err:  # a failed step fails its requests, the engine keeps serving
@@ -221,7 +224,9 @@ class Scheduler:
     @torch.inference_mode()
     def _step(self) -> tuple[int, int]:
         """One step; returns (rows prefilled, tokens the decode step sampled)."""
+        start = time.perf_counter()
         prefilled = self._admit()
+        self._admit_s = time.perf_counter() - start
         decoded = len(self.rows)
         if self.rows:
             self._decode()
