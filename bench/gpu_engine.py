@@ -121,12 +121,12 @@ def step_parts(runner, n: int, position: int, device) -> tuple[float, float]:
     from molt_hpc.engine.batch import Row, sample_rows
 
     rows = [Row([1], SamplingParams(), Future()) for _ in range(n)]
-    gen = torch.Generator(device=device).manual_seed(0)
+    rng = random.Random(0)
     replay, sampling = [], []
     for _ in range(20):
         replay.append(timed(lambda: runner.decode(runner.slots, [1] * n, [position] * n), device))
         logits = runner.decode(runner.slots, [1] * n, [position] * n)
-        sampling.append(timed(lambda out=logits: sample_rows(rows, out, gen), device))
+        sampling.append(timed(lambda out=logits: sample_rows(rows, out, [r.bits(rng) for r in rows]), device))
     return statistics.median(replay), statistics.median(sampling)
 
 

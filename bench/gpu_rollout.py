@@ -15,7 +15,8 @@ weights never stop on their own) and reports tokens/s for:
 The baseline of every row is HF `generate` on the same model: one left-padded batch of 128 prompts,
 64 new tokens each, sampled.
 
-    python bench/gpu_rollout.py [--out rows.jsonl] [--requests 256] [--prefill dynamic,slots] [--compile] [--dry-run]
+    python bench/gpu_rollout.py [--out rows.jsonl] [--requests 256] [--prefill dynamic,slots] [--compile]
+        [--seeded] [--set engines.prefill_interval=4] [--dry-run]
 """
 
 import argparse
@@ -154,9 +155,11 @@ def closed_loop(runner, vocab: int, max_batch: int, interval: int, groups: int =
     return time.perf_counter() - t0, tokens, sched.steps
 
 
-async def http_round(url: str, token: str, requests, streamed: bool) -> tuple[float, int]:
+async def http_round(url: str, token: str, requests, streamed: bool, seeded: bool = False) -> tuple[float, int]:
     async def one(s, prompt, m):
         sp = {"max_tokens": m, "ignore_eos": True, "temperature": 1.0, "top_k": 0}
+        if seeded:
+            sp["seed"] = len(prompt) * 1000 + m
         if streamed:
             return await generate_streamed(s, url, prompt, sp, Partial(), token=token)
         return await generate(s, url, prompt, sp, token=token)
@@ -229,6 +232,9 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true", help="the compiled decode step (engines.compile_decode)")
     ap.add_argument("--prefill", default="dynamic,slots", help=f"prefill paths in turn: {','.join(PREFILL_PATHS)}")
     ap.add_argument("--intervals", default="1,4,8,16", help="prefill_interval values of the in-process rounds")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override of the engine process (engines.prefill_interval=4, say)")  # fmt: skip
+    ap.add_argument("--seeded", action="store_true", help="every request carries a seed, as the rollout's do")
     ap.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU: checks the script")
     args = ap.parse_args()
     dry = args.dry_run
@@ -260,16 +266,17 @@ def main() -> int:
     sets = [f"model.path={json.dumps(str(tmp / 'model'))}", f"model.dtype='{str(dtype)[6:]}'",
             f"engines.max_batch={args.max_batch}", "engines.max_model_len=256", f"engines.device='{device.type}'",
             "engines.gpu_memory_utilization=0.3", f"engines.prefill_interval={args.interval}",
-            f"engines.compile_decode={str(args.compile).lower()}"]  # fmt: skip
+            f"engines.compile_decode={str(args.compile).lower()}", *args.sets]  # fmt: skip
     run = create_run_dir(tmp, "run", to_toml(load_config(None, sets)))
     proc = start_engine(run, gpu_env())
     try:
         url = engine_url(run, proc)
         for streamed in (False, True, False, True):  # the first of each warms up
-            dt, _ = asyncio.run(http_round(url, run.token(), requests, streamed))
+            dt, _ = asyncio.run(http_round(url, run.token(), requests, streamed, args.seeded))
         for streamed in (False, True):
-            dt, _ = asyncio.run(http_round(url, run.token(), requests, streamed))
-            write_row(args.out, bench="rollout", case=f"engine process, HTTP, {'streamed' if streamed else 'whole'}",
+            dt, _ = asyncio.run(http_round(url, run.token(), requests, streamed, args.seeded))
+            kind = ("streamed" if streamed else "whole") + (", seeded" if args.seeded else "")
+            write_row(args.out, bench="rollout", case=f"engine process, HTTP, {kind}",
                       value=tokens / dt, unit="tok/s", baseline=hf_tps, ratio=tokens / dt / hf_tps)  # fmt: skip
     finally:
         proc.terminate()

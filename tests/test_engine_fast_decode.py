@@ -46,7 +46,8 @@ def test_plain_sample_draws_from_the_processed_distribution() -> None:
     want = processed_logprobs(logits, temps, torch.zeros(3, dtype=torch.long), torch.ones(3), torch.zeros(3))
     draws = 20000
     rep = logits.repeat_interleave(draws, 0)
-    out = plain_sample(rep, temps.repeat_interleave(draws), torch.Generator().manual_seed(5))
+    bits = torch.randint(0, 2**32, (3 * draws,), generator=torch.Generator().manual_seed(5))
+    out = plain_sample(rep, temps.repeat_interleave(draws), bits)
     tokens, logp = out[0].long().view(3, draws), out[1].view(3, draws)
     assert torch.allclose(logp, want.double().gather(1, tokens), atol=1e-6), "the log-prob of the drawn token"
     assert torch.equal(tokens[2], torch.full((draws,), int(logits[2].argmax()))), "temperature 0 is greedy"
@@ -73,9 +74,10 @@ def test_graph_sampling_logprobs_equal_a_teacher_forced_recompute(tiny_model_dir
     sched = Scheduler(runner, eos_ids=set(), max_batch=8, max_model_len=256, seed=0)
     gen = torch.Generator().manual_seed(0)
     temps = [1.0, 0.7, 0.0, 1.0, 1.3]
+    seeds = [None, 7, None, 8, None]  # seeded rows sample inside the graph too
     rows = [Row(torch.randint(4, 100, (n,), generator=gen).tolist(),
-                SamplingParams(max_tokens=40, ignore_eos=True, temperature=t), Future())
-            for n, t in zip([5, 9, 3, 17, 11], temps, strict=True)]  # fmt: skip
+                SamplingParams(max_tokens=40, ignore_eos=True, temperature=t, seed=s), Future())
+            for n, t, s in zip([5, 9, 3, 17, 11], temps, seeds, strict=True)]  # fmt: skip
     for row in rows:
         sched.submit(row)
     while sched.rows or sched.waiting:

@@ -7,6 +7,7 @@ fresh cache and returns the next-token logits, so joining and re-prefilling are 
 """
 
 import inspect
+import random
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from molt_hpc.engine.kvcache import BatchCache
-from molt_hpc.engine.sampling import SamplingParams, processed_logprobs, sample
+from molt_hpc.engine.sampling import SamplingParams, processed_logprobs, sample, seeded_bits
 
 
 @dataclass(eq=False)
@@ -24,7 +25,6 @@ class Row:
     prompt: list[int]
     params: SamplingParams
     future: Future
-    generator: torch.Generator | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -38,6 +38,12 @@ class Row:
     """The experts of every forwarded position (an `engine.routing.RowRouting`) when routing is captured."""
     notify: Any = None
     """Called on the server's event loop after each step that gave the row a token (a streamed answer)."""
+
+    def bits(self, rng: random.Random) -> int:
+        """32 random bits for the row's next token: from its seed and the token's index when the request is
+        seeded (the same tokens in any batch, on any device), else from the engine's stream `rng`."""
+        seed = self.params.seed
+        return rng.getrandbits(32) if seed is None else seeded_bits(seed, len(self.tokens))
 
     @property
     def context(self) -> list[int]:
@@ -102,7 +108,7 @@ class ModelRunner:
         """The scheduler dropped its running batch (all rows done, a refit, a failed step): a runner
         that prefills into its own storage starts over from its first row."""
 
-    def decode_sampled(self, batch, rows: list[Row], last: list[int], positions: list[int], generator):
+    def decode_sampled(self, batch, rows: list[Row], last: list[int], positions: list[int], bits: list[int]):
         """(tokens, log-probs) of a decode step that also sampled, when this runner can (`SlotRunner`
         with sampling graphs), else None: the caller samples `decode`'s logits."""
         return None
@@ -122,12 +128,9 @@ class ModelRunner:
 
 
 def plain_rows(rows: list[Row]) -> bool:
-    """Whether every row samples plainly: temperature only (no top-k/top-p/min-p), the shared
-    generator, no top log-probs (what `graphs.plain_sample` computes)."""
-    return all(
-        p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 and not p.logprobs and r.generator is None
-        for r, p in ((r, r.params) for r in rows)
-    )
+    """Whether every row samples plainly: temperature only (no top-k/top-p/min-p), no top log-probs (what
+    `graphs.plain_sample` computes); seeded or not."""
+    return all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 and not p.logprobs for p in (r.params for r in rows))
 
 
 def append_samples(rows: list[Row], tokens: list[int], logprobs: list[float]) -> None:
@@ -136,9 +139,9 @@ def append_samples(rows: list[Row], tokens: list[int], logprobs: list[float]) ->
         row.logprobs.append(lp)
 
 
-def sample_rows(rows: list[Row], logits: torch.Tensor, default: torch.Generator) -> None:
-    """Process each row's logits with its own parameters, draw one token each and append it to the row
-    (with its log-prob and, where asked for, the top log-probs)."""
+def sample_rows(rows: list[Row], logits: torch.Tensor, bits: list[int]) -> None:
+    """Process each row's logits with its own parameters, draw one token each from its random `bits`
+    (`Row.bits`) and append it to the row (with its log-prob and, where asked for, the top log-probs)."""
     params = [r.params for r in rows]
     # The parameters stay on the CPU: the filters' "is any row using it" checks then cost no device sync.
     logp = processed_logprobs(
@@ -149,7 +152,7 @@ def sample_rows(rows: list[Row], logits: torch.Tensor, default: torch.Generator)
         torch.tensor([p.min_p for p in params]),
     )
     greedy = [p.temperature == 0 for p in params]
-    drawn = sample(logp, greedy, [r.generator for r in rows], default)
+    drawn = sample(logp, greedy, bits)
     chosen = logp.gather(-1, drawn[:, None]).view(-1)
     tokens, lps = drawn.tolist(), chosen.tolist()  # the step's one read-back of tokens and log-probs
     append_samples(rows, tokens, lps)

@@ -10,10 +10,10 @@ graphs share one memory pool and only one runs at a time (the scheduler thread).
 weights into the same tensors, so the graphs stay valid.
 
 With `sampling`, a second kind of graph records the step *and* the sampling of the common RL case
-(`plain_sample`: temperature per row, no top-k/top-p/min-p, the engine's shared generator, no top
-log-probs): the replay leaves each row's token and its log-prob in one small buffer, read back in one
-copy, so no `[b, V]` logits leave the graph and no sampling kernel is launched from Python. Rows that
-ask for anything else take the logits graph and `sample_rows`.
+(`plain_sample`: temperature per row, no top-k/top-p/min-p, no top log-probs, seeded or not): each row's
+32 random bits travel in with its token and position, the replay leaves each row's token and its log-prob
+in one small buffer, read back in one copy, so no `[b, V]` logits leave the graph and no sampling kernel
+is launched from Python. Rows that ask for anything else take the logits graph and `sample_rows`.
 
 A graph is recorded the first time its bucket is needed: one eager warm-up step (it writes the same
 K/V the replay will write, so it changes nothing) and the capture. A capture that fails leaves the
@@ -23,6 +23,7 @@ runner eager for good, with a warning.
 import torch
 from torch import Tensor
 
+from molt_hpc.engine.sampling import inverse_cdf
 from molt_hpc.log import get_logger
 
 WIDTH_STEP = 128
@@ -38,19 +39,16 @@ def width_bucket(width: int, capacity: int) -> int:
     return min(-(-width // WIDTH_STEP) * WIDTH_STEP, capacity)
 
 
-def plain_sample(logits: Tensor, temperature: Tensor, generator: torch.Generator | None) -> Tensor:
-    """`[2, b]` float64: a token per row drawn from softmax(logits / temperature) (argmax where the
-    temperature is 0) and its log-prob (at temperature 1 for greedy rows), as `processed_logprobs` +
-    `sample` give them without filters. The draw is Gumbel-max (argmax of z - log(-log u)), an exact
-    sample of the same distribution with a fixed number of kernels and no host sync."""
+def plain_sample(logits: Tensor, temperature: Tensor, bits: Tensor) -> Tensor:
+    """`[2, b]` float64: a token per row drawn from softmax(logits / temperature) with its random `bits`
+    (`sampling.inverse_cdf`; argmax where the temperature is 0) and its log-prob (at temperature 1 for greedy
+    rows), as `processed_logprobs` + `sample` give them without filters: a fixed number of kernels, no host
+    sync, no generator state."""
     greedy = temperature <= 0
     z = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
-    lse = torch.logsumexp(z, -1)
-    u = torch.rand(z.shape, generator=generator, device=z.device).clamp_(min=torch.finfo(torch.float32).tiny)
-    drawn = torch.argmax(z - torch.log(-torch.log(u)), -1)
-    tokens = torch.where(greedy, z.argmax(-1), drawn)
-    logp = z.gather(1, tokens[:, None]).squeeze(1) - lse
-    return torch.stack([tokens.double(), logp.double()])
+    logp = z - torch.logsumexp(z, -1, keepdim=True)
+    tokens = torch.where(greedy, z.argmax(-1), inverse_cdf(logp, bits))
+    return torch.stack([tokens.double(), logp.gather(1, tokens[:, None]).squeeze(1).double()])
 
 
 class DecodeGraphs:
@@ -59,16 +57,17 @@ class DecodeGraphs:
     def __init__(self, runner, sampling: bool = False) -> None:
         self.runner = runner
         slots = runner.slots
-        self.inputs = torch.zeros(2, slots.slots, dtype=torch.long, device=runner.device)
+        self.inputs = torch.zeros(3, slots.slots, dtype=torch.long, device=runner.device)
         self.ids = self.inputs[0, :, None]  # [slots, 1] token ids
         self.positions = self.inputs[1]
+        self.bits = self.inputs[2]  # each row's random bits (sampling graphs)
         self.temperature = torch.ones(slots.slots, dtype=torch.float32, device=runner.device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.sampled: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.sampling = sampling and hasattr(torch.cuda.CUDAGraph(), "register_generator_state")
+        self.sampling = sampling
         self.pool = torch.cuda.graph_pool_handle()
 
-    def run_sampled(self, last: list[int], positions: list[int], temperatures: list[float], generator) -> list | None:
+    def run_sampled(self, last: list[int], positions: list[int], temperatures: list[float], bits: list[int]):
         """(tokens, log-probs) of one decode step with sampling in the graph, or None when this runner
         has no sampling graphs (the caller samples the logits of `run`)."""
         if not self.sampling:
@@ -77,11 +76,11 @@ class DecodeGraphs:
         b = batch_bucket(n, slots.slots)
         width = width_bucket(max(positions) + 1, slots.capacity)
         pad = [0] * (b - n)
-        self.inputs[:, :b].copy_(torch.tensor([last + pad, positions + pad]))
+        self.inputs[:, :b].copy_(torch.tensor([last + pad, positions + pad, bits + pad]))
         self.temperature[:b].copy_(torch.tensor(temperatures + [1.0] * (b - n)))
         key = (b, width)
         if key not in self.sampled:
-            recorded = self._capture(b, width, generator)
+            recorded = self._capture(b, width, sampled=True)
             if recorded is None:
                 self.sampling = False
                 return None
@@ -108,12 +107,12 @@ class DecodeGraphs:
         graph.replay()
         return logits[:n]
 
-    def _capture(self, b: int, width: int, generator=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
-        """Record the step for `b` rows at `width` (with `generator`: the step and `plain_sample`)."""
+    def _capture(self, b: int, width: int, sampled: bool = False) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        """Record the step for `b` rows at `width` (`sampled`: the step and `plain_sample`)."""
 
         def step() -> torch.Tensor:
             logits = self.runner.step(self.ids[:b], self.positions[:b], width)
-            return logits if generator is None else plain_sample(logits, self.temperature[:b], generator)
+            return plain_sample(logits, self.temperature[:b], self.bits[:b]) if sampled else logits
 
         side = torch.cuda.Stream(device=self.ids.device)
         side.wait_stream(torch.cuda.current_stream())
@@ -121,8 +120,6 @@ class DecodeGraphs:
             step()  # warm-up outside the capture: library handles and workspaces come into being here
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        if generator is not None:
-            graph.register_generator_state(generator)  # each replay advances it like an eager draw
         try:
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 logits = step()
@@ -132,7 +129,7 @@ class DecodeGraphs:
             return None
         get_logger().info(
             "captured the decode step%s for %d rows x %d columns (%d graphs)",
-            " with sampling" if generator is not None else "", b, width,
+            " with sampling" if sampled else "", b, width,
             len(self.graphs) + len(self.sampled) + 1,
         )  # fmt: skip
         return graph, logits

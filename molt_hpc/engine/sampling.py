@@ -5,6 +5,10 @@ temperature, then top-k, then top-p, then min-p, then log-softmax. The engine sa
 returns the sampled token's entry, so the trainer recomputing the same function over a
 teacher-forced forward gets the same log-prob (what the importance ratio needs). Temperature 0 is
 greedy decoding; its log-probs are those of temperature 1 with the same filters.
+
+A draw takes 32 random bits per row (`inverse_cdf`): a seeded request's come from its seed and the token's
+index (`seeded_bits`), so it samples the same tokens whatever batch it shares and on any device, and the
+engine draws a whole batch, seeded rows and others, in one pass: no generator per row.
 """
 
 import torch
@@ -12,7 +16,13 @@ import torch
 from molt_hpc.protocol.edge import parse
 from molt_hpc.protocol.requests import NEUTRAL, GenerateRequest, SamplingParams
 
-__all__ = ["NEUTRAL", "GenerateRequest", "SamplingParams", "parse_generate", "processed_logprobs", "sample"]
+__all__ = [
+    "NEUTRAL", "GenerateRequest", "SamplingParams", "inverse_cdf", "parse_generate", "processed_logprobs", "sample",
+    "seeded_bits",
+]  # fmt: skip
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+"""splitmix64's increment: the stream of seed `s` visits `mix(s) + k·GOLDEN` for k = 1, 2, ..."""
 
 
 def parse_generate(body: object, vocab_size: int, max_model_len: int) -> GenerateRequest:
@@ -72,20 +82,35 @@ def processed_logprobs(
     return x.log_softmax(-1)
 
 
-def sample(
-    logprobs: torch.Tensor, greedy: list[bool], generators: list[torch.Generator | None], default: torch.Generator
-) -> torch.Tensor:
-    """One token per row ([B] int64 on the log-probs' device): argmax for greedy rows, else a draw with the
-    row's own generator (seeded requests) or the engine's shared one. No host sync: on a GPU the caller
-    reads the tokens back once, together with their log-probs."""
-    shared = [i for i, (g, gen) in enumerate(zip(greedy, generators, strict=True)) if not g and gen is None]
-    if len(shared) == len(greedy):  # the common case, every row on the shared generator: one draw, no scatter
-        return torch.multinomial(logprobs.exp(), 1, generator=default).view(-1)
-    out = logprobs.argmax(-1)
-    if shared:
-        idx = torch.tensor(shared, device=logprobs.device)
-        out[idx] = torch.multinomial(logprobs[idx].exp(), 1, generator=default).view(-1)
-    for i, (g, gen) in enumerate(zip(greedy, generators, strict=True)):
-        if not g and gen is not None:
-            out[i] = torch.multinomial(logprobs[i].exp(), 1, generator=gen)[0]
-    return out
+def mix64(z: int) -> int:
+    """splitmix64's finalizer: every bit of the 64-bit `z` reaches every bit of the result."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def seeded_bits(seed: int, index: int) -> int:
+    """32 random bits for token `index` of an answer seeded with `seed`: step `index + 1` of the splitmix64
+    stream keyed by the seed, a function of the two numbers alone."""
+    return mix64((mix64(seed & MASK64) + (index + 1) * GOLDEN) & MASK64) >> 32
+
+
+def inverse_cdf(logprobs: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """One token per row of `logprobs [B, V]`, drawn by inverting its cumulative distribution at
+    `u = (bits + 0.5) / 2^32` (`bits [B]` int64 in [0, 2^32)): an exact sample for a uniform u, the same
+    kernels for every row, no host sync and no generator (a CUDA graph records it as is). Filtered-out
+    tokens (-inf) add nothing to the sum, so they are never drawn; float64 keeps the sum exact enough for
+    a vocabulary of millions."""
+    cdf = logprobs.double().exp().cumsum(-1)
+    u = (bits.to(cdf.device, torch.float64) + 0.5) * 2.0**-32 * cdf[:, -1]
+    return torch.searchsorted(cdf, u[:, None], right=True).view(-1).clamp_(max=cdf.shape[-1] - 1)
+
+
+def sample(logprobs: torch.Tensor, greedy: list[bool], bits: list[int]) -> torch.Tensor:
+    """One token per row ([B] int64 on the log-probs' device): argmax for greedy rows, else `inverse_cdf`
+    of the row's 32 random bits. No host sync: on a GPU the caller reads the tokens back once, together with
+    their log-probs."""
+    drawn = inverse_cdf(logprobs, torch.tensor(bits, dtype=torch.int64))
+    if not any(greedy):
+        return drawn
+    return torch.where(torch.tensor(greedy, device=drawn.device), logprobs.argmax(-1), drawn)

@@ -14,6 +14,7 @@ every token after the update is exactly what the new policy gives for its contex
 """
 
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -80,7 +81,7 @@ class Scheduler:
         """This window's busy time and tokens, logged once per window."""
         self._drained: list[Future] = []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._generator = torch.Generator(device=runner.device).manual_seed(seed)
+        self._rng = random.Random(seed)  # the random bits of unseeded rows (`Row.bits`)
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
 
     def start(self) -> "Scheduler":
@@ -284,18 +285,17 @@ class Scheduler:
         last = [r.tokens[-1] for r in self.rows]  # every running row has sampled at least once
         positions = [r.length - 1 for r in self.rows]
         rope = [p + r.rope_delta for p, r in zip(positions, self.rows, strict=True)]  # multimodal positions lag
+        bits = [r.bits(self._rng) for r in self.rows]
         # Sampled inside the decode graph where it can be (no routing to record from Python hooks).
-        sampled = (
-            None
-            if self.routing is not None
-            else self.runner.decode_sampled(self._batch, self.rows, last, rope, self._generator)
-        )
+        sampled = None
+        if self.routing is None:
+            sampled = self.runner.decode_sampled(self._batch, self.rows, last, rope, bits)
         if sampled is None:
             logits = self.runner.decode(self._batch, last, rope)
             if self.routing is not None:
                 for row, pos, experts in zip(self.rows, positions, self.routing.take(len(self.rows), 1), strict=True):
                     row.routing.write(pos, experts)
-            self._append(self.rows, logits)
+            self._append(self.rows, logits, bits)
         else:
             append_samples(self.rows, *sampled)
             for row in self.rows:
@@ -310,8 +310,8 @@ class Scheduler:
         for row, experts in zip(rows, self.routing.take(len(rows), width), strict=True):
             row.routing.write(0, experts[width - row.length :])
 
-    def _append(self, rows: list[Row], logits: torch.Tensor) -> None:
-        sample_rows(rows, logits, self._generator)
+    def _append(self, rows: list[Row], logits: torch.Tensor, bits: list[int] | None = None) -> None:
+        sample_rows(rows, logits, [r.bits(self._rng) for r in rows] if bits is None else bits)
         for row in rows:
             row.versions.append(self.version)
 

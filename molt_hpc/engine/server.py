@@ -14,7 +14,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from aiohttp import web
 
 from molt_hpc.engine.batch import Row
@@ -97,9 +96,7 @@ async def generate(request: web.Request) -> web.Response:
     state = request.app[STATE]
     sched = state.scheduler
     req = parse_generate(await read_json(request), state.vocab_size, state.max_model_len)
-    sp = req.sampling_params
-    gen = None if sp.seed is None else torch.Generator(device=sched.runner.device).manual_seed(sp.seed)
-    row = Row(prompt=list(req.token_ids), params=sp, future=Future(), generator=gen)
+    row = Row(prompt=list(req.token_ids), params=req.sampling_params, future=Future())
     if req.mm is not None:  # decoding and measuring images is CPU work: off the event loop
         row.images = await asyncio.to_thread(state.images.get, req.mm, row.prompt)
         row.rope_delta = row.images.rope_delta

@@ -278,11 +278,11 @@ class SlotRunner(ModelRunner):
         self.slots.clear()
 
     @torch.inference_mode()
-    def decode_sampled(self, batch: SlotCache, rows, last: list[int], positions: list[int], generator):
+    def decode_sampled(self, batch: SlotCache, rows, last: list[int], positions: list[int], bits: list[int]):
         if self.graphs is None or not self.graphs.sampling or not plain_rows(rows):
             return None
         assert batch is self.slots and batch.rows == len(last)
-        return self.graphs.run_sampled(last, positions, [r.params.temperature for r in rows], generator)
+        return self.graphs.run_sampled(last, positions, [r.params.temperature for r in rows], bits)
 
     @torch.inference_mode()
     def decode(self, batch: SlotCache, last: list[int], positions: list[int]) -> torch.Tensor:
