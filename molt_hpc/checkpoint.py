@@ -294,16 +294,17 @@ def pin(root: Path, version: int) -> None:
         atomic_write(root / PIN, step_name(version) + "\n")
 
 
-def promote_best(root: Path, version: int, metric: str, value: float) -> bool:
+def promote_best(root: Path, version: int, metric: str, value: float) -> bool | None:
     """Make the checkpoint of `version` the best when it exists whole and `value` beats the best's; unpin it.
-    True when `best` now names it."""
+    True when `best` now names it, False when it lost to `best`, None when `version` has no whole checkpoint
+    (nothing could be kept, so nothing was compared)."""
     with _locked(root):
         (root / PIN).unlink(missing_ok=True)
         ckpt = root / step_name(version)
+        if not (ckpt / MANIFEST).is_file():
+            return None
         best = read_best(root)
-        if not (ckpt / MANIFEST).is_file() or (
-            best is not None and best["metric"] == metric and best["value"] >= value
-        ):
+        if best is not None and best["metric"] == metric and best["value"] >= value:
             return False
         record = {"checkpoint": ckpt.name, "version": version, "metric": metric, "value": value}
         atomic_write(root / BEST, json.dumps(record) + "\n")

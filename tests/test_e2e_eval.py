@@ -44,6 +44,8 @@ def test_a_tiny_run_evaluates_pass_at_k_beside_training(tmp_path: Path) -> None:
     best = ck.read_best(run_dir / "checkpoints")
     promoted = [r for r in evals if r.get("eval_best")]
     assert promoted and promoted[-1]["eval_reward"] == best["value"] and promoted[-1]["eval_version"] == best["version"]
+    # `eval_best` is recorded where a whole checkpoint of the one version evaluated was there to compare
+    assert "eval_best" not in evals[0], "version 0 has no checkpoint"
     eligible = [r["eval_reward"] for r in evals if "eval_best" in r]
     assert best["value"] == max(eligible) and best["metric"] == "reward"
     ck.verify(run_dir / "checkpoints" / best["checkpoint"])

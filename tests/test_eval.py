@@ -72,15 +72,15 @@ def fake_checkpoint(root: Path, step: int, publish: bool = True) -> Path:
 def test_best_names_only_a_whole_checkpoint_of_the_evaluated_version(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
     fake_checkpoint(root, 2)
-    assert not ck.promote_best(root, 3, "pass@1", 0.9)  # version 3 has no checkpoint
+    assert ck.promote_best(root, 3, "pass@1", 0.9) is None  # version 3 has no checkpoint: nothing compared
     assert ck.read_best(root) is None
     assert ck.promote_best(root, 2, "pass@1", 0.4)
     assert ck.best_checkpoint(root) == root / "step_000002"
     fake_checkpoint(root, 4)
-    assert not ck.promote_best(root, 4, "pass@1", 0.4)  # a tie keeps the earlier
+    assert ck.promote_best(root, 4, "pass@1", 0.4) is False  # a tie keeps the earlier
     assert ck.promote_best(root, 4, "pass@1", 0.5)
     assert ck.read_best(root) == {"checkpoint": "step_000004", "version": 4, "metric": "pass@1", "value": 0.5}
-    assert not ck.promote_best(root, 2, "pass@1", 0.45)
+    assert ck.promote_best(root, 2, "pass@1", 0.45) is False
     assert json.loads((root / ck.BEST).read_text())["checkpoint"] == "step_000004"
 
 

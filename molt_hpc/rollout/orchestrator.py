@@ -324,7 +324,10 @@ class Orchestrator:
         ev, version = self.cfg.eval, record["eval_version"]
         value = record.get(ev.metric_key) if ev.metric_key else None
         if value is not None and record["eval_version_min"] == record["eval_version_max"] == version:
-            record["eval_best"] = ck.promote_best(self.run.checkpoints, version, ev.best_metric, value)
+            # `eval_best` only where a whole checkpoint of the version was there to compare (not version 0's)
+            promoted = ck.promote_best(self.run.checkpoints, version, ev.best_metric, value)
+            if promoted is not None:
+                record["eval_best"] = promoted
         # The record first: killed between the two, a restart evaluates this version again, whereas
         # the state saved first would say it was evaluated and its record would never be written.
         self.eval_metrics.write(record)
