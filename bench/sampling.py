@@ -14,24 +14,17 @@ import argparse
 import random
 import statistics
 import sys
-import time
 
 import torch
+from gpu_common import timed
 
 from molt_hpc.engine.sampling import inverse_cdf, seeded_bits
 
 
-def timed(fn, device: torch.device, repeat: int) -> float:
-    """Median seconds of `fn()` (which ends with a read-back) over `repeat` calls after one warm-up."""
+def median_s(fn, device: torch.device, repeat: int) -> float:
+    """Median seconds of `fn()` over `repeat` calls after one warm-up."""
     fn()
-    times = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(timed(fn, device) for _ in range(repeat))
 
 
 def per_row(logp: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
@@ -60,8 +53,8 @@ def main() -> int:
         logp = torch.log_softmax(torch.randn(b, args.vocab, device=device) * 3, -1)
         seeds = [random.Random(i).getrandbits(63) for i in range(b)]
         gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-        old = timed(lambda logp=logp, gens=gens: per_row(logp, gens), device, args.repeat)
-        new = timed(lambda logp=logp, seeds=seeds: batched(logp, seeds, 5), device, args.repeat)
+        old = median_s(lambda logp=logp, gens=gens: per_row(logp, gens), device, args.repeat)
+        new = median_s(lambda logp=logp, seeds=seeds: batched(logp, seeds, 5), device, args.repeat)
         print(f"| {b} | {1e3 * old:.2f} ms | {1e3 * new:.2f} ms | {old / new:.1f}x |", flush=True)
     return 0
 
