@@ -99,9 +99,9 @@ def inverse_cdf(logprobs: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """One token per row of `logprobs [B, V]`, drawn by inverting its cumulative distribution at
     `u = (bits + 0.5) / 2^32` (`bits [B]` int64 in [0, 2^32)): an exact sample for a uniform u, the same
     kernels for every row, no host sync and no generator (a CUDA graph records it as is). Filtered-out
-    tokens (-inf) add nothing to the sum, so they are never drawn; float64 keeps the sum exact enough for
-    a vocabulary of millions."""
-    cdf = logprobs.double().exp().cumsum(-1)
+    tokens (-inf) add nothing to the sum, so they are never drawn; the sum runs in float64 (exact enough for
+    a vocabulary of millions) over probabilities taken in the log-probs' own precision."""
+    cdf = logprobs.exp().cumsum(-1, dtype=torch.float64)
     u = (bits.to(cdf.device, torch.float64) + 0.5) * 2.0**-32 * cdf[:, -1]
     return torch.searchsorted(cdf, u[:, None], right=True).view(-1).clamp_(max=cdf.shape[-1] - 1)
 
