@@ -2,6 +2,7 @@
 calibration on the CPU, `plan --balance` on a shipped multi-node config, and `status` setting the
 prediction beside a finished run's measured step split."""
 
+import math
 import re
 from pathlib import Path
 
@@ -76,11 +77,14 @@ def test_rollout_time_of_a_hand_worked_case() -> None:
     assert half.rollout.seconds == pytest.approx(2 * s.rollout.seconds, rel=1e-9)
     assert half.train.flops == s.train.flops
     # staleness 0: the bound is 8 groups in flight under `bound`, 8 over the half kept = 16 under `kept_share`
-    # (neither 32 groups in flight nor 1024 rows an engine caps them)
+    # (neither 32 groups in flight nor 1024 rows an engine caps them); a request decodes 6 of the 6 + 8 / 2
+    # steps it is in flight (it waits half a prefill interval for its prefill call)
     narrow = ["buffer.max_staleness=0", "rollout.groups_in_flight=32", "engines.max_batch=1024"]
     for admission, groups in (("bound", 8), ("kept_share", 16)):
         kept = make_plan(cfg_with(*narrow, f"rollout.admission={admission}"), toy_arch(), local=True, gpus=0)
-        assert predict(kept, accepted=0.5).rollout.rows == groups * 8, admission
+        assert predict(kept, accepted=0.5).rollout.rows == math.ceil(groups * 8 * 6 / (6 + 4)), admission
+        # a group's longest answer of 16 tokens holds its admission for 16 + 4 steps, its rows decode 6 of them
+        assert predict(kept, accepted=0.5, tail=16).rollout.rows == math.ceil(groups * 8 * 6 / (16 + 4)), admission
 
 
 def test_train_time_counts_recompute_the_reference_and_the_head() -> None:

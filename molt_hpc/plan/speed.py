@@ -5,13 +5,15 @@ Each pool runs on the speed profile of its device (`plan.cuda` or `plan.cpu`, `S
 - rollout: a decode step of one engine replica with `r` rows in flight at mean context `c` reads its
   weights (the routed experts the rows touch) and `r·c` tokens of KV cache, and runs `2·N_mm·r`
   FLOPs plus attention; it takes `max(bytes / (bandwidth · decode_efficiency), FLOPs / matmul rate) +
-  the engine's per-step overhead` (the built-in engine's: `builtin_step_ms + r · builtin_row_ms`). Rows in
-  flight are the rollout's `min(groups_in_flight, (max_staleness + 1) · groups_per_step) · n_samples`
-  (the second term over the fraction of groups accepted under `rollout.admission = "kept_share"`)
-  over the replicas, at most what one replica holds (`max_batch`, or vLLM's 256 sequences and its KV
-  cache). A step's worth of samples (over the fraction of groups accepted, when dynamic sampling drops
-  some) takes
-  `samples / (replicas · r)` rounds of `response` decode steps; prefill runs the prompts against
+  the engine's per-step overhead` (the built-in engine's: `builtin_step_ms + r · builtin_row_ms`). Requests
+  in flight are the rollout's `min(groups_in_flight, (max_staleness + 1) · groups_per_step) · n_samples`
+  (the second term over the fraction of groups accepted under `rollout.admission = "kept_share"`); a
+  request decodes for `response` of the `tail + w` steps its group holds its admission (`tail`: the
+  group's longest response, `w`: half of `engines.prefill_interval` for the built-in engine's prefill
+  call, 0 for vLLM), so the rows are that share of them, over the replicas, at most what one replica
+  holds (`max_batch`, or vLLM's 256 sequences and its KV cache). A step's worth of samples (over the
+  fraction of groups accepted, when dynamic sampling drops some) takes `samples / (replicas · r)` rounds
+  of `response` decode steps; prefill runs the prompts against
   compute (at the trainer's MFU class), and the built-in engine adds the host time of its prefill calls
   (`builtin_prefill_layer_ms` a layer; a call every `engines.prefill_interval` decode steps, at least
   one per round of rows).
@@ -81,6 +83,8 @@ class Workload:
     accepted: float = 1.0
     """Fraction of finished groups the step trains on (dynamic sampling drops the rest: they were
     generated all the same)."""
+    tail: float | None = None
+    """The longest response of a group (a group holds its admission until it ends); None: `response`."""
 
     @property
     def generated(self) -> float:
@@ -98,13 +102,17 @@ class Workload:
 
 
 def workload(
-    cfg: MoltConfig, prompt: float | None = None, response: float | None = None, accepted: float = 1.0
+    cfg: MoltConfig,
+    prompt: float | None = None,
+    response: float | None = None,
+    accepted: float = 1.0,
+    tail: float | None = None,
 ) -> Workload:
     """The step's samples, at full length and every group accepted unless measured numbers are given."""
     ro = cfg.rollout
     full_prompt = min(cfg.data.max_prompt_tokens, ro.max_total_tokens - ro.max_new_tokens)
     return Workload(cfg.actor.groups_per_step * ro.n_samples, full_prompt if prompt is None else prompt,
-                    ro.max_new_tokens if response is None else response, accepted)  # fmt: skip
+                    ro.max_new_tokens if response is None else response, accepted, tail)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,15 @@ def decode_step(p: SpeedProfile, weight_bytes: float, kv_bytes: float, flops: fl
     return max(memory, compute) + overhead, max(parts, key=parts.get)
 
 
+def occupancy(w: Workload, eng) -> float:
+    """The share of its time in flight a request decodes: it waits for the built-in engine's next prefill call
+    (half of `engines.prefill_interval` decode steps on average), decodes its own `response` tokens, and its
+    group holds its admission until the group's longest response (`tail`) ends."""
+    wait = eng.prefill_interval / 2 if eng.kind == "builtin" else 0.0
+    tail = w.response if w.tail is None else max(w.tail, w.response)
+    return w.response / (tail + wait) if w.response > 0 else 1.0
+
+
 def rollout_time(arch: Arch, cfg: MoltConfig, plan, w: Workload) -> Rollout:
     """Seconds the engine pool takes to generate one step's samples (`plan`: the memory plan)."""
     eng, ro, mem = cfg.engines, cfg.rollout, plan.engines
@@ -140,7 +157,7 @@ def rollout_time(arch: Arch, cfg: MoltConfig, plan, w: Workload) -> Rollout:
     context = w.prompt + w.response / 2
     bound = (cfg.buffer.max_staleness + 1) * cfg.actor.groups_per_step
     bound = bound / w.accepted if ro.admission == "kept_share" else bound  # in flight at the kept share each
-    in_flight = min(ro.groups_in_flight, bound) * ro.n_samples
+    in_flight = min(ro.groups_in_flight, bound) * ro.n_samples * occupancy(w, eng)
     cap = eng.max_batch if eng.kind == "builtin" else min(VLLM_MAX_SEQS, max(1, int(mem.kv_tokens // context)))
     rows = max(1, min(math.ceil(in_flight / replicas), cap))
     b = 4 if cfg.model.dtype == "float32" else 2
@@ -279,10 +296,16 @@ def refit_time(cfg: MoltConfig, plan) -> float:
     )
 
 
-def predict(plan, prompt: float | None = None, response: float | None = None, accepted: float = 1.0) -> Speed:
+def predict(
+    plan,
+    prompt: float | None = None,
+    response: float | None = None,
+    accepted: float = 1.0,
+    tail: float | None = None,
+) -> Speed:
     """The speed of `plan`'s config; lengths at full and every group accepted unless measured ones are given."""
     cfg, arch, where = plan.cfg, plan.arch, plan.placement
-    w = workload(cfg, prompt, response, accepted)
+    w = workload(cfg, prompt, response, accepted, tail)
     one_device = where.shared_gpu or (where.actor_device == where.engine_device == "cpu")
     overlap = cfg.buffer.max_staleness >= 1 and not one_device
     p = profile(cfg, where.engine_device)

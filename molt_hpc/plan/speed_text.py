@@ -62,6 +62,9 @@ def measured(actor: list[dict], rollout: list[dict], skip: int = 2) -> dict[str,
         lengths = [r["response_len_mean"] for r in windows if r.get("response_len_mean")]
         if lengths:
             out["response"] = statistics.fmean(lengths)
+        longest = [r["response_len_max"] for r in windows if r.get("response_len_max")]
+        if longest:  # a window's longest response: the tail a group waits for (an upper bound of it)
+            out["tail"] = statistics.fmean(longest)
         finished = sum(r.get("groups_finished", 0) for r in windows)
         if finished:  # dynamic sampling's drops: generated, not trained
             out["accepted"] = max(1e-3, min(1.0, sum(r.get("groups_accepted", 0) for r in windows) / finished))
@@ -112,4 +115,4 @@ def run_speed_lines(cfg: MoltConfig, actor: list[dict], rollout: list[dict], run
         plan = make_plan(cfg, arch_cached(cfg.model, run_dir / "plan_arch.json"), local=local, gpus=gpus)
     except ValueError as err:  # the model's shape is not readable here: the measured side alone
         return [f"speed: no prediction ({err})"]
-    return compare_lines(predict(plan, prompt, response, m.get("accepted", 1.0)), m)
+    return compare_lines(predict(plan, prompt, response, m.get("accepted", 1.0), m.get("tail")), m)
