@@ -37,7 +37,7 @@ def main() -> int:
 
     from molt_hpc.config import load_config
     from molt_hpc.log import read_metrics
-    from molt_hpc.plan.calibrate import calibrate, calibration_text
+    from molt_hpc.plan.calibrate import SHARED, calibrate, calibration_text
     from molt_hpc.plan.speed_text import run_speed_lines
 
     kind = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,7 +55,8 @@ def main() -> int:
         return done.returncode
     actor = read_metrics(run_dir / "metrics.jsonl", source="actor")
     rollout = read_metrics(run_dir / "metrics.jsonl", source="rollout")
-    calibrated = [f"plan.{kind}.{k}={v:.6g}" for k, v in values.items()]
+    # the profile `plan --calibrate` prints for a config: the shared-device pair stays out, as it does there
+    calibrated = [f"plan.{kind}.{k}={v:.6g}" for k, v in values.items() if k not in SHARED]
     for label, extra in (("the config's own profile", []), ("the calibrated profile", calibrated)):
         cfg = load_config(run_dir / "config.toml", extra)
         print(f"\n{run_dir.name}, {len(actor)} steps, {label} (plan.{kind}):")
