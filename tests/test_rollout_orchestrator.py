@@ -24,7 +24,7 @@ from molt_hpc.rollout.admission import KeptShare, admits, lands_stale
 from molt_hpc.rollout.group import GroupOutcome
 from molt_hpc.rollout.main import serve
 from molt_hpc.rollout.orchestrator import over_drop_budget, shape_group
-from molt_hpc.rollout.state import RolloutState
+from molt_hpc.rollout.state import SAVE_EVERY_S, RolloutState
 from molt_hpc.trajectory import Group, Trajectory, finished_reward
 from tests.test_rollout_procs import ROOT, base_overrides, make_run, shared_pool, spawn
 
@@ -235,11 +235,14 @@ def test_kill_9_at_random_points_loses_and_duplicates_nothing(pool, tmp_path) ->
     rng = random.Random(7)
     kills = 0
     for _ in range(3):
-        # Killed at a random point of its progress: after 1 to 4 saves of its state (an issue or a completion).
+        # Killed at a random point of its progress: after 1 or 2 writes of its state (the first comes with the
+        # first issue, the next at least SAVE_EVERY_S later), then up to one more interval, so that the kill
+        # mostly finds groups issued or finished since the file's last write.
         proc = spawn("rollout.py", [str(run.path)], run.logs / "rollout.log")
-        for _ in range(rng.randint(1, 4)):
+        for _ in range(rng.randint(1, 2)):
             before = state_file.stat().st_mtime_ns if state_file.exists() else 0
             wait_for(lambda b=before: state_file.exists() and state_file.stat().st_mtime_ns != b, 60, proc)
+        time.sleep(rng.uniform(0.0, SAVE_EVERY_S))
         if proc.proc.poll() is None:
             proc.proc.kill()
             kills += 1

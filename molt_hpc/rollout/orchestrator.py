@@ -7,10 +7,9 @@ survivors into the replay buffer (blocking while it is full), count everything, 
 Staleness admission (`admission.py`) keeps rollout from running ahead of training: a new group is
 issued only while `accepted + in_flight < (engine_version + max_staleness + 1) × actor.groups_per_step`
 (the groups in flight at the kept share under `rollout.admission = "kept_share"`), with max_staleness
-0 under `run.sync` (one batch per policy version). The durable state (`state.py`)
-is saved before each issue and after each completion; SIGTERM, `control/stop` or `control/done`
-end the loop without starting anything new, and a restart re-issues what never reached the buffer.
-"""
+0 under `run.sync` (one batch per policy version). The durable state (`state.py`) is written at most every
+half second; SIGTERM, `control/stop` or `control/done` end the loop without starting anything new, and a
+restart re-issues what never reached the buffer (or finds it there)."""
 
 import asyncio
 import signal
@@ -29,7 +28,7 @@ from molt_hpc.rollout.engines import EngineLink
 from molt_hpc.rollout.evaluation import evaluate
 from molt_hpc.rollout.group import GroupOutcome, Runner, run_group
 from molt_hpc.rollout.metrics import RolloutStats
-from molt_hpc.rollout.state import RolloutState
+from molt_hpc.rollout.state import StateFile
 from molt_hpc.rundir import RunDir, atomic_write
 from molt_hpc.trajectory import FINISHED_REWARDS, Group
 
@@ -98,8 +97,8 @@ class Orchestrator:
         teacher: Any = None,
     ):
         self.cfg, self.run, self.runner, self.link, self.buffer = cfg, run, runner, link, buffer
-        self.state_path = run.path / "rollout" / "state.json"
-        self.state = RolloutState.load(self.state_path)
+        self.state_file = StateFile(run.path / "rollout" / "state.json")
+        self.state = self.state_file.load()
         self.cursor = Cursor(dataset, cfg.data, cfg.run.seed)
         if self.state.cursor is not None:
             self.cursor.restore(self.state.cursor)
@@ -142,6 +141,7 @@ class Orchestrator:
                     while len(self.tasks) < self.cfg.rollout.groups_in_flight and self.admitted():
                         self.issue()
                     self.maybe_evaluate()
+                    self.state_file.tick(self.state)  # a change not yet written, come due
                     if not self.tasks:
                         await self.idle()
                         continue
@@ -224,7 +224,7 @@ class Orchestrator:
             task = asyncio.create_task(self.rollout(prompt, pos))
             self.tasks[task] = pos
             self.stats.in_flight(len(self.tasks))
-        self.state.save(self.state_path)
+        self.state_file.save(self.state)
 
     async def rollout(self, prompt, pos: Position) -> GroupOutcome:
         """One group's samples, then its scores (a reward model) and its teacher's log-probs (`[distill]`): it
@@ -273,7 +273,7 @@ class Orchestrator:
             self.state.groups_accepted += 1
             self.stats.accepted(group)
         self.state.in_flight.remove(pos)
-        self.state.save(self.state_path)
+        self.state_file.save(self.state)
         if self.stats.counts["groups_accepted"] >= self.cfg.actor.groups_per_step:
             self.write_record()
 
@@ -332,7 +332,7 @@ class Orchestrator:
         # the state saved first would say it was evaluated and its record would never be written.
         self.eval_metrics.write(record)
         self.state.last_eval_version = version
-        self.state.save(self.state_path)
+        self.state_file.save(self.state, now=True)
         shown = " ".join(f"{k[5:]} {v:.3f}" for k, v in record.items() if k.startswith("eval_pass@") and v is not None)
         self.log.info("eval at version %d: %s reward %s", version, shown, record["eval_reward"])
 
@@ -381,7 +381,7 @@ class Orchestrator:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        self.state.save(self.state_path)
+        self.state_file.save(self.state, now=True)
         self.write_record()
         self.metrics.close()
         self.eval_metrics.close()

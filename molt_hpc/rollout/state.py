@@ -1,13 +1,18 @@
 """The orchestrator's durable state: the data cursor, the groups in flight, the counters.
 
-Written atomically to `RUN_DIR/rollout/state.json` (write-ahead): a group is recorded as in flight
-*before* it is issued, and leaves that list only after it reached the buffer or was deliberately
-dropped. A restart re-issues every group still listed, under the same deterministic id, and the
-buffer's producer ledger (`was_put`) skips those that did reach it just before the crash — so no
-prompt is skipped and none reaches the buffer twice.
+Written atomically to `RUN_DIR/rollout/state.json`, at most every `SAVE_EVERY_S` (`StateFile`): each
+write is two fsyncs, and the orchestrator's event loop, which streams every request's tokens, would
+otherwise wait for two of them per group issued and two per group finished (on a parallel file system,
+milliseconds each). A saved state therefore lags the live one by less than `SAVE_EVERY_S`, and a restart
+loses nothing by it: it re-issues every group the saved state lists in flight, then the cursor goes on
+from the saved position, so the groups issued since are issued again, each under its deterministic id;
+the buffer's producer ledger (`was_put`) counts those that reached the buffer without running them
+again. No prompt is skipped and none reaches the buffer twice; a group dropped (dynamic sampling) since
+the save runs again.
 """
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +21,8 @@ from molt_hpc.data import Position
 from molt_hpc.rundir import atomic_write
 
 STATE_VERSION = 1
+SAVE_EVERY_S = 0.5
+"""The longest a changed state waits for its write (`StateFile`)."""
 
 
 @dataclass
@@ -66,3 +73,25 @@ class RolloutState:
             groups_dropped=int(data["groups_dropped"]),
             last_eval_version=int(data["last_eval_version"]),
         )
+
+
+class StateFile:
+    """`state.json` written when due: `save` marks the state changed and writes it when `SAVE_EVERY_S` have
+    passed since the last write (`now=True`: at once); `tick` writes a changed state that has come due."""
+
+    def __init__(self, path: Path):
+        self.path, self.changed, self.saved_at = path, False, float("-inf")
+
+    def load(self) -> RolloutState:
+        return RolloutState.load(self.path)
+
+    def save(self, state: RolloutState, now: bool = False) -> None:
+        self.changed = True
+        if now:
+            self.saved_at = float("-inf")
+        self.tick(state)
+
+    def tick(self, state: RolloutState) -> None:
+        if self.changed and time.monotonic() - self.saved_at >= SAVE_EVERY_S:
+            state.save(self.path)
+            self.changed, self.saved_at = False, time.monotonic()
