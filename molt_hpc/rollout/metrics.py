@@ -3,7 +3,9 @@
 A record is written every `actor.groups_per_step` accepted groups (one training batch) and at
 shutdown: `reward`, the mean env reward over every finished sample (kept, or dropped by dynamic
 sampling: what other frameworks report), `reward_trained` and scores of the accepted samples,
-response lengths and turns, the most groups in flight at once (`in_flight_max`), groups the
+response lengths and turns, the groups in flight (`in_flight_max`, the most at once; `in_flight_mean`, over
+the window's time: the `in_flight` beside them is the count when the record is written, just after a
+batch was accepted, admission's lowest point), groups the
 filters dropped (`groups_filtered_<why>`: `equal_rewards`, `stale`) and groups that failed (`groups_failed_<why>`: env
 errors drop theirs, engine failures are issued again), retries, `tokens_migrated` (generated on an
 engine that failed, kept and continued on another) and `tokens_discarded` (thrown away by a sample
@@ -27,6 +29,8 @@ class RolloutStats:
     def __init__(self) -> None:
         self.totals: Counter = Counter()
         """Counts since the orchestrator started (never reset)."""
+        self.in_flight_now, self.in_flight_since = 0, time.monotonic()
+        """Groups in flight since the last change, and when it came (they carry over from window to window)."""
         self._reset()
 
     def _reset(self) -> None:
@@ -40,8 +44,10 @@ class RolloutStats:
         self.turns: list[float] = []
         self.counts: Counter = Counter()
         self.tokens = 0
-        self.in_flight_max = 0
+        self.in_flight_max = self.in_flight_now
         """The most groups in flight at once (what admission let the engines hold)."""
+        self.in_flight_area = 0.0
+        """Groups in flight integrated over the window's seconds (for `in_flight_mean`)."""
         self.reward_parts: dict[str, list[float]] = {"env_reward": [], "rm_score": []}
         """With a reward model: the env's reward and the model's raw score of every finished sample it scored."""
 
@@ -65,6 +71,10 @@ class RolloutStats:
                         values.append(float(s.info[key]))
 
     def in_flight(self, n: int) -> None:
+        """The groups in flight are now `n` (a group issued or taken back)."""
+        now = time.monotonic()
+        self.in_flight_area += self.in_flight_now * (now - max(self.in_flight_since, self.started))
+        self.in_flight_now, self.in_flight_since = n, now
         self.in_flight_max = max(self.in_flight_max, n)
 
     def filtered(self, reason: str) -> None:
@@ -80,6 +90,7 @@ class RolloutStats:
 
     def record(self, **extra: Any) -> dict[str, Any]:
         """The window as a metrics record; starts a new window."""
+        self.in_flight(self.in_flight_now)  # the level up to now into the window's area
         seconds = max(time.monotonic() - self.started, 1e-9)
         self.totals.update(self.counts)
         rec: dict[str, Any] = {**extra, **dict(self.counts)}
@@ -87,6 +98,7 @@ class RolloutStats:
         rec["tokens_per_s"] = self.tokens / seconds
         rec["groups_per_s"] = self.counts["groups_accepted"] / seconds
         rec["in_flight_max"] = self.in_flight_max
+        rec["in_flight_mean"] = self.in_flight_area / seconds
         if self.finished_rewards:
             rec["reward"] = statistics.fmean(self.finished_rewards)
             rec["reward_std"] = statistics.pstdev(self.finished_rewards)

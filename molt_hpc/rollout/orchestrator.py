@@ -238,6 +238,7 @@ class Orchestrator:
 
     async def complete(self, task: asyncio.Task, pos: Position) -> None:
         outcome: GroupOutcome = task.result()  # anything but a sample failure is a bug: let it stop us
+        self.stats.in_flight(len(self.tasks))  # taken back (popped from the tasks by the loop)
         self.stats.finished(outcome)
         self.count_failure(outcome, pos)
         raw = [s.reward for s in outcome.group.samples] if outcome.group is not None else []
@@ -385,12 +386,9 @@ class Orchestrator:
         self.write_record()
         self.metrics.close()
         self.eval_metrics.close()
-        self.log.info(
-            "stopped: %d groups accepted, %d dropped, %d left in flight for the next start",
-            self.state.groups_accepted,
-            self.state.groups_dropped,
-            len(self.state.in_flight),
-        )
+        st = self.state
+        self.log.info("stopped: %d groups accepted, %d dropped, %d left in flight for the next start",
+                      st.groups_accepted, st.groups_dropped, len(st.in_flight))  # fmt: skip
 
     @staticmethod
     def install_stop_handlers(stop: asyncio.Event) -> None:
