@@ -63,7 +63,7 @@ def test_rollout_time_of_a_hand_worked_case() -> None:
     mm = L * BLOCK + H + V * H
     flops = rows * (2 * mm + 4 * L * HEADS * D * context)
     step = max((weights + kv) / (10e9 * 0.5), flops / 0.1e12) + 0.002 + rows * 0.01e-3  # fixed + per row
-    assert s.rollout.rows == rows
+    assert s.rollout.rows == rows and s.rollout.groups == 16
     assert s.rollout.decode_step_s == pytest.approx(step, rel=1e-9)
     assert s.rollout.decode_s == pytest.approx(64 / rows * 6 * step, rel=1e-9)  # 64 samples, 6 tokens each
     prefill = 64 * 64 * (2 * mm + 4 * L * HEADS * D * 32) / (0.1e12 * 0.25)
@@ -327,7 +327,8 @@ def test_status_sets_the_prediction_beside_the_measured_split(tmp_path: Path) ->
     for step in range(1, 7):  # the first two (start-up) are left out of the means
         slow = 10.0 if step <= 2 else 1.0
         actor.write({"step": step, "wait_s": 0.1 * step * slow, "step_s": 0.4 * slow, "refit_s": 0.05, "tokens": 2400})
-        rollout.write({"tokens_per_s": 300.0, "window_s": 1.0, "response_len_mean": 6.0, "groups_accepted": 8})
+        rollout.write({"tokens_per_s": 300.0, "window_s": 1.0 + step % 2, "response_len_mean": 6.0,
+                       "groups_accepted": 8, "in_flight_mean": 2.0 + 4 * (step % 2)})  # fmt: skip
     out = molt("status", str(run.path))
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -339,6 +340,9 @@ def test_status_sets_the_prediction_beside_the_measured_split(tmp_path: Path) ->
     assert re.match(rf"  rollout wait +-?[\d.,]+ m?s vs +{round(1000 * wait)} ms", lines[i + 3])
     assert re.match(r"  refit +[\d.,]+ m?s vs +50 ms", lines[i + 4])
     assert re.match(r"  rollout +[\d,]+ vs 300 tokens/s", lines[i + 5])
+    # windows of 1 s at 2 groups and 2 s at 6 (two each after start-up), weighted by time; the prediction holds
+    # min(groups_in_flight 16, (staleness 2 + 1) x 8 groups a step) = 16
+    assert re.match(r"  in flight +16\.0 vs 4\.7 groups +\(0\.29x\)", lines[i + 6]), lines[i + 6]
 
 
 def test_a_run_placed_by_its_local_launcher_is_priced_where_it_ran(tmp_path: Path) -> None:

@@ -124,6 +124,8 @@ class Rollout:
     prefill_s: float
     bound: str
     """What bounds a decode step: `memory`, `compute` or `overhead`."""
+    groups: float = 0.0
+    """Groups the rollout holds in flight (`rollout.groups_in_flight`, or fewer where admission bounds them)."""
 
     @property
     def seconds(self) -> float:
@@ -157,7 +159,8 @@ def rollout_time(arch: Arch, cfg: MoltConfig, plan, w: Workload) -> Rollout:
     context = w.prompt + w.response / 2
     bound = (cfg.buffer.max_staleness + 1) * cfg.actor.groups_per_step
     bound = bound / w.accepted if ro.admission == "kept_share" else bound  # in flight at the kept share each
-    in_flight = min(ro.groups_in_flight, bound) * ro.n_samples * occupancy(w, eng)
+    groups = min(ro.groups_in_flight, bound)
+    in_flight = groups * ro.n_samples * occupancy(w, eng)
     cap = eng.max_batch if eng.kind == "builtin" else min(VLLM_MAX_SEQS, max(1, int(mem.kv_tokens // context)))
     rows = max(1, min(math.ceil(in_flight / replicas), cap))
     b = 4 if cfg.model.dtype == "float32" else 2
@@ -174,7 +177,7 @@ def rollout_time(arch: Arch, cfg: MoltConfig, plan, w: Workload) -> Rollout:
     if eng.kind == "builtin":  # a prefill every `prefill_interval` decode steps, at least one per batch of rows
         calls = w.samples / w.accepted / (replicas * rows) * max(1.0, w.response / eng.prefill_interval)
         prefill += calls * arch.layers * p.builtin_prefill_layer_ms / 1e3
-    return Rollout(rows, step_s, rounds * w.response * step_s, prefill, bound)
+    return Rollout(rows, step_s, rounds * w.response * step_s, prefill, bound, groups)
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,9 @@ def measured(actor: list[dict], rollout: list[dict], skip: int = 2) -> dict[str,
         longest = [r["response_len_max"] for r in windows if r.get("response_len_max")]
         if longest:  # a window's longest response: the tail a group waits for (an upper bound of it)
             out["tail"] = statistics.fmean(longest)
+        held = [r for r in windows if r.get("in_flight_mean") is not None]
+        if held:  # groups in flight over the windows' time
+            out["in_flight"] = sum(r["in_flight_mean"] * r["window_s"] for r in held) / sum(r["window_s"] for r in held)
         finished = sum(r.get("groups_finished", 0) for r in windows)
         if finished:  # dynamic sampling's drops: generated, not trained
             out["accepted"] = max(1e-3, min(1.0, sum(r.get("groups_accepted", 0) for r in windows) / finished))
@@ -82,6 +85,9 @@ def compare_lines(s: Speed, m: dict[str, float]) -> list[str]:
     if "rollout_tokens_per_s" in m:  # the rollout's windows span a step each: generated tokens per step time
         pred, meas = s.delivered_tokens_per_s, m["rollout_tokens_per_s"]
         out.append(f"  rollout       {pred:,.0f} vs {meas:,.0f} tokens/s  ({meas / pred:.2f}x)")
+    if "in_flight" in m and s.rollout.groups > 0:  # what admission let the engines hold, on average
+        pred, meas = s.rollout.groups, m["in_flight"]
+        out.append(f"  in flight     {pred:,.1f} vs {meas:,.1f} groups  ({meas / pred:.2f}x)")
     return out
 
 
