@@ -92,9 +92,10 @@ def q8_config(args) -> Path:
 
     name = f"q8-{args.mode}-{args.engine}" + (f"-{args.tag}" if args.tag else "")
     sets = [*Q8_SETS, f"model.path='{args.root / 'qwen3-8b'}'", f"run.root='{args.root}'", f"run.name='{name}'",
-            f"run.steps={args.steps}", f"engines.kind='{args.engine}'", *args.overrides]  # fmt: skip
+            f"run.steps={args.steps}", f"engines.kind='{args.engine}'"]  # fmt: skip
     if args.engine == "vllm":
         sets += ["engines.enforce_eager=true", "engines.gpu_memory_utilization=0.3"]
+    sets += args.overrides  # last, so that a user's `--set` wins over the arm's own
     cfg = load_config(ROOT / "configs" / "8b_lora_onegpu.toml", sets)
     if args.mode == "full":
         cfg = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"lora": None, "offload": "optimizer"})})
