@@ -110,3 +110,57 @@ def test_a_scheduler_on_the_bucketed_slot_prefill_keeps_exact_logprobs(tiny_mode
         assert row.future.result()[0] == "length"
         want = teacher_forced(model, row.prompt, row.tokens, {})
         assert torch.allclose(torch.tensor(row.logprobs), want, atol=1e-4), (row.logprobs, want.tolist())
+
+
+def test_a_failed_prefill_fails_its_rows_and_health_counts_them_meanwhile(tiny_model_dir) -> None:
+    """A row being prefilled still counts as waiting (an idle `/health` means no row anywhere), and a prefill
+    that raises fails the rows it was admitting: their requests get the error instead of waiting forever."""
+    runner = SlotRunner(load_causal_lm(tiny_model_dir), torch.device("cpu"), max_batch=4, max_model_len=64)
+    sched = Scheduler(runner, eos_ids=set(), max_batch=4, max_model_len=64, seed=0)
+    seen, real = [], runner.prefill
+
+    def failing(contexts, images=None):
+        seen.append(sched.status())  # on the scheduler thread, mid-step: what `/health` would read now
+        raise RuntimeError("out of memory in prefill")
+
+    runner.prefill = failing
+    sched.start()
+    try:
+        rows = [Row([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), Future()) for _ in range(2)]
+        for row in rows:
+            sched.call(lambda row=row: sched.submit(row)).result(timeout=10)
+        for row in rows:
+            with pytest.raises(RuntimeError, match="engine step failed: out of memory in prefill"):
+                row.future.result(timeout=10)
+        assert seen and seen[0]["waiting"] + seen[0]["running"] >= 1, seen
+        runner.prefill = real  # the engine keeps serving
+        again = Row([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), Future())
+        sched.call(lambda: sched.submit(again)).result(timeout=10)
+        assert again.future.result(timeout=30)[0] == "length" and len(again.tokens) == 3
+        assert sched.call(sched.status).result(timeout=10)["waiting"] == 0
+    finally:
+        sched.stop()
+
+
+def test_a_row_is_answered_only_once_the_engine_counts_it_gone(tiny_model_dir) -> None:
+    """When a request's answer is sent, `/health` already shows its row gone and its last step counted: a
+    caller that reads the health after its answer sees no running row (a lag here once showed an idle
+    engine as running one row, and the step counter moved after the caller had read it)."""
+    runner = SlotRunner(load_causal_lm(tiny_model_dir), torch.device("cpu"), max_batch=4, max_model_len=64)
+    sched = Scheduler(runner, eos_ids=set(), max_batch=4, max_model_len=64, seed=0)
+    seen = []
+    rows = [Row([5, 6, 7], SamplingParams(max_tokens=n, ignore_eos=True), Future()) for n in (2, 3)]
+    for row in rows:  # the callback runs on the scheduler's thread at the moment the answer is released
+        row.future.add_done_callback(lambda _f: seen.append(sched.status()))
+        sched.submit(row)
+    while sched.rows or sched.waiting:
+        sched._step()
+    # A step prefills the newcomers and decodes them: max_tokens 2 ends in step 1, 3 in step 2.
+    assert [(s["running"], s["steps"]) for s in seen] == [(1, 1), (0, 2)], seen
+    aborted = Row([5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True), Future())
+    aborted.future.add_done_callback(lambda _f: seen.append(sched.status()))
+    sched.submit(aborted)
+    sched._step()
+    done: Future = Future()
+    sched.pause("abort", done)
+    assert aborted.future.result()[0] == "abort" and seen[-1]["running"] == seen[-1]["waiting"] == 0, seen

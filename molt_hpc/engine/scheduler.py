@@ -80,6 +80,8 @@ class Scheduler:
         self.load = LoadMeter()
         """This window's busy time and tokens, logged once per window."""
         self._drained: list[Future] = []
+        self._finished: list[tuple[Row, str, int]] = []
+        """Rows that ended in this step or command, answered by `_settle` once the counts are up to date."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._rng = random.Random(seed)  # the random bits of unseeded rows (`Row.bits`)
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
@@ -121,6 +123,7 @@ class Scheduler:
             self.waiting.clear()
             self.held.clear()
             self._drop([])
+            self._settle()
         if mode == "wait" and (self.rows or self.waiting):
             self.pause_mode = "wait"
             self._drained.append(done)
@@ -207,6 +210,7 @@ class Scheduler:
                     get_logger().info(load_line(figures))
             except Exception as err:  # a failed step fails its requests, the engine keeps serving
                 get_logger().exception("engine step failed")
+                self._settle()  # rows that ended before the failure keep their answers
                 for row in self.rows + self.waiting:
                     if not row.future.done():
                         row.future.set_exception(RuntimeError(f"engine step failed: {err}"))
@@ -232,6 +236,7 @@ class Scheduler:
         if self.rows:
             self._decode()
         self.steps += 1
+        self._settle()
         streamed = [row for row in self.rows if row.notify is not None]  # finished rows end by their future
         if streamed and self.on_tokens is not None:
             self.on_tokens(streamed)
@@ -254,12 +259,15 @@ class Scheduler:
         if room <= 0 or not self.waiting or not due:
             return 0
         self._since_prefill = 0
-        newcomers, self.waiting = self.waiting[:room], self.waiting[room:]
+        # The newcomers stay in `waiting` until they join `rows`: a prefill that raises then fails them with
+        # the rest (a row in neither list would never answer), and `status` counts them meanwhile.
+        newcomers = self.waiting[:room]
         logits, cache = self._prefill(newcomers)
         self._route_prefill(newcomers)
         self._append(newcomers, logits)
         self._batch = self.runner.join(self._batch, cache)
         self.rows.extend(newcomers)
+        del self.waiting[: len(newcomers)]
         self._retire()
         return len(newcomers)
 
@@ -347,8 +355,15 @@ class Scheduler:
             self._batch.keep(order, max(r.length for r in self.rows))
 
     def _finish(self, row: Row, reason: str) -> None:
-        if not row.future.done():
-            row.future.set_result((reason, self.version))
+        self._finished.append((row, reason, self.version))
+
+    def _settle(self) -> None:
+        """Answer the rows that ended. Only now: a client answered while its row was still in `rows` or the
+        step still uncounted could read a `/health` that shows the finished row running."""
+        for row, reason, version in self._finished:
+            if not row.future.done():
+                row.future.set_result((reason, version))
+        self._finished.clear()
 
     def _resolve_drained(self) -> None:
         for fut in self._drained:
