@@ -164,6 +164,25 @@ def test_refit_is_bytes_over_the_link_plus_buckets_and_its_fixed_cost() -> None:
     assert s.refit_s == pytest.approx(wire / 1e9 + buckets * 0.002 + 0.020, rel=1e-9)
 
 
+def test_engines_on_a_one_rank_trainers_gpu_read_its_parameters_in_place() -> None:
+    """One GPU, a trainer of one rank, built-in engines: no buckets, no link; the engine reads the fp32 master
+    weights and writes its own dtype, a copy at memory bandwidth, plus the fixed cost. vLLM engines on the
+    same GPU take buckets through shared slots and their own fixed cost."""
+    arch = toy_arch()
+    gpu = ["actor.device='cuda'", "engines.device='cuda'", "plan.cuda.memory_gb_per_s=100",
+           "plan.cuda.refit_fixed_ms=10", "plan.cuda.vllm_refit_fixed_ms=90", "plan.cuda.refit_gb_per_s=50",
+           "refit.bucket_mb=1", "model.dtype='bfloat16'"]  # fmt: skip
+    one = make_plan(cfg_with(*gpu), arch, local=True, gpus=1)
+    wire = 2 * arch.params  # bf16 on the wire, fp32 master weights read
+    assert (one.refit.buckets, one.refit.send_s) == (0, 0.0)
+    assert predict(one).refit_s == pytest.approx((4 * arch.params + wire) / 100e9 + 0.010, rel=1e-9)
+    two = make_plan(cfg_with(*gpu), arch, local=True, gpus=2)  # a GPU each: buckets over the node's link
+    buckets = -(-wire // (1 << 20))
+    assert predict(two).refit_s == pytest.approx(wire / 50e9 + buckets * 0.002 + 0.010, rel=1e-9)
+    vllm = make_plan(cfg_with(*gpu, "engines.kind='vllm'"), arch, local=True, gpus=1)
+    assert predict(vllm).refit_s == pytest.approx(wire / 50e9 + buckets * 0.002 + 0.090, rel=1e-9)
+
+
 def test_a_moe_decode_reads_the_experts_its_rows_touch() -> None:
     arch = toy_arch(experts=8)  # top-2 of 8: one row touches 1/4 of them, many rows nearly all
     one = predict(make_plan(cfg_with("engines.max_batch=1"), arch, local=True, gpus=0))

@@ -245,8 +245,13 @@ class SpeedProfile(Section):
     while `shared_decode_rate` is 0)."""
     refit_gb_per_s: PositiveFloat = 250.0
     """Bandwidth of a refit inside one node (NCCL over NVLink; a host copy on CPU), GB/s."""
-    refit_fixed_ms: NonNegativeFloat = 50.0
-    """Fixed cost of one refit (pause the engines, the calls, resume), plus 2 ms per bucket."""
+    refit_fixed_ms: NonNegativeFloat = 17.0
+    """Fixed cost of one refit into built-in engines (pause the engines, the calls, resume), plus 2 ms per
+    bucket. Measured whole refits of SmolLM2-135M read in place on one GPU, whose copy is under a millisecond:
+    13-20 ms (H100, four runs), 17 and 31 ms (H200); an 8B model's call took 8 ms beyond the engine's copy."""
+    vllm_refit_fixed_ms: NonNegativeFloat = 130.0
+    """The same for vLLM engines (its pause, weight-update calls, reload and resume): 133 ms a refit of
+    SmolLM2-135M on one H200, and 105-133 ms for 1 GB of weights over NCCL, where the link's part was ~3 ms."""
     host_link_gb_per_s: PositiveFloat = 40.0
     """Device-host bandwidth for offloaded trainer state (PCIe Gen5 x16), GB/s each way."""
 

@@ -114,10 +114,13 @@ class Refit:
     send_s: float
     merge_s: float = 0.0
     """A builtin engine's LoRA merge: the adapted weights' kept base copied back from host memory."""
+    copy_s: float = 0.0
+    """Engines on the trainer's GPU reading a world of one's parameters in place: no buckets, no link, one
+    copy kernel per tensor (the fp32 master read, the wire dtype written) at the device's bandwidth."""
 
     @property
     def seconds(self) -> float:
-        return self.gather_s + self.send_s + self.merge_s + self.buckets * BUCKET_LATENCY_S
+        return self.gather_s + self.send_s + self.merge_s + self.copy_s + self.buckets * BUCKET_LATENCY_S
 
 
 def refit_estimate(
@@ -128,14 +131,18 @@ def refit_estimate(
     same_node: bool,
     device: str = "cuda",
     engine_device: str = "cuda",
+    in_place: bool = False,
 ) -> Refit:
     """Gather the shards (cast to the wire dtype) to rank 0, then broadcast to every engine worker; inside
     a node at the device profile's `refit_gb_per_s` (`plan.cuda` or `plan.cpu`), across nodes at
     `plan.network_gb_per_s`. A LoRA run sends its fp32 adapters alone; a builtin engine that merges them
     then copies the adapted weights' base back from host memory at `host_link_gb_per_s` (on a CPU engine: a
-    copy in memory)."""
+    copy in memory). `in_place`: built-in engines on the GPU of a trainer of one rank read its fp32 parameters
+    where they are (`refit/shared_params.py`), a copy at `memory_gb_per_s`."""
     wire = dtype_bytes(cfg) * arch.params
     profile = getattr(cfg.plan, "cpu" if device == "cpu" else "cuda")
+    if in_place and cfg.actor.lora is None:
+        return Refit(wire, 0, 0.0, 0.0, copy_s=(4 * arch.params + wire) / (profile.memory_gb_per_s * 1e9))
     merge = 0.0
     if cfg.actor.lora is not None and cfg.run.stage == "rl":
         from molt_hpc.plan.lora import adapted_weights, adapter_params

@@ -119,10 +119,14 @@ def _refit_host_lines(plan: Plan) -> list[str]:
     r = plan.refit
     if plan.cfg.run.stage != "rl":
         return ["host memory per actor node:", *(f"  {k:<34} {gib(v):>14}" for k, v in plan.host.items())]
-    lines = [f"refit: {r.bytes / 1e9:,.1f} GB in {r.buckets} bucket(s) of {plan.cfg.refit.bucket_mb} MiB; "
-             f"≈ {r.seconds:,.1f} s bound by the links (gather {r.gather_s:,.1f} s + send {r.send_s:,.1f} s"
-             + (f" + LoRA merge {r.merge_s:,.1f} s)" if r.merge_s else ")"),
-             "host memory per actor node:"]  # fmt: skip
+    if r.copy_s:
+        first = (f"refit: {r.bytes / 1e9:,.1f} GB read in place by the engines on the trainer's GPU; "
+                 f"≈ {r.copy_s * 1e3:,.1f} ms (a copy at memory bandwidth)")  # fmt: skip
+    else:
+        first = (f"refit: {r.bytes / 1e9:,.1f} GB in {r.buckets} bucket(s) of {plan.cfg.refit.bucket_mb} MiB; "
+                 f"≈ {r.seconds:,.1f} s bound by the links (gather {r.gather_s:,.1f} s + send {r.send_s:,.1f} s"
+                 + (f" + LoRA merge {r.merge_s:,.1f} s)" if r.merge_s else ")"))  # fmt: skip
+    lines = [first, "host memory per actor node:"]
     lines += [f"  {k:<34} {gib(v):>14}" for k, v in plan.host.items()]
     return lines
 

@@ -23,8 +23,9 @@ Each pool runs on the speed profile of its device (`plan.cuda` or `plan.cpu`, `S
   MFU` of the hidden size's class; plus `train_micro_batch_ms` per micro-batch and per update,
   `train_sample_ms` per sample a data-parallel rank trains in each epoch, and
   offloaded state over the host link each update.
-- refit: `plan.refit` (bytes over the links, 2 ms a bucket) plus `refit_fixed_ms`, every
-  `refit.interval` steps.
+- refit: `plan.refit` (bytes over the links and 2 ms a bucket; for built-in engines on the GPU of a
+  trainer of one rank, its parameters read in place: a copy at `memory_gb_per_s`) plus `refit_fixed_ms`
+  (`vllm_refit_fixed_ms` for vLLM engines), every `refit.interval` steps.
 
 Bound: with `buffer.max_staleness ≥ 1` on separate devices the engines decode while the trainer
 trains, so a step takes `max(rollout, train) + refit`; synchronous (staleness 0), `rollout + train + refit`.
@@ -46,7 +47,6 @@ from molt_hpc.config.infra import SpeedProfile
 from molt_hpc.plan.arch import Arch
 from molt_hpc.plan.shape import shape_of
 
-BUCKET_S = 0.002
 VLLM_MAX_SEQS = 256
 """vLLM's default `max_num_seqs`: sequences one replica decodes at once."""
 
@@ -291,12 +291,11 @@ class Speed:
 
 
 def refit_time(cfg: MoltConfig, plan) -> float:
-    """Seconds of refit per step: the plan's link-bound refit, its buckets and fixed cost, every interval."""
+    """Seconds of refit per step: the plan's refit (links and buckets, or a copy in place) and the engine
+    kind's fixed cost, every interval."""
     p = profile(cfg, plan.placement.actor_device)
-    r = plan.refit
-    return (r.gather_s + r.send_s + r.merge_s + r.buckets * BUCKET_S + p.refit_fixed_ms / 1e3) / max(
-        1, cfg.refit.interval
-    )
+    fixed = p.vllm_refit_fixed_ms if cfg.engines.kind == "vllm" else p.refit_fixed_ms
+    return (plan.refit.seconds + fixed / 1e3) / max(1, cfg.refit.interval)
 
 
 def predict(

@@ -145,8 +145,9 @@ def make_plan(cfg: MoltConfig, arch: Arch, *, local: bool = False, gpus: int | N
     gpu = cfg.plan.gpu_memory_gib * GIB
     trainer = trainer_memory(arch, shape_of(cfg, where.actor_ranks, where.actor_device, arch))
     engines = engine_memory(arch, cfg, where.engines, gpu)
+    in_place = where.shared_gpu and where.actor_ranks == 1 and cfg.engines.kind == "builtin"
     refit = refit_estimate(arch, cfg, where.actor_ranks, where.actor_nodes, same_node=where.mode == "local",
-                           device=where.actor_device, engine_device=where.engine_device)  # fmt: skip
+                           device=where.actor_device, engine_device=where.engine_device, in_place=in_place)  # fmt: skip
     host = _host(arch, cfg, where, trainer)
     plan = Plan(cfg, arch, where, trainer, engines, refit, _refit_phase(arch, cfg, trainer), host)
     plan.checks = _checks(plan, gpu)
