@@ -127,8 +127,12 @@ def launch(config: Path, root: Path, name: str, budget: float) -> float:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=300)
     log.close()
-    if proc.returncode != 0:
-        raise SystemExit(f"{name}: molt-hpc run exited {proc.returncode}; see {root / f'{name}.out'}")
+    if proc.returncode != 0:  # the run's output and logs may not outlive the machine: print their ends
+        from molt_hpc.log import log_tail
+
+        for path in [root / f"{name}.out", *sorted((root / name / "logs").glob("*.log"))]:
+            print(f"== {path}:\n{log_tail(path, 30)}", flush=True)
+        raise SystemExit(f"{name}: molt-hpc run exited {proc.returncode}; its output and logs are above")
     return launched
 
 
