@@ -267,9 +267,37 @@ def slot_refits(model, url: str, run: RunDir, version: int, device) -> tuple[lis
     return times, version
 
 
+def one_process_floors(model, device) -> tuple[int, float, float, float, float]:
+    """The engine's bf16 bytes and the one-process medians: (bytes, device copy, pack and copy out, the
+    in-place parameter copy, one flat cast)."""
+    total = sum(p.numel() * 2 for p in model.parameters())
+    base = copy_seconds(total, device)
+    floor = pack_and_copy_seconds(model, 256, device)
+    cast = cast_copy_seconds(model, device)
+    flat = flat_cast_seconds(total // 2, device)
+    return total, base, floor, cast, flat
+
+
+def in_place_refits(cfg, run: RunDir, world, model) -> tuple[list[float], int]:
+    """`EngineSync.refit` to the engine `ROUNDS` times (the first connects and shares the parameters: a
+    warm-up): the seconds of the others, and the last version."""
+    from molt_hpc.actor.sync import EngineSync
+
+    times: list[float] = []
+    version = 0
+    engine_sync = EngineSync(cfg, run.path, world)
+    for r in range(ROUNDS):
+        version += 1
+        dt = engine_sync.refit(model, version)
+        assert dt is not None, f"the refit failed (see {run.logs})"
+        if r:
+            times.append(dt)
+    engine_sync.close()
+    return times, version
+
+
 def ipc_refit(out: Path | None, shape: str, dry: bool) -> None:
     """The refit from this process to an engine process on the same GPU, through CUDA IPC (see the top)."""
-    from molt_hpc.actor.sync import EngineSync
     from molt_hpc.actor.world import init_world
     from molt_hpc.parallel import parallelize
 
@@ -286,24 +314,14 @@ def ipc_refit(out: Path | None, shape: str, dry: bool) -> None:
         world = init_world(cfg.actor)
         model = parallelize(build_model(shape, torch.float32, world.device, seed=0), world.mesh, cfg.actor,
                             compute_dtype=torch.bfloat16)  # fmt: skip
-        total = sum(p.numel() * 2 for p in model.parameters())
-        base = copy_seconds(total, world.device)
-        floor = pack_and_copy_seconds(model, 256, world.device)
-        cast = cast_copy_seconds(model, world.device)
-        flat = flat_cast_seconds(total // 2, world.device)
+        total, base, floor, cast, flat = one_process_floors(model, world.device)
         url = wait_url(run, proc)
         token = run.token()
         before, _ = trainer_diff(model, url, token, world.device)
         times: dict[str, list[float]] = {}
-        version = 0
-        engine_sync = EngineSync(cfg, run.path, world)
-        for r in range(ROUNDS):  # the first connects and shares the parameters: a warm-up
-            version += 1
-            dt = engine_sync.refit(model, version)
-            assert dt is not None, f"the refit failed (see {run.logs})"
-            if r:
-                times.setdefault("refit end to end, the engine reads the trainer's parameters in place", []).append(dt)
-        engine_sync.close()
+        times["refit end to end, the engine reads the trainer's parameters in place"], version = in_place_refits(
+            cfg, run, world, model
+        )
         if not dry:  # on the CPU a world of one still refits through /dev/shm slots
             assert "read them in place" in (run.logs / "engine-0.log").read_text(), "the engine mapped the parameters"
         after_in_place, served = trainer_diff(model, url, token, world.device)
@@ -317,6 +335,21 @@ def ipc_refit(out: Path | None, shape: str, dry: bool) -> None:
         proc.terminate()
         proc.wait()
     name = f"{shape} bf16 ({total / 1e9:.2f} GB), trainer and engine on one GPU"
+    write_floor_rows(out, name, total, base, floor, flat, cast)
+    write_refit_rows(out, name, total, base, floor, cast, times)
+    write_row(out, bench="refit (1 GPU)", case=f"{name}: log-probs engine vs trainer after the in-place refits",
+              value=after_in_place, unit="max abs", note=f"before the first refit: {before:.2f}")  # fmt: skip
+    write_row(out, bench="refit (1 GPU)", case=f"{name}: log-probs engine vs trainer after the slot refits",
+              value=after, unit="max abs", note=f"engine serves v{served}")  # fmt: skip
+    del model
+    if not dry:
+        torch.cuda.empty_cache()
+
+
+def write_floor_rows(
+    out: Path | None, name: str, total: int, base: float, floor: float, flat: float, cast: float
+) -> None:
+    """The rows of the one-process measurements: the device copy (the baseline) and the three floors."""
     write_row(out, bench="refit (1 GPU)", case=f"{name}: device copy of the same bytes", value=1000 * base, unit="ms",
               note=f"{total / base / 1e9:.0f} GB/s, one process, the baseline")  # fmt: skip
     write_row(out, bench="refit (1 GPU)", case=f"{name}: its two passes in one process (fp32 -> bf16 pack, copy out)",
@@ -328,19 +361,18 @@ def ipc_refit(out: Path | None, shape: str, dry: bool) -> None:
     write_row(out, bench="refit (1 GPU)", case=f"{name}: the engine's fp32 -> bf16 parameter copy, one process",
               value=1000 * cast, unit="ms", baseline=1000 * base, ratio=cast / base,
               note="the floor of the in-place refit; no second process, no protocol")  # fmt: skip
+
+
+def write_refit_rows(
+    out: Path | None, name: str, total: int, base: float, floor: float, cast: float, times: dict[str, list[float]]
+) -> None:
+    """One row per refit case: its median against the device copy and against its own one-process floor."""
     for case, values in times.items():
         med = statistics.median(values)
         floor_of = cast if "in place" in case else floor
         write_row(out, bench="refit (1 GPU)", case=f"{name}: {case}", value=1000 * med, unit="ms",
                   baseline=1000 * base, ratio=med / base, target="<= 1.5x",
                   note=f"{total / med / 1e9:.0f} GB/s; {med / floor_of:.2f}x its floor in one process")  # fmt: skip
-    write_row(out, bench="refit (1 GPU)", case=f"{name}: log-probs engine vs trainer after the in-place refits",
-              value=after_in_place, unit="max abs", note=f"before the first refit: {before:.2f}")  # fmt: skip
-    write_row(out, bench="refit (1 GPU)", case=f"{name}: log-probs engine vs trainer after the slot refits",
-              value=after, unit="max abs", note=f"engine serves v{served}")  # fmt: skip
-    del model
-    if not dry:
-        torch.cuda.empty_cache()
 
 
 def main() -> int:

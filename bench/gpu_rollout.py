@@ -221,7 +221,32 @@ def engine_rows(args, model, device, flags: dict, path: str, requests, hf_tps: f
                   note=f"{steps} steps, {1000 * dt / steps:.2f} ms/step, {400 * 8 / dt:.0f} requests/s")  # fmt: skip
 
 
-def main() -> int:
+def http_rows(args: argparse.Namespace, model, device, dtype, requests, tokens: int, hf_tps: float) -> None:
+    """The engine process's rows: the model saved, an engine started on it, whole and streamed answers over HTTP."""
+    tmp = Path(tempfile.mkdtemp(prefix="bench-gpu-rollout-"))
+    model.save_pretrained(tmp / "model", safe_serialization=True)
+    sets = [f"model.path={json.dumps(str(tmp / 'model'))}", f"model.dtype='{str(dtype)[6:]}'",
+            f"engines.max_batch={args.max_batch}", "engines.max_model_len=256", f"engines.device='{device.type}'",
+            "engines.gpu_memory_utilization=0.3", f"engines.prefill_interval={args.interval}",
+            f"engines.compile_decode={str(args.compile).lower()}", *args.sets]  # fmt: skip
+    run = create_run_dir(tmp, "run", to_toml(load_config(None, sets)))
+    proc = start_engine(run, gpu_env())
+    try:
+        url = engine_url(run, proc)
+        for streamed in (False, True, False, True):  # the first of each warms up
+            dt, _ = asyncio.run(http_round(url, run.token(), requests, streamed, args.seeded))
+        for streamed in (False, True):
+            dt, _ = asyncio.run(http_round(url, run.token(), requests, streamed, args.seeded))
+            kind = ("streamed" if streamed else "whole") + (", seeded" if args.seeded else "")
+            write_row(args.out, bench="rollout", case=f"engine process, HTTP, {kind}",
+                      value=tokens / dt, unit="tok/s", baseline=hf_tps, ratio=tokens / dt / hf_tps)  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line: the load, the in-process cases, the engine process's settings."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--requests", type=int, default=256, help="requests in flight (the recipe: 32 groups x 8)")
@@ -236,7 +261,11 @@ def main() -> int:
                     help="a config override of the engine process (engines.prefill_interval=4, say)")  # fmt: skip
     ap.add_argument("--seeded", action="store_true", help="every request carries a seed, as the rollout's do")
     ap.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU: checks the script")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     dry = args.dry_run
     device = bench_device("gpu_rollout", dry)
     if device is None:
@@ -260,27 +289,7 @@ def main() -> int:
         engine_rows(args, model, device, {**flags, **PREFILL_PATHS[path]}, path, requests, hf_tps)
     if args.no_http:
         return 0
-
-    tmp = Path(tempfile.mkdtemp(prefix="bench-gpu-rollout-"))
-    model.save_pretrained(tmp / "model", safe_serialization=True)
-    sets = [f"model.path={json.dumps(str(tmp / 'model'))}", f"model.dtype='{str(dtype)[6:]}'",
-            f"engines.max_batch={args.max_batch}", "engines.max_model_len=256", f"engines.device='{device.type}'",
-            "engines.gpu_memory_utilization=0.3", f"engines.prefill_interval={args.interval}",
-            f"engines.compile_decode={str(args.compile).lower()}", *args.sets]  # fmt: skip
-    run = create_run_dir(tmp, "run", to_toml(load_config(None, sets)))
-    proc = start_engine(run, gpu_env())
-    try:
-        url = engine_url(run, proc)
-        for streamed in (False, True, False, True):  # the first of each warms up
-            dt, _ = asyncio.run(http_round(url, run.token(), requests, streamed, args.seeded))
-        for streamed in (False, True):
-            dt, _ = asyncio.run(http_round(url, run.token(), requests, streamed, args.seeded))
-            kind = ("streamed" if streamed else "whole") + (", seeded" if args.seeded else "")
-            write_row(args.out, bench="rollout", case=f"engine process, HTTP, {kind}",
-                      value=tokens / dt, unit="tok/s", baseline=hf_tps, ratio=tokens / dt / hf_tps)  # fmt: skip
-    finally:
-        proc.terminate()
-        proc.wait()
+    http_rows(args, model, device, dtype, requests, tokens, hf_tps)
     return 0
 
 

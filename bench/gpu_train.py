@@ -138,11 +138,10 @@ PHASES = {
 }
 
 
-def host_breakdown(shape: str, world, group: Group, cfg, models, out: Path | None) -> None:
-    """One `train_step` with the device synchronised around each phase: each phase's own milliseconds
-    (what is left is backward, the optimizer and the Python between them); then the gradient clip of the
-    same gradients by torch's `clip_grad_norm_` against ours."""
-    from molt_hpc.actor import clip, step
+def phase_times(world, group: Group, cfg, models) -> tuple[dict[str, float], float]:
+    """Milliseconds of each phase of one `train_step` (after one that warms up), the device synchronised
+    around each, and of the whole step."""
+    from molt_hpc.actor import step
     from molt_hpc.actor.step import Meter, train_step
 
     spent: dict[str, float] = {}
@@ -179,22 +178,31 @@ def host_breakdown(shape: str, world, group: Group, cfg, models, out: Path | Non
                 del opt.step  # back to the class's method
             else:
                 setattr(owner, attr, fn)
-    if world.is_main:
-        for phase, ms in spent.items():
-            write_row(
-                out,
-                bench="host",
-                case=f"{shape} trainer step, {phase}",
-                value=ms,
-                unit="ms",
-                baseline=total,
-                ratio=ms / total,
-                note="baseline: the whole step, device synced per phase",
-            )
-        rest = total - sum(spent.values())
-        write_row(out, bench="host", case=f"{shape} trainer step, the rest: backward + Python between phases",
-                  value=rest, unit="ms", baseline=total, ratio=rest / total)  # fmt: skip
-    # the clip alone, on gradients of one more backward: torch's DTensor path against the local shards
+    return spent, total
+
+
+def write_phase_rows(shape: str, spent: dict[str, float], total: float, out: Path | None) -> None:
+    """One row per phase against the whole step, and one for what is left between them."""
+    for phase, ms in spent.items():
+        write_row(
+            out,
+            bench="host",
+            case=f"{shape} trainer step, {phase}",
+            value=ms,
+            unit="ms",
+            baseline=total,
+            ratio=ms / total,
+            note="baseline: the whole step, device synced per phase",
+        )
+    rest = total - sum(spent.values())
+    write_row(out, bench="host", case=f"{shape} trainer step, the rest: backward + Python between phases",
+              value=rest, unit="ms", baseline=total, ratio=rest / total)  # fmt: skip
+
+
+def clip_against_torch(shape: str, world, models, out: Path | None) -> None:
+    """The gradient clip alone, on gradients of one more backward: torch's DTensor path against the local shards."""
+    from molt_hpc.actor import clip
+
     part = models.policy
     params = [p for p in part.model.parameters() if p.requires_grad]
     part.model(input_ids=torch.ones(1, 8, dtype=torch.long, device=world.device)).logits.float().mean().backward()
@@ -207,6 +215,16 @@ def host_breakdown(shape: str, world, group: Group, cfg, models, out: Path | Non
         write_row(out, bench="host", case=f"{shape} gradient clip, {len(params)} sharded tensors: local shards",
                   value=ours, unit="ms", baseline=theirs, ratio=ours / theirs,
                   note="baseline: torch.nn.utils.clip_grad_norm_ on the same DTensor gradients")  # fmt: skip
+
+
+def host_breakdown(shape: str, world, group: Group, cfg, models, out: Path | None) -> None:
+    """One `train_step` with the device synchronised around each phase: each phase's own milliseconds
+    (what is left is backward, the optimizer and the Python between them); then the gradient clip of the
+    same gradients by torch's `clip_grad_norm_` against ours."""
+    spent, total = phase_times(world, group, cfg, models)
+    if world.is_main:
+        write_phase_rows(shape, spent, total, out)
+    clip_against_torch(shape, world, models, out)
 
 
 def run_trainer(shape: str, world, group: Group, cfg, profile: bool, out: Path | None = None) -> tuple[float, float]:

@@ -72,12 +72,67 @@ def refit_times(cfg, run, model, world) -> list[float]:
     return times
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
+    """The command line: where the rows go, and the peer process's own port."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--dry-run", action="store_true", help="vLLM needs GPUs: prints why nothing ran")
     ap.add_argument("--peer", type=int, metavar="PORT", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def write_model(model_dir: Path) -> list[list[int]]:
+    """The random bf16 model saved to `model_dir` (built on GPU 0, then freed), and the batch's prompts."""
+    model = build_model("0.5b", torch.bfloat16, "cuda:0", seed=0)
+    vocab = model.config.vocab_size
+    model.save_pretrained(model_dir, safe_serialization=True)
+    del model
+    rng = random.Random(0)
+    return [[rng.randrange(1, vocab) for _ in range(PROMPT_LEN)] for _ in range(N)]
+
+
+def raw_baseline(store, trainer, world, peer: subprocess.Popen) -> tuple[list[float], int]:
+    """The raw NCCL broadcast rounds to the peer in 256 MiB messages: their seconds, and the bytes of one round."""
+    group = new_group("nccl", store, "raw/", 0, 2, 600)
+    plans = {k: v for k, v in raw_plans(trainer, torch.bfloat16).items() if "256" in k}
+    raw = raw_rounds(group, plans, world.device, 0)["raw broadcast, 256 MiB buckets"]
+    del group
+    peer.wait(timeout=120)
+    total = sum(next(iter(plans.values())))
+    return raw, total
+
+
+def engine_tps(urls: dict[str, str], runs: dict, prompts: list[list[int]]) -> dict[str, list[float]]:
+    """Tokens/s of two rounds through each engine's HTTP route, one engine at a time, after a warm-up round."""
+    tps = {}
+    for kind, run in runs.items():
+        asyncio.run(http_round(urls[kind], run.token(), prompts, NEW))  # warm-up
+        tps[kind] = [N * NEW / asyncio.run(http_round(urls[kind], run.token(), prompts, NEW))[0] for _ in range(2)]
+    return tps
+
+
+def write_rows(out: Path | None, tps: dict, raw: list[float], total: int, refit: dict, diffs: dict) -> None:
+    """The rows: tokens/s of each engine, the raw broadcast, the refit into each engine, the log-prob check."""
+    base_tps = statistics.median(tps["builtin"])
+    write_row(out, bench="vllm", case=f"built-in engine, {N} x {NEW} new tokens, HTTP (baseline)",
+              value=base_tps, unit="tok/s")  # fmt: skip
+    write_row(out, bench="vllm", case=f"vLLM 0.26 engine, {N} x {NEW} new tokens, HTTP via our front",
+              value=statistics.median(tps["vllm"]), unit="tok/s", baseline=base_tps,
+              ratio=statistics.median(tps["vllm"]) / base_tps)  # fmt: skip
+    base = statistics.median(raw)
+    write_row(out, bench="vllm", case="raw NCCL broadcast, 256 MiB messages (baseline)", value=1000 * base,
+              unit="ms", note=f"{total / base / 1e9:.0f} GB/s, {total / 1e9:.2f} GB")  # fmt: skip
+    for kind in ("builtin", "vllm"):
+        med = statistics.median(refit[kind])
+        write_row(out, bench="vllm", case=f"refit into the {kind} engine, end to end", value=1000 * med,
+                  unit="ms", baseline=1000 * base, ratio=med / base, note=f"{total / med / 1e9:.1f} GB/s")  # fmt: skip
+    for kind, (diff, served) in diffs.items():
+        write_row(out, bench="vllm", case=f"log-probs, {kind} engine vs trainer (bf16)", value=diff,
+                  unit="max abs", note=f"serves v{served} after {ROUNDS} refits")  # fmt: skip
+
+
+def main() -> int:
+    args = parse_args()
     if args.peer:
         return peer_main(args.peer)
     if args.dry_run or torch.cuda.device_count() < 2 or importlib.util.find_spec("vllm") is None:
@@ -88,12 +143,7 @@ def main() -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-gpu-vllm-"))
     model_dir = tmp / "model"
-    model = build_model("0.5b", torch.bfloat16, "cuda:0", seed=0)
-    vocab = model.config.vocab_size
-    model.save_pretrained(model_dir, safe_serialization=True)
-    del model
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1, vocab) for _ in range(PROMPT_LEN)] for _ in range(N)]
+    prompts = write_model(model_dir)
     env = {**gpu_env(), "CUDA_VISIBLE_DEVICES": "1"}
     cfg_v, run_v = engine_run(tmp, "vllm", "vllm", model_dir)
     cfg_b, run_b = engine_run(tmp, "builtin", "builtin", model_dir)
@@ -104,43 +154,20 @@ def main() -> int:
         world = init_world(cfg_v.actor)
         trainer = parallelize(build_model("0.5b", torch.float32, world.device, seed=1), world.mesh, cfg_v.actor,
                               compute_dtype=torch.bfloat16)  # fmt: skip
-        group = new_group("nccl", store, "raw/", 0, 2, 600)
-        plans = {k: v for k, v in raw_plans(trainer, torch.bfloat16).items() if "256" in k}
-        raw = raw_rounds(group, plans, world.device, 0)["raw broadcast, 256 MiB buckets"]
-        del group
-        peer.wait(timeout=120)
-        total = sum(next(iter(plans.values())))
+        raw, total = raw_baseline(store, trainer, world, peer)
         urls = {"builtin": engine_url(run_b, procs[1], 900), "vllm": engine_url(run_v, procs[0], 900)}
-        tps = {}
-        for kind, run in (("builtin", run_b), ("vllm", run_v)):
-            asyncio.run(http_round(urls[kind], run.token(), prompts, NEW))  # warm-up
-            tps[kind] = [N * NEW / asyncio.run(http_round(urls[kind], run.token(), prompts, NEW))[0] for _ in range(2)]
+        runs = {"builtin": run_b, "vllm": run_v}
+        tps = engine_tps(urls, runs, prompts)
         refit = {
             "builtin": refit_times(cfg_b, run_b, trainer, world),
             "vllm": refit_times(cfg_v, run_v, trainer, world),
         }
-        runs = {"builtin": run_b, "vllm": run_v}
         diffs = {k: trainer_diff(trainer, urls[k], run.token(), world.device) for k, run in runs.items()}
     finally:
         for proc in [*procs, peer]:
             proc.terminate()
             proc.wait()
-    base_tps = statistics.median(tps["builtin"])
-    write_row(args.out, bench="vllm", case=f"built-in engine, {N} x {NEW} new tokens, HTTP (baseline)",
-              value=base_tps, unit="tok/s")  # fmt: skip
-    write_row(args.out, bench="vllm", case=f"vLLM 0.26 engine, {N} x {NEW} new tokens, HTTP via our front",
-              value=statistics.median(tps["vllm"]), unit="tok/s", baseline=base_tps,
-              ratio=statistics.median(tps["vllm"]) / base_tps)  # fmt: skip
-    base = statistics.median(raw)
-    write_row(args.out, bench="vllm", case="raw NCCL broadcast, 256 MiB messages (baseline)", value=1000 * base,
-              unit="ms", note=f"{total / base / 1e9:.0f} GB/s, {total / 1e9:.2f} GB")  # fmt: skip
-    for kind in ("builtin", "vllm"):
-        med = statistics.median(refit[kind])
-        write_row(args.out, bench="vllm", case=f"refit into the {kind} engine, end to end", value=1000 * med,
-                  unit="ms", baseline=1000 * base, ratio=med / base, note=f"{total / med / 1e9:.1f} GB/s")  # fmt: skip
-    for kind, (diff, served) in diffs.items():
-        write_row(args.out, bench="vllm", case=f"log-probs, {kind} engine vs trainer (bf16)", value=diff,
-                  unit="max abs", note=f"serves v{served} after {ROUNDS} refits")  # fmt: skip
+    write_rows(args.out, tps, raw, total, refit, diffs)
     torch.distributed.destroy_process_group()
     return 0
 

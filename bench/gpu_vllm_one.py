@@ -144,7 +144,8 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
+    """The command line: where the rows go, the optional cases, and the child processes' own arguments."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--sweep", action="store_true", help="restart vLLM per flag set of SWEEP (~1 min each)")
@@ -152,50 +153,43 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="vLLM needs a GPU: prints why nothing ran")
     ap.add_argument("--offline", nargs=3, metavar=("MODEL", "PROMPTS", "LOGPROBS"), help=argparse.SUPPRESS)
     ap.add_argument("--front", nargs=3, metavar=("UPSTREAM", "PORT", "TOKEN"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.offline:
-        print(json.dumps({"tps": offline(args.offline[0], args.offline[1], args.offline[2] == "1")}))
-        return 0
-    if args.front:
-        return front_main(args.front[0], int(args.front[1]), args.front[2])
+    return ap.parse_args()
+
+
+def write_model(model_dir: Path) -> list[list[int]]:
+    """The random bf16 model saved to `model_dir` (built on GPU 0, then freed), and 4 x the batch of prompts."""
     import torch
-
-    if args.dry_run or not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
-        print("gpu_vllm_one: needs a CUDA GPU and vLLM (pip install 'molt-hpc[gpu]'); nothing measured")
-        return 0
     from gpu_common import build_model
-    from gpu_engine import engine_url, start_engine
 
-    from molt_hpc.config import load_config, to_toml
-    from molt_hpc.net import free_port
-    from molt_hpc.rundir import create_run_dir
-
-    tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-one-"))
-    model_dir = tmp / "model"
     model = build_model("0.5b", torch.bfloat16, "cuda:0", seed=0)
     model.save_pretrained(model_dir, safe_serialization=True)
     vocab = model.config.vocab_size
     del model
     torch.cuda.empty_cache()
     rng = random.Random(0)
-    prompts = [[rng.randrange(1, vocab) for _ in range(PROMPT_LEN)] for _ in range(4 * N)]
-    env = {**gpu_env(), "VLLM_USE_FLASHINFER_SAMPLER": "0"}
-    sets = [f"model.path={json.dumps(str(model_dir))}", "model.dtype='bfloat16'", "engines.kind='vllm'",
-            f"engines.max_batch={N}", "engines.max_model_len=1024", "engines.device='cuda'",
-            "engines.gpu_memory_utilization=0.5"]  # fmt: skip
-    cfg = load_config(None, sets)
+    return [[rng.randrange(1, vocab) for _ in range(PROMPT_LEN)] for _ in range(4 * N)]
+
+
+def first_server_rows(
+    cfg, sets: list[str], model_dir: Path, tmp: Path, prompts: list[list[int]], env: dict, token: str, many: str
+) -> dict[str, float]:
+    """The rows of the first vLLM server (raw HTTP and through our front) and of our builtin engine."""
+    from gpu_engine import engine_url, start_engine
+
+    from molt_hpc.config import load_config, to_toml
+    from molt_hpc.net import free_port
+    from molt_hpc.rundir import create_run_dir
+
     # the builtin engine first: its memory is taken before vLLM profiles what is free
     run = create_run_dir(tmp, "builtin", to_toml(load_config(None, [*sets[:2], *sets[3:]])))
     eng = start_engine(run, gpu_env())
     b_url = engine_url(run, eng, 300)
-    token = "bench-token"
     rows: dict[str, float] = {}
     proc, url, _ = serve(cfg, model_dir, [], tmp, token)
     front_port = free_port("127.0.0.1")
     front = subprocess.Popen([sys.executable, __file__, "--front", url, str(front_port), token], env=env,
                              start_new_session=True)  # fmt: skip
     front_url = f"http://127.0.0.1:{front_port}"
-    many = f"{4 * N} concurrent"
     try:
         _wait_front(front_url, token)
         rows[f"vllm serve, raw HTTP, logprobs 0, {N} concurrent"] = measure(url, token, prompts[:N], True)
@@ -210,28 +204,76 @@ def main() -> int:
         stop(proc)
         eng.terminate()
         eng.wait()
-    for name, extra in SWEEP.items() if args.sweep else []:
+    return rows
+
+
+def sweep_rows(cfg, model_dir: Path, tmp: Path, prompts: list[list[int]], token: str, many: str) -> dict[str, float]:
+    """One row per flag set of `SWEEP`, each on a server of its own."""
+    rows: dict[str, float] = {}
+    for name, extra in SWEEP.items():
         proc, url, _ = serve(cfg, model_dir, extra, tmp, token)
         try:
             rows[f"vllm serve +{name}, raw HTTP, logprobs 0, {many}"] = measure(url, token, prompts, True)
         finally:
             stop(proc)
-    if args.offline_too:
-        (tmp / "prompts.json").write_text(json.dumps(prompts[:N]))
-        for lp in (True, False):
-            cmd = [sys.executable, __file__, "--offline", str(model_dir), str(tmp / "prompts.json"), str(int(lp))]
-            out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-            if out.returncode:
-                raise SystemExit(f"vllm.LLM failed:\n{out.stderr[-3000:]}")
-            tps = json.loads(out.stdout.strip().splitlines()[-1])["tps"]
-            rows[f"vllm.LLM offline, logprobs {'0' if lp else 'off'}, {N} prompts"] = tps
+    return rows
+
+
+def offline_rows(model_dir: Path, tmp: Path, prompts: list[list[int]], env: dict) -> dict[str, float]:
+    """`vllm.LLM` offline in a child process, with the sampled token's log-prob and without."""
+    rows: dict[str, float] = {}
+    (tmp / "prompts.json").write_text(json.dumps(prompts[:N]))
+    for lp in (True, False):
+        cmd = [sys.executable, __file__, "--offline", str(model_dir), str(tmp / "prompts.json"), str(int(lp))]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        if out.returncode:
+            raise SystemExit(f"vllm.LLM failed:\n{out.stderr[-3000:]}")
+        tps = json.loads(out.stdout.strip().splitlines()[-1])["tps"]
+        rows[f"vllm.LLM offline, logprobs {'0' if lp else 'off'}, {N} prompts"] = tps
+    return rows
+
+
+def write_rows(out: Path | None, rows: dict[str, float], many: str) -> None:
+    """Each row against raw HTTP into the same server at the same concurrency."""
     base = rows[f"vllm serve, raw HTTP, logprobs 0, {N} concurrent"]
     base_many = rows[f"vllm serve, raw HTTP, logprobs 0, {many}"]
     for name, tps in rows.items():
         ref = base_many if many in name else base
-        write_row(args.out, bench="vllm1", case=f"{name}, {NEW} new tokens each", value=tps, unit="tok/s",
+        write_row(out, bench="vllm1", case=f"{name}, {NEW} new tokens each", value=tps, unit="tok/s",
                   baseline=ref, ratio=tps / ref, target=">= 0.95x" if "front" in name else None,
                   note="baseline: raw HTTP into the same server, logprobs 0, same concurrency")  # fmt: skip
+
+
+def main() -> int:
+    args = parse_args()
+    if args.offline:
+        print(json.dumps({"tps": offline(args.offline[0], args.offline[1], args.offline[2] == "1")}))
+        return 0
+    if args.front:
+        return front_main(args.front[0], int(args.front[1]), args.front[2])
+    import torch
+
+    if args.dry_run or not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
+        print("gpu_vllm_one: needs a CUDA GPU and vLLM (pip install 'molt-hpc[gpu]'); nothing measured")
+        return 0
+    from molt_hpc.config import load_config
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-one-"))
+    model_dir = tmp / "model"
+    prompts = write_model(model_dir)
+    env = {**gpu_env(), "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    sets = [f"model.path={json.dumps(str(model_dir))}", "model.dtype='bfloat16'", "engines.kind='vllm'",
+            f"engines.max_batch={N}", "engines.max_model_len=1024", "engines.device='cuda'",
+            "engines.gpu_memory_utilization=0.5"]  # fmt: skip
+    cfg = load_config(None, sets)
+    token = "bench-token"
+    many = f"{4 * N} concurrent"
+    rows = first_server_rows(cfg, sets, model_dir, tmp, prompts, env, token, many)
+    if args.sweep:
+        rows.update(sweep_rows(cfg, model_dir, tmp, prompts, token, many))
+    if args.offline_too:
+        rows.update(offline_rows(model_dir, tmp, prompts, env))
+    write_rows(args.out, rows, many)
     return 0
 
 

@@ -48,7 +48,8 @@ def long_tail_groups(n: int, lo: int, hi: int, vocab: int, seed: int = 0):
     return out
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
+    """The command line: the model's size, the length mix, the micro-batch and the repeats."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
@@ -58,17 +59,11 @@ def main() -> int:
     p.add_argument("--micro", type=int, default=16)
     p.add_argument("--small-budget", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    return p.parse_args()
 
-    from molt_hpc.actor import build, state
-    from molt_hpc.actor.packing import sequence_layout
-    from molt_hpc.actor.step import Models, train_step
-    from molt_hpc.actor.world import init_world
-    from molt_hpc.config import load_config
-    from molt_hpc.models import build_tiny, load_causal_lm
-    from molt_hpc.parallel import parallelize
 
+def case_sets(args: argparse.Namespace) -> tuple[list[str], dict[str, list[str]]]:
+    """The config overrides every case shares, and each case's own by its name."""
     h = args.hidden
     base_sets = [f"model.tiny.hidden_size={h}", f"model.tiny.num_layers={args.layers}",
                  f"model.tiny.intermediate_size={2 * h}", f"model.tiny.max_position_embeddings={args.max_len}",
@@ -80,6 +75,52 @@ def main() -> int:
         f"packed, {args.small_budget} tokens a row": ["actor.packing='on'",
                                                        f"actor.max_tokens_per_micro_batch={args.small_budget}"],
     }  # fmt: skip
+    return base_sets, cases
+
+
+def time_case(cfg, world, plain, data, repeats: int) -> tuple[float, float]:
+    """One case from a copy of `plain`: (median seconds of `repeats` steps, the first step's loss)."""
+    from molt_hpc.actor import build, state
+    from molt_hpc.actor.packing import sequence_layout
+    from molt_hpc.actor.step import Models, train_step
+    from molt_hpc.parallel import parallelize
+
+    model = copy.deepcopy(plain)
+    docs, pack_tokens = sequence_layout(cfg, world, model)
+    parallelize(model, world.mesh, cfg.actor, documents=docs)
+    opt = build.build_optimizer(model, cfg.actor, cfg.actor.lr)
+    models = Models(state.Trainable("policy", model, opt, build.build_scheduler(opt, cfg.actor, 10**6)),
+                    pack_tokens=pack_tokens)  # fmt: skip
+    loss = train_step(data, cfg, models, world, pad_id=0)["loss"]  # the first step, from the same weights
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        train_step(data, cfg, models, world, pad_id=0)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), loss
+
+
+def print_table(args: argparse.Namespace, data, tokens: int, rows: list[tuple[str, float, float]]) -> None:
+    """The header line and one row per case: step seconds, tokens/s, the ratio to padded, the first loss."""
+    h, lengths = args.hidden, [len(s.tokens) for g in data for s in g.samples]
+    print(f"packing bench: h{h} x {args.layers} layers, {args.samples} samples of {min(lengths)}-{max(lengths)} "
+          f"tokens (mean {statistics.mean(lengths):.0f}), {torch.get_num_threads()} thread(s), "
+          f"median of {args.repeats} steps")  # fmt: skip
+    print(f"{'case':<32} {'step s':>8} {'tok/s':>8} {'vs padded':>10} {'first loss':>14}")
+    padded_s = rows[0][1]
+    for name, s, loss in rows:
+        print(f"{name:<32} {s:>8.3f} {tokens / s:>8.0f} {padded_s / s:>9.2f}x {loss:>14.8f}")
+
+
+def main() -> int:
+    args = parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+    from molt_hpc.actor.world import init_world
+    from molt_hpc.config import load_config
+    from molt_hpc.models import build_tiny, load_causal_lm
+
+    base_sets, cases = case_sets(args)
     work = Path(tempfile.mkdtemp(prefix="bench-packing-"))
     cfg0 = load_config(None, base_sets)
     base = build_tiny(work / "model", cfg0.model.tiny)
@@ -90,27 +131,9 @@ def main() -> int:
     rows = []
     for name, sets in cases.items():
         cfg = load_config(None, [*base_sets, *sets])
-        model = copy.deepcopy(plain)
-        docs, pack_tokens = sequence_layout(cfg, world, model)
-        parallelize(model, world.mesh, cfg.actor, documents=docs)
-        opt = build.build_optimizer(model, cfg.actor, cfg.actor.lr)
-        models = Models(state.Trainable("policy", model, opt, build.build_scheduler(opt, cfg.actor, 10**6)),
-                        pack_tokens=pack_tokens)  # fmt: skip
-        loss = train_step(data, cfg, models, world, pad_id=0)["loss"]  # the first step, from the same weights
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            train_step(data, cfg, models, world, pad_id=0)
-            times.append(time.perf_counter() - t0)
-        rows.append((name, statistics.median(times), loss))
-    lengths = [len(s.tokens) for g in data for s in g.samples]
-    print(f"packing bench: h{h} x {args.layers} layers, {args.samples} samples of {min(lengths)}-{max(lengths)} "
-          f"tokens (mean {statistics.mean(lengths):.0f}), {torch.get_num_threads()} thread(s), "
-          f"median of {args.repeats} steps")  # fmt: skip
-    print(f"{'case':<32} {'step s':>8} {'tok/s':>8} {'vs padded':>10} {'first loss':>14}")
-    padded_s = rows[0][1]
-    for name, s, loss in rows:
-        print(f"{name:<32} {s:>8.3f} {tokens / s:>8.0f} {padded_s / s:>9.2f}x {loss:>14.8f}")
+        seconds, loss = time_case(cfg, world, plain, data, args.repeats)
+        rows.append((name, seconds, loss))
+    print_table(args, data, tokens, rows)
     torch.distributed.destroy_process_group()
     shutil.rmtree(work, ignore_errors=True)
     return 0

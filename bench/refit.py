@@ -80,11 +80,66 @@ def raw_send(pg, buffers: list[torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line: the repeats and the bucket sizes."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--buckets-mb", type=int, nargs="+", default=[256, 32])
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def free_port() -> int:
+    """A port for the baseline's own store, from a store opened on port 0 and closed again."""
+    port_store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+    port = port_store.port
+    del port_store  # frees the port for the baseline's own store
+    return port
+
+
+def raw_baseline(pg, raw_plans: list[list[int]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each raw gloo broadcast plan, `repeats` rounds after a warm-up, by row label."""
+    times: dict[str, list[float]] = {}
+    for r in range(repeats + 1):  # round 0 is the warm-up (first-touch of fresh buffers)
+        for plan in raw_plans:
+            label = "raw gloo broadcast, 1 buffer" if len(plan) == 1 else f"raw gloo broadcast, {len(plan)} buckets"
+            dt = raw_send(pg, [torch.ones(n, dtype=torch.uint8) for n in plan])
+            if r:
+                times.setdefault(label, []).append(dt)
+    return times
+
+
+def refit_cases(senders, named, url: str, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each sender's refit into the engine at `url`, `repeats` pushes after a warm-up, by row label."""
+    times: dict[str, list[float]] = {}
+    version = 0
+    for backend, mb, sender in senders:
+        # One engine is in one group at a time: each case connects once, as a run does, then pushes;
+        # its first push is the warm-up (fresh slots and buffers are first touched there).
+        sender.connect([url])
+        how = "gloo" if backend == "gloo" else "shared memory"
+        for r in range(repeats + 1):
+            version += 1
+            st = sender.push(named, version)
+            if r:
+                times.setdefault(f"refit over {how}, bucket {mb} MiB ({st.buckets} buckets)", []).append(st.seconds)
+        sender.close()
+    return times
+
+
+def print_table(times: dict[str, list[float]], total: int, tensors: int, repeats: int) -> None:
+    """The header line and one row per case: median seconds, GB/s, the ratio to the raw 1-buffer broadcast."""
+    base = statistics.median(times["raw gloo broadcast, 1 buffer"])
+    print(f"model {total / 1e6:.1f} MB ({tensors} tensors, fp32), 1 engine process on this host", end="")
+    print(f", median of {repeats}")
+    print(f"| {'case':<52} | {'seconds':>8} | {'GB/s':>6} | {'vs raw 1 buffer':>15} |")
+    print(f"|{'-' * 54}|{'-' * 10}|{'-' * 8}|{'-' * 17}|")
+    for label, values in times.items():
+        med = statistics.median(values)
+        print(f"| {label:<52} | {med:8.3f} | {total / med / 1e9:6.2f} | {base / med:14.2f}x |")
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench-refit-") as tmp:
         model_dir = build_tiny(Path(tmp) / "model", SHAPE)
@@ -97,9 +152,7 @@ def main() -> None:
         plans = [[b.nbytes for b in plan_buckets(metas, mb << 20)] for mb in args.buckets_mb]
         raw_plans = [[total]] + [plan for plan in plans if len(plan) > 1]
 
-        port_store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
-        port = port_store.port
-        del port_store  # frees the port for the baseline's own store
+        port = free_port()
         child = mp.get_context("spawn").Process(target=raw_receiver, args=(port, raw_plans, args.repeats + 1))
         child.start()
         pg, _store = raw_group(port, 0)
@@ -110,42 +163,14 @@ def main() -> None:
             for backend in ("gloo", "ipc")
             for mb in args.buckets_mb
         ]
-        times: dict[str, list[float]] = {}
         try:
-            for r in range(args.repeats + 1):  # round 0 is the warm-up (first-touch of fresh buffers)
-                for plan in raw_plans:
-                    label = (
-                        "raw gloo broadcast, 1 buffer" if len(plan) == 1 else f"raw gloo broadcast, {len(plan)} buckets"
-                    )
-                    dt = raw_send(pg, [torch.ones(n, dtype=torch.uint8) for n in plan])
-                    if r:
-                        times.setdefault(label, []).append(dt)
-            version = 0
-            for backend, mb, sender in senders:
-                # One engine is in one group at a time: each case connects once, as a run does, then pushes;
-                # its first push is the warm-up (fresh slots and buffers are first touched there).
-                sender.connect([url])
-                how = "gloo" if backend == "gloo" else "shared memory"
-                for r in range(args.repeats + 1):
-                    version += 1
-                    st = sender.push(named, version)
-                    if r:
-                        times.setdefault(f"refit over {how}, bucket {mb} MiB ({st.buckets} buckets)", []).append(
-                            st.seconds
-                        )
-                sender.close()
+            times = raw_baseline(pg, raw_plans, args.repeats)
+            times.update(refit_cases(senders, named, url, args.repeats))
         finally:
             proc.terminate()
             proc.wait()
             child.join(timeout=30)
-    base = statistics.median(times["raw gloo broadcast, 1 buffer"])
-    print(f"model {total / 1e6:.1f} MB ({len(metas)} tensors, fp32), 1 engine process on this host", end="")
-    print(f", median of {args.repeats}")
-    print(f"| {'case':<52} | {'seconds':>8} | {'GB/s':>6} | {'vs raw 1 buffer':>15} |")
-    print(f"|{'-' * 54}|{'-' * 10}|{'-' * 8}|{'-' * 17}|")
-    for label, values in times.items():
-        med = statistics.median(values)
-        print(f"| {label:<52} | {med:8.3f} | {total / med / 1e9:6.2f} | {base / med:14.2f}x |")
+    print_table(times, total, len(metas), args.repeats)
 
 
 if __name__ == "__main__":
