@@ -10,8 +10,9 @@ under `--root`.
                 below Qwen3's 151,936, and ids it does not know decode to nothing)
   --arm q8      configs/8b_lora_onegpu.toml on that model for `--steps` steps with `--engine` builtin|vllm,
                 `--mode lora` as shipped, or `--mode full`: [actor.lora] dropped and actor.offload =
-                'optimizer' so that a full fine-tune fits beside its engine (its refits are the baseline
-                of the adapter refits). Measured: the GPU's peak memory in use (nvidia-smi, every 0.5 s)
+                'optimizer' (its refits are the baseline of the adapter refits; the plan puts it at 155 GiB
+                at this shape, more than one H200: `bench/gpu_refit.py` times a full refit read in place
+                without training). Measured: the GPU's peak memory in use (nvidia-smi, every 0.5 s)
                 against the plan's, steps per minute after the first step, the refit seconds per step.
   --arm smol    configs/smollm2_gym_gpu.toml for `--budget` seconds from its launch, `--mode full` as
                 shipped or `--mode lora` (`--set` adds the adapters' settings)

@@ -56,6 +56,9 @@ def test_persistent_state_is_16_bytes_per_parameter_over_the_ranks() -> None:
     assert mem.state == {"parameters": 4 * a.params / 8, "gradients": 4 * a.params / 8, "optimizer": 8 * a.params / 8}
     off = trainer_memory(a, shape_of(with_changes(cfg, ["actor.offload='optimizer'"]), 8, "cuda", a))
     assert off.state["optimizer"] == 0 and off.host["optimizer"] == 8 * a.params / 8
+    # offloaded between steps, but back on the GPU whole for the step (actor/offload.py): the step's phase has them
+    kept, offloaded = (next(p for p in m.phases if p.name == "optimizer step") for m in (mem, off))
+    assert offloaded.total == pytest.approx(kept.total) and offloaded.parts["optimizer (on the GPU for the step)"] > 0
     ref = trainer_memory(a, shape_of(with_changes(cfg, ["algorithm.kl_coef=0.01"]), 8, "cuda", a))
     assert ref.state["reference"] == 2 * a.params / 8  # stored in model.dtype (bf16)
     assert ref.peak.total > mem.peak.total

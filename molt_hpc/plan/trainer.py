@@ -3,7 +3,8 @@
 The trainer keeps fp32 master weights sharded by FSDP2 over the actor pool's N GPUs (`4·P/N`), fp32
 gradients (`4·P_trainable/N`, alive from the first backward of an update to its optimizer step) and
 AdamW's two fp32 moments (`8·P_trainable/N`); the frozen reference adds `4·P/N`, a critic its own
-16 bytes per parameter. `actor.offload` moves the moments (`optimizer`) or all three (`full`) to host.
+16 bytes per parameter. `actor.offload` moves the moments (`optimizer`) or all three (`full`) to host;
+under `optimizer` the moments are on the GPU again, whole, during the optimizer step.
 
 Forward and backward run in the compute dtype (c bytes). FSDP2 keeps the root group (embeddings,
 final norm, LM head) unsharded from forward through backward, gathers one decoder block at a time
@@ -147,6 +148,8 @@ def _phases(arch: Arch, s: Shape, state: dict[str, float]) -> list[Phase]:
     )
     trained = s.lora_params if s.lora else arch.params - arch.router_params
     opt = {"optimizer step temporaries": 0.0 if s.fused_adam else 4 * trained / s.ranks}
+    if s.offload == "optimizer":  # the moments come back whole for the step (`actor/offload.py`), then leave
+        opt["optimizer (on the GPU for the step)"] = 8 * trained / s.ranks
     out.append(Phase("optimizer step", {**resident, "gradients": grads, **opt}))
     if s.reference:
         out += _reference_forward(arch, s, resident)
