@@ -1,5 +1,5 @@
 """Entry point of the actor pool, run by torchrun on every node: `torchrun --nproc-per-node N
-jobs/actor.py RUN_DIR [--resume]`.
+jobs/actor.py RUN_DIR [--resume]` (a local run of one rank runs `jobs/actor.py RUN_DIR` alone).
 
 Reads the resolved config from `RUN_DIR/config.toml`; heavy modules (torch, transformers) are
 imported after the arguments are parsed. `--resume` requires a checkpoint to resume from; without

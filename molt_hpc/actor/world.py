@@ -1,9 +1,9 @@
 """The actor pool's process group: rank, device, the meshes, and the few collectives the loop needs.
 
-gloo on CPU, NCCL on GPU (with gloo next to it for CPU-side objects), same code. Started by torchrun;
-a plain `python jobs/actor.py` runs a world of one. The meshes are built in one place (`actor_meshes`):
-FSDP shards over every rank; with context parallelism a (dp, cp) grid of the same ranks, CP innermost
-so that a CP group is adjacent ranks of one node.
+gloo on CPU, NCCL on GPU (with gloo next to it for CPU-side objects), same code. Started by torchrun; a plain
+`python jobs/actor.py` (a local run of one rank) is a world of one with its store in-process. The meshes are
+built in one place (`actor_meshes`): FSDP shards over every rank; with context parallelism a (dp, cp) grid of
+the same ranks, CP innermost so that a CP group is adjacent ranks of one node.
 """
 
 import os
@@ -18,7 +18,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from molt_hpc.config.train import ActorConfig
 from molt_hpc.log import setup_logging
-from molt_hpc.net import free_port
 from molt_hpc.parallel.context import ContextParallel
 
 
@@ -78,21 +77,16 @@ def pick_device(cfg: ActorConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _single_process_env() -> None:
-    """Without torchrun, be rank 0 of a world of one on a free loopback port."""
-    if "RANK" in os.environ:
-        return
-    port = free_port("127.0.0.1")
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
 def init_world(cfg: ActorConfig, timeout_s: float = 1800.0) -> World:
     """Join (or start) the default process group and build the 1-D FSDP mesh over every rank."""
-    _single_process_env()
     device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        if "RANK" in os.environ:  # started by torchrun (or set up as it sets a rank up)
+            dist.init_process_group(backend, timeout=timeout)
+        else:  # a world of one: its store lives in this process, so no port is opened
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     size = dist.get_world_size()
     mesh, grid = actor_meshes(device.type, size, cfg.cp)
     return World(rank=dist.get_rank(), size=size, device=device, mesh=mesh, grid=grid)

@@ -1,13 +1,13 @@
 """Local mode: the whole RL loop on one machine, as subprocesses (`molt-hpc run`).
 
-Two children, the same entry points a Slurm job runs: the actor pool (`torchrun … jobs/actor.py`)
-and the engine pool (`jobs/engine.py --role pool`: engines, router, orchestrator). The launcher
-supervises them: training done → stop the pool, exit 0; a circuit breaker trips (a cause recorded
-in `control/failed`, or no step for `run.stall_timeout_s`) → the trainer checkpoints, everything
-stops, one line says why, exit 1; a child dies → stop the other, say which died (its `error:` line
-when it refused its input, else the tail of its log), exit 1; Ctrl-C / SIGTERM → ask the trainer to
-checkpoint at the next step boundary (`control/stop`), wait for it, stop the pool. A second Ctrl-C
-stops at once. The resume command is offered only when a checkpoint exists to resume from.
+Two children, the same entry points a Slurm job runs: the actor pool (`torchrun … jobs/actor.py`, or for one
+rank `jobs/actor.py` alone) and the engine pool (`jobs/engine.py --role pool`: engines, router, orchestrator).
+The launcher supervises them: training done → stop the pool, exit 0; a circuit breaker trips (a cause recorded
+in `control/failed`, or no step for `run.stall_timeout_s`) → the trainer checkpoints, everything stops, one
+line says why, exit 1; a child dies → stop the other, say which died (its `error:` line when it refused its
+input, else the tail of its log), exit 1; Ctrl-C / SIGTERM → ask the trainer to checkpoint at the next step
+boundary (`control/stop`), wait for it, stop the pool. A second Ctrl-C stops at once. The resume command is
+offered only when a checkpoint exists to resume from.
 
 With fewer GPUs than the pools ask for, both pools share them (one GPU: the trainer and the engine on
 it; the refit then goes through CUDA IPC). vLLM sizes its KV cache from the memory it finds free at
@@ -93,10 +93,16 @@ def gpu_env(gpus: list[str]) -> dict[str, str]:
 
 
 def actor_child(cfg: MoltConfig, run: RunDir) -> Child:
-    cmd = [
-        sys.executable, "-m", "molt_hpc.launch.torchrun", "--standalone", "--local-addr", "127.0.0.1",
-        "--nproc-per-node", str(cfg.actor.ranks), str(REPO / "jobs" / "actor.py"), str(run.path),
-    ]  # fmt: skip
+    """The actor pool: torchrun over `actor.ranks` ranks, or for one rank the rank itself (a world of one
+    needs no rendezvous, and skipping torchrun's agent saves a Python process and its torch import)."""
+    script = str(REPO / "jobs" / "actor.py")
+    if cfg.actor.ranks == 1:
+        cmd = [sys.executable, script, str(run.path)]
+    else:
+        cmd = [
+            sys.executable, "-m", "molt_hpc.launch.torchrun", "--standalone", "--local-addr", "127.0.0.1",
+            "--nproc-per-node", str(cfg.actor.ranks), script, str(run.path),
+        ]  # fmt: skip
     return Child("actor pool", cmd, run.logs / "actor.log", {"OMP_NUM_THREADS": "1", **LOOPBACK_ENV})
 
 
@@ -128,6 +134,7 @@ def run_local(cfg: MoltConfig) -> int:
     watchdog = Watchdog(cfg, run.path)
     children = [pool.start()]
     stops = StopSignals(run.path)
+    summary = None
     try:
         if vllm_first:
             log.info(
@@ -141,11 +148,13 @@ def run_local(cfg: MoltConfig) -> int:
         record = {"launcher": os.getpid(), **{c.name: c.pid for c in children}}
         atomic_write(run.path / "processes.json", json.dumps(record))
         code = _supervise(run, actor, pool, progress, watchdog, lambda: stops.count > 0, cfg.eval is not None)
+        if code == 0 and (run.path / "control" / "done").exists():  # trained to the end: summarised
+            summary = progress.summary
     except KeyboardInterrupt:
         log.warning("stopped at once%s", _resume_hint(run, "; continue from checkpoint {name} with: "))
         code = 130
     finally:
-        codes = stop_all(children)
+        codes = stop_all(children, meanwhile=summary)  # the summary and its plot while the pools stop
         log.info("stopped: %s", exit_report(codes))
         progress.close()
         trackers.close()
@@ -210,7 +219,7 @@ def _supervise(
     log = get_logger()
     stop_deadline = None
     while True:
-        time.sleep(0.5)
+        actor.wait(0.5)  # every half second, and at once when the trainer exits
         progress.update()
         failure = watchdog.check()
         stopping = interrupted() or failure is not None
@@ -222,9 +231,8 @@ def _supervise(
             progress.update()
             if code == 0 and done and final_eval_pending(run.path, evaluates) and pool.poll() is None:
                 continue  # the orchestrator ends on its own after the final evaluation
-            if code == 0 and done:
+            if code == 0 and done:  # the caller prints the summary while the pools stop
                 record_engine_versions(run)
-                progress.summary()
                 return 0
             failure = watchdog.check()  # the trainer may have stopped for a cause another process recorded
             if failure is not None:

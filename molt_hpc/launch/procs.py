@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,6 +88,14 @@ class Child:
         assert self.proc is not None, f"{self.name} was never started"
         return self.proc.poll()
 
+    def wait(self, timeout_s: float) -> int | None:
+        """Exit code once it ends within `timeout_s`, else None: a pause that ends as soon as the child does."""
+        assert self.proc is not None, f"{self.name} was never started"
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):  # exited between the poll and the kill
@@ -107,14 +116,26 @@ class Child:
         return log_tail(self.log, lines)
 
 
-def stop_all(children: list["Child"], grace_s: float = 10.0) -> dict[str, int | None]:
+def stop_all(
+    children: list["Child"], grace_s: float = 10.0, meanwhile: Callable[[], None] | None = None
+) -> dict[str, int | None]:
     """Stop children in reverse start order, all within about `grace_s` in total; each one's exit code.
 
     A child stopped by SIGTERM exits 0 after its own ordered shutdown; one still running after the
-    grace period is killed (exit -9); one never started has no code.
+    grace period is killed (exit -9); one never started has no code. `meanwhile` runs between the
+    signals and the waits, while the children shut down (a launcher's end-of-run summary and plot).
     """
     for child in reversed(children):
         child.signal(signal.SIGTERM)
+    try:
+        if meanwhile is not None:
+            meanwhile()
+    finally:
+        codes = _wait_all(children, grace_s)
+    return codes
+
+
+def _wait_all(children: list["Child"], grace_s: float) -> dict[str, int | None]:
     deadline = time.monotonic() + grace_s
     codes: dict[str, int | None] = {}
     for child in reversed(children):

@@ -9,7 +9,6 @@ trained model is, and the plot.
 
 import json
 import os
-import time
 
 from molt_hpc.config import MoltConfig
 from molt_hpc.launch.local import actor_child, child_died, gpu_env, prepare_run, visible_gpus
@@ -50,8 +49,7 @@ def run_stage_local(cfg: MoltConfig) -> int:
     stops = StopSignals(run.path)
     resume = f"{COMMANDS[cfg.run.stage]} --resume {run.path}"
     try:
-        while (code := actor.poll()) is None:
-            time.sleep(0.5)
+        while (code := actor.wait(0.5)) is None:  # at once when the trainer exits
             progress.update()
         progress.update()
         if code == 0 and (run.path / "control" / "done").exists():

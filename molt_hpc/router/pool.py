@@ -24,6 +24,9 @@ from molt_hpc.router.ring import HashRing, choose
 from molt_hpc.rundir import RunDir
 
 ENGINE_FILE = re.compile(r"^engine-(\d+)\.json$")
+EMPTY_POLL_S = 0.2
+"""While no engine is on the ring the next look comes this soon (at most `health_interval_s`): a run that is
+starting, or whose engines are all restarting, gets its first engine back within a fraction of the interval."""
 
 
 @dataclass
@@ -86,7 +89,8 @@ class EnginePool:
     async def run_forever(self, session: aiohttp.ClientSession) -> None:
         while True:
             await self.refresh(session)
-            await asyncio.sleep(self.cfg.health_interval_s)
+            empty = not any(e.healthy for e in self.engines.values())
+            await asyncio.sleep(min(EMPTY_POLL_S, self.cfg.health_interval_s) if empty else self.cfg.health_interval_s)
 
     def pick(self, session_id: str | None, exclude: set[int]) -> Engine | None:
         """Consistent hash with bounded loads for a session; the least-loaded engine without one."""
