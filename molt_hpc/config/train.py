@@ -190,8 +190,8 @@ class ActorConfig(Section):
     """The actor pool: the FSDP2 trainer of the policy (and reference, critic)."""
 
     ranks: PositiveInt = 1
-    """Trainer processes in local mode (torchrun --nproc-per-node); on Slurm the actor het group's
-    nodes × GPUs decide it."""
+    """Trainer processes in local mode (torchrun --nproc-per-node; one runs without torchrun); on Slurm the
+    actor het group's nodes × GPUs decide it."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Trainer device; `auto` picks CUDA when available."""
     groups_per_step: PositiveInt = 8
