@@ -153,11 +153,14 @@ def q8(args) -> None:
     steps = steps_of(args.root / name)
     rate = (len(steps) - 1) / (steps[-1]["time"] - steps[0]["time"]) * 60 if len(steps) > 1 else float("nan")
     refits = [r["refit_s"] for r in steps if r.get("refit_s") is not None]
+    reserved = max((r.get("mem_peak_reserved_gb") or 0 for r in steps), default=0.0)
     row = {"arm": name, "plan_gib": plan, "peak_gib": peak, "steps": len(steps), "steps_per_min": rate,
            "first_step_s": steps[0]["time"] - launched if steps else None, "refit_s": refits,
-           "trainer_reserved_gib": max((r.get("mem_peak_reserved_gb") or 0) for r in steps) * 1e9 / 2**30}  # fmt: skip
+           "trainer_reserved_gib": reserved * 1e9 / 2**30}  # fmt: skip
     (args.root / f"{name}.json").write_text(json.dumps(row))
     print(json.dumps(row), flush=True)
+    if not steps:  # the row says what was measured (plan, peak); the rates need steps
+        raise SystemExit(f"{name}: no step finished within --budget {args.budget:g} s; raise --budget")
 
 
 def smol(args) -> None:
